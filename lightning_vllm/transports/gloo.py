@@ -1,0 +1,532 @@
+"""The ``gloo`` backend: vLLM's weight-transfer protocol over torch's gloo, for CPUs.
+
+vLLM ships NCCL and CUDA-IPC engines only. This module adds both halves of a CPU
+backend and registers them under the name ``gloo`` (see ``plugin.py``):
+
+* :class:`GlooWeightTransferEngine` runs inside every vLLM worker. vLLM builds it
+  when the engine was created with ``weight_transfer_config={"backend": "gloo"}``.
+* :class:`GlooTrainerWeightTransferEngine` runs in the trainer and drives the
+  four-phase handshake through a vLLM weight-sync client.
+
+Both join one gloo group (trainer rank 0, workers after it) made from a
+``torch.distributed.TCPStore`` and ``ProcessGroupGloo``: the global default process
+group, which Lightning owns under DDP, is never touched. The trainer hosts the
+store on a socket bound to the address it was given, so nothing listens on other
+interfaces. No pickled data crosses the wire: control messages are the plain
+dataclasses below, tensors are raw bytes.
+
+A sync is one ``start_weight_update``, one ``update_weights`` (carrying the whole
+bucket plan) and one ``finish_weight_update`` call, whatever the number of tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from typing_extensions import Self, override
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from lightning_vllm._waits import BackgroundCall, TimedClient
+from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.transports.buckets import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    Bucket,
+    TensorSpec,
+    plan_buckets,
+    unpack_bucket,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+DEFAULT_TIMEOUT_SECONDS = 120.0
+# Slices of a bucket must hold whole elements of every wire dtype.
+_ALIGNMENT = 8
+_POLL_SECONDS = 0.05
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error for anything that is not a dtype."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unknown dtype name {name!r} in a weight update; expected e.g. 'float32' or 'bfloat16'.")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def validate_bucket_size(bucket_size_bytes: int) -> None:
+    """Raise ``ValueError`` unless the bucket size is positive and a multiple of 8 bytes."""
+    if bucket_size_bytes <= 0 or bucket_size_bytes % _ALIGNMENT:
+        raise ValueError(
+            f"Invalid value for bucket_size_bytes={bucket_size_bytes}. "
+            f"Must be a positive multiple of {_ALIGNMENT} (e.g. {DEFAULT_BUCKET_SIZE_BYTES})."
+        )
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """What a vLLM worker needs to join the trainer's gloo group (sent once, at init)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+
+    def __post_init__(self) -> None:
+        validate_bucket_size(self.bucket_size_bytes)
+        if self.world_size < 2:
+            raise ValueError(f"world_size={self.world_size} must count the trainer and at least one worker.")
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One sync's metadata and bucket plan (sent once per sync, before the bytes).
+
+    ``bucket_ends[i]`` is the index one past the last tensor of bucket ``i``.
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    bucket_ends: list[int]
+
+    def __post_init__(self) -> None:
+        num_tensors = len(self.names)
+        if len(self.dtype_names) != num_tensors or len(self.shapes) != num_tensors:
+            raise ValueError(
+                f"names, dtype_names and shapes must have one entry per tensor: got "
+                f"{num_tensors}, {len(self.dtype_names)} and {len(self.shapes)}."
+            )
+        if self.bucket_ends != sorted(set(self.bucket_ends)) or (self.bucket_ends and self.bucket_ends[-1] != num_tensors):
+            raise ValueError(f"bucket_ends={self.bucket_ends} must rise strictly and end at {num_tensors}.")
+
+    def specs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(name, dtype_from_name(dtype), tuple(shape))
+            for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes)
+        ]
+
+    def buckets(self, specs: Sequence[TensorSpec]) -> list[Bucket]:
+        starts = [0, *self.bucket_ends[:-1]]
+        return [
+            Bucket(start, stop, sum(spec.num_bytes for spec in specs[start:stop]))
+            for start, stop in zip(starts, self.bucket_ends)
+        ]
+
+    @classmethod
+    def from_plan(cls, specs: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> Self:
+        return cls(
+            names=[spec.name for spec in specs],
+            dtype_names=[dtype_name(spec.dtype) for spec in specs],
+            shapes=[list(spec.shape) for spec in specs],
+            bucket_ends=[bucket.stop for bucket in buckets],
+        )
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this machine's interface that routes to ``host``.
+
+    A UDP ``connect`` sends no packet; it only asks the kernel which interface it
+    would use. Workers bind their gloo endpoint there, so a worker on the trainer's
+    machine stays on loopback when the trainer is on loopback.
+    """
+    family, _, _, _, address = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0])
+
+
+def new_gloo_group(
+    store: TCPStore, group_name: str, *, rank: int, world_size: int, address: str, timeout_seconds: float
+) -> ProcessGroupGloo:
+    """A gloo group of its own over ``store``, its endpoint bound to ``address``.
+
+    Blocks until all ``world_size`` ranks have joined or ``timeout_seconds`` pass.
+    """
+    options = ProcessGroupGloo._Options()
+    options._devices = [ProcessGroupGloo.create_device(hostname=address)]
+    options._timeout = datetime.timedelta(seconds=timeout_seconds)
+    return ProcessGroupGloo(PrefixStore(group_name, store), rank, world_size, options)
+
+
+def broadcast(group: ProcessGroupGloo, tensor: torch.Tensor, timeout_seconds: float) -> None:
+    """Broadcast a contiguous CPU tensor from rank 0; blocks until every rank has it."""
+    group.broadcast(tensor, 0).wait(datetime.timedelta(seconds=timeout_seconds))
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """Worker half of the ``gloo`` backend: receives buckets and loads them into vLLM's model.
+
+    vLLM calls, in order: ``init_transfer_engine`` once (joins the group; blocks
+    until the trainer and every other worker have joined), then for each sync
+    ``start_weight_update`` (starts layer-wise reload), ``receive_weights`` (blocks
+    on the trainer's broadcasts) and ``finish_weight_update`` (re-processes layers).
+    """
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._store: TCPStore | None = None
+        self._group: ProcessGroupGloo | None = None
+        self._bucket_size_bytes = DEFAULT_BUCKET_SIZE_BYTES
+        self._timeout_seconds = DEFAULT_TIMEOUT_SECONDS
+
+    def worker_rank(self, rank_offset: int) -> int:
+        """This worker's rank in the transfer group, unique across data-parallel replicas."""
+        parallel = self.parallel_config
+        return parallel.data_parallel_index * parallel.world_size + parallel.rank + rank_offset
+
+    @override
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        self.shutdown()
+        self._bucket_size_bytes = init_info.bucket_size_bytes
+        self._timeout_seconds = init_info.timeout_seconds
+        timeout = datetime.timedelta(seconds=init_info.timeout_seconds)
+        self._store = TCPStore(
+            init_info.master_address, init_info.master_port, init_info.world_size, False, timeout
+        )
+        self._group = new_gloo_group(
+            self._store,
+            init_info.group_name,
+            rank=self.worker_rank(init_info.rank_offset),
+            world_size=init_info.world_size,
+            address=local_address_towards(init_info.master_address),
+            timeout_seconds=init_info.timeout_seconds,
+        )
+
+    @override
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    @override
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    @override
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class would call torch.accelerator.synchronize(), which is
+        # meaningless on a CPU worker; loads here are synchronous.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    @override
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self._group is None:
+            raise RuntimeError("The gloo weight transfer is not initialised: call init_weight_transfer_engine first.")
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        specs = update_info.specs()
+        with disable_mtp_completeness_check():
+            for bucket in update_info.buckets(specs):
+                # A fresh buffer per bucket: layer-wise reload keeps the loaded
+                # views until their layer is complete, so a reused buffer would be
+                # overwritten under it.
+                buffer = torch.empty(bucket.num_bytes, dtype=torch.uint8)
+                for begin, end in bucket.slices(self._bucket_size_bytes):
+                    broadcast(self._group, buffer[begin:end], self._timeout_seconds)
+                tensors = unpack_bucket(buffer, specs[bucket.start : bucket.stop])
+                if self.device.type != "cpu":
+                    tensors = [(name, tensor.to(self.device)) for name, tensor in tensors]
+                self.model.load_weights(tensors)
+
+    @override
+    def shutdown(self) -> None:
+        self._group = None
+        self._store = None
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side settings of the ``gloo`` backend.
+
+    Args:
+        master_address: address the trainer listens on; workers must reach it there.
+        master_port: port to listen on; 0 lets the operating system pick a free one
+            while the socket is held, so no other process can take it in between.
+        world_size: the trainer plus every vLLM worker.
+        bucket_size_bytes: the largest packed bucket, and the trainer's staging memory.
+        timeout_seconds: the longest any single wait may take.
+    """
+
+    backend: ClassVar[str] = "gloo"
+
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    world_size: int = 2
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    rank: int = field(default=0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        validate_bucket_size(self.bucket_size_bytes)
+
+
+def _send_order(source: WeightSource) -> list[list[TensorSpec]]:
+    """The source's tensors as layer groups, in the order ``iter_groups`` yields them."""
+    by_name = {meta.name: TensorSpec(meta.name, meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
+    return [[by_name[name] for name in group] for group in source.groups()]
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Trainer half of the ``gloo`` backend.
+
+    Built with :meth:`trainer_init` (which returns once every worker has joined)
+    and used with :meth:`send_weights`. Non-sender trainer ranks (rank > 0) hold no
+    group and only iterate the source, so that collective gathers inside it (FSDP
+    ``full_tensor()``) stay aligned across ranks.
+    """
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        timed = client if isinstance(client, TimedClient) else TimedClient(client, timeout_seconds)
+        super().__init__(client=timed, source=source, is_sender=is_sender)
+        self.bucket_size_bytes = bucket_size_bytes
+        self.timeout_seconds = timeout_seconds
+        self.address: str | None = None
+        self.port: int | None = None
+        self._store: TCPStore | None = None
+        self._group: ProcessGroupGloo | None = None
+        self._staging: torch.Tensor | None = None
+        self.last_sent_bytes = 0
+
+    @classmethod
+    @override
+    def trainer_init(
+        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            bucket_size_bytes=init_info.bucket_size_bytes,
+            timeout_seconds=init_info.timeout_seconds,
+        )
+        if engine.is_sender:
+            engine._rendezvous(init_info)
+        return engine
+
+    def _rendezvous(self, init_info: GlooTrainerInitInfo) -> None:
+        timeout = init_info.timeout_seconds
+        try:
+            listener = socket.create_server((init_info.master_address, init_info.master_port))
+        except OSError as error:
+            raise WeightSyncError(
+                f"Cannot listen on {init_info.master_address}:{init_info.master_port} for the weight sync "
+                f"rendezvous ({error}). Pass a master_address of this machine and a free master_port "
+                "(or None to pick one)."
+            ) from error
+        self.address, self.port = init_info.master_address, listener.getsockname()[1]
+        # The store takes over the bound socket, so it listens on this address only.
+        self._store = TCPStore(
+            self.address,
+            self.port,
+            init_info.world_size,
+            True,
+            datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+        worker_info = GlooWeightTransferInitInfo(
+            master_address=self.address,
+            master_port=self.port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            group_name=f"lightning_vllm/{uuid.uuid4().hex}",
+            bucket_size_bytes=init_info.bucket_size_bytes,
+            timeout_seconds=timeout,
+        )
+        # The workers block inside init_weight_transfer_engine until the group is
+        # complete, and so does the trainer's ProcessGroupGloo constructor: both
+        # must run at once. Whichever fails first ends the wait.
+        workers = BackgroundCall(self.client.init_weight_transfer_engine, asdict(worker_info), what="vLLM workers to join")
+        trainer = BackgroundCall(
+            new_gloo_group,
+            self._store,
+            worker_info.group_name,
+            rank=0,
+            world_size=init_info.world_size,
+            address=self.address,
+            timeout_seconds=timeout,
+            what="the gloo group to form",
+        )
+        hint = (
+            f"Waited for {init_info.world_size - 1} vLLM worker(s) to join the gloo group at "
+            f"{self.address}:{self.port}. Check that the engine was built with "
+            "weight_transfer_config={'backend': 'gloo'}, that its workers can reach this address, "
+            "and that vllm_tp_size matches the engine."
+        )
+        deadline = time.monotonic() + timeout
+        while not (workers.done() and trainer.done()):
+            if workers.done():
+                workers.result(0)  # raises the engine's error, if it failed
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise WeightSyncTimeoutError(f"Timed out after {timeout:g} s. {hint}")
+            time.sleep(_POLL_SECONDS)
+        workers.result(0)
+        try:
+            self._group = trainer.result(0)
+        except RuntimeError as error:
+            self.shutdown()
+            raise WeightSyncError(f"The gloo group did not form: {error}. {hint}") from error
+
+    @override
+    def send_weights(self, source: WeightSource | None = None) -> None:
+        """Send every tensor of ``source`` (default: the one given at init) and load it in vLLM.
+
+        Blocks until the workers have loaded the weights and finished the update,
+        each wait bounded by ``timeout_seconds``.
+        """
+        source = source if source is not None else self.source
+        if source is None:
+            raise ValueError("No weights to send: pass a WeightSource to trainer_init or send_weights.")
+        groups = _send_order(source)
+        specs = [spec for group in groups for spec in group]
+        buckets = plan_buckets(groups, self.bucket_size_bytes)
+        tensors = (tensor for _, batch in source.iter_groups() for tensor in batch)
+        if not self.is_sender:
+            for _ in tensors:  # stay in step with the sender's collective gathers
+                pass
+            return
+        if self._group is None:
+            raise RuntimeError("The gloo trainer engine is not connected: build it with trainer_init.")
+        update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets)
+        self.client.start_weight_update()
+        receive = BackgroundCall(self.client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
+        self.last_sent_bytes = self._broadcast_buckets(specs, buckets, tensors, receive)
+        receive.result(self.timeout_seconds)
+        self.client.finish_weight_update()
+
+    def _broadcast_buckets(
+        self,
+        specs: Sequence[TensorSpec],
+        buckets: Sequence[Bucket],
+        tensors: Iterator[torch.Tensor],
+        receive: BackgroundCall[None],
+    ) -> int:
+        assert self._group is not None
+        sent = 0
+        with torch.no_grad():
+            for bucket in buckets:
+                bucket_specs = specs[bucket.start : bucket.stop]
+                bucket_tensors = [next(tensors) for _ in bucket_specs]
+                for payload in self._bucket_payloads(bucket, bucket_specs, bucket_tensors):
+                    if receive.done():
+                        receive.result(0)  # the workers failed: say why instead of waiting
+                    try:
+                        broadcast(self._group, payload, self.timeout_seconds)
+                    except RuntimeError as error:
+                        if receive.done():
+                            receive.result(0)
+                        raise WeightSyncError(
+                            f"Sending weights to vLLM failed after {sent} bytes: {error}. The engine may have "
+                            "stopped; re-initialise the updater (init) once it is back."
+                        ) from error
+                    sent += payload.numel()
+        return sent
+
+    def _bucket_payloads(
+        self, bucket: Bucket, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
+        """The uint8 tensors to broadcast for one bucket, at most one bucket in size each."""
+        if len(tensors) == 1 and bucket.num_bytes > self.bucket_size_bytes:
+            yield from self._tensor_slices(specs[0], tensors[0])
+            return
+        if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]):
+            yield tensors[0].reshape(-1).view(torch.uint8)  # no copy needed
+            return
+        staging = self._staging_buffer(bucket.num_bytes)[: bucket.num_bytes]
+        offset = 0
+        for spec, tensor in zip(specs, tensors):
+            _check_shape(spec, tensor)
+            view = staging[offset : offset + spec.num_bytes].view(spec.dtype).view(spec.shape)
+            view.copy_(tensor)  # converts to the wire dtype on the way
+            offset += spec.num_bytes
+        yield staging
+
+    def _tensor_slices(self, spec: TensorSpec, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+        """A tensor larger than a bucket, in bucket-sized slices, converted slice by slice."""
+        _check_shape(spec, tensor)
+        flat = tensor.reshape(-1)
+        if _is_wire_ready(tensor, spec):
+            data = flat.view(torch.uint8)
+            for begin in range(0, data.numel(), self.bucket_size_bytes):
+                yield data[begin : begin + self.bucket_size_bytes]
+            return
+        per_slice = self.bucket_size_bytes // spec.dtype.itemsize
+        staging = self._staging_buffer(self.bucket_size_bytes)
+        for begin in range(0, flat.numel(), per_slice):
+            part = flat[begin : begin + per_slice]
+            staging[: part.numel() * spec.dtype.itemsize].view(spec.dtype).copy_(part)
+            yield staging[: part.numel() * spec.dtype.itemsize]
+
+    def _staging_buffer(self, num_bytes: int) -> torch.Tensor:
+        """The reused packing buffer, grown to ``num_bytes`` (never beyond one bucket)."""
+        if self._staging is None or self._staging.numel() < num_bytes:
+            self._staging = None  # free the old buffer before allocating the new one
+            self._staging = torch.empty(min(num_bytes, self.bucket_size_bytes), dtype=torch.uint8)
+        return self._staging
+
+    def release_staging_memory(self) -> None:
+        """Free the staging bucket between syncs (it is rebuilt at the next one)."""
+        self._staging = None
+
+    @override
+    def shutdown(self) -> None:
+        """Leave the group; the workers' side is released by the client's
+        ``shutdown_weight_transfer_engine`` (the updater calls it)."""
+        self._group = None
+        self._store = None
+        self._staging = None
+
+
+def _is_wire_ready(tensor: torch.Tensor, spec: TensorSpec) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == spec.dtype and tensor.is_contiguous()
+
+
+def _check_shape(spec: TensorSpec, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != spec.shape:
+        raise ValueError(
+            f"Tensor {spec.name!r} has shape {tuple(tensor.shape)} but the sync was planned for {spec.shape}; "
+            "the weights changed shape since the metadata was taken."
+        )

@@ -1,0 +1,26 @@
+"""vLLM plugin entry point: makes the ``gloo`` backend known to vLLM.
+
+Declared in ``pyproject.toml`` under the ``vllm.general_plugins`` entry-point
+group, so vLLM calls :func:`register_backends` in each of its processes (front
+end, engine core, every worker) before it builds a weight-transfer engine. An
+engine created with ``weight_transfer_config={"backend": "gloo"}`` therefore works
+in-process, with multiprocess workers and behind ``vllm serve``, with no user code.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+GLOO = "gloo"
+_MODULE = "lightning_vllm.transports.gloo"
+
+
+def register_backends() -> None:
+    """Register the ``gloo`` worker and trainer engines with vLLM's factories.
+
+    Safe to call more than once: vLLM may load plugins repeatedly in one process.
+    """
+    if GLOO not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(GLOO, _MODULE, "GlooWeightTransferEngine")
+    if GLOO not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(GLOO, _MODULE, "GlooTrainerWeightTransferEngine")

@@ -1,0 +1,320 @@
+"""The updater: ties what is sent, how it moves and where vLLM lives, with versions.
+
+Its interface follows TorchRL's ``torchrl.collectors.llm.vLLMUpdater``
+(``master_address``, ``master_port``, ``model_metadata``, ``vllm_tp_size``;
+``init``, ``push_weights``, ``get_model_metadata``, ...), so code written for
+TorchRL finds the names it knows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
+
+from lightning_vllm._waits import TimedClient, call_with_timeout
+from lightning_vllm.engines import EngineTarget, as_engine_target
+from lightning_vllm.errors import EngineConfigError, WeightSyncError
+from lightning_vllm.transports import resolve_backend, trainer_init_info
+from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
+from lightning_vllm.transports.gloo import DEFAULT_TIMEOUT_SECONDS, validate_bucket_size
+from lightning_vllm.transports.plugin import register_backends
+from lightning_vllm.weights import (
+    ModelMetadata,
+    ModuleWeights,
+    PushSource,
+    find_hf_model,
+    metadata_problems,
+    model_metadata,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_LISTED_PROBLEMS = 10
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """Figures of one successful push."""
+
+    weight_version: int
+    seconds: float
+    num_bytes: int
+
+
+class VLLMUpdater:
+    """Pushes a policy's weights into a vLLM engine over vLLM's weight-transfer protocol.
+
+    The updater joins one collective group with the engine's workers (trainer rank
+    0, then every worker), checks before any byte moves that the engine is set up
+    for the chosen backend, and after each successful push commits a new weight
+    version in the engine and resets its prefix cache, so no rollout reuses KV
+    computed with old weights.
+
+    Args:
+        master_address: address the trainer listens on for the rendezvous; the engine's
+            workers must reach it there. Defaults to ``127.0.0.1`` (loopback).
+        master_port: port for the rendezvous; ``None`` picks a free one.
+        model_metadata: ``{name: (dtype, shape)}`` of the weights to send, dtypes being
+            the engine's serving dtypes; taken from the first pushed model when ``None``.
+        vllm_tp_size: vLLM's tensor-parallel size; checked against the engine when given.
+        engine: the vLLM engine to update (a ``vllm.LLM``, or any ``EngineTarget``).
+        backend: ``"auto"`` (NCCL between CUDA devices, gloo otherwise), ``"gloo"``,
+            ``"nccl"`` or ``"ipc"``; must match the engine's ``weight_transfer_config``.
+        bucket_size_bytes: largest packed bucket on the wire, which bounds the trainer's
+            extra memory during a push.
+        timeout_seconds: the longest any single wait (rendezvous, transfer, control call) may take.
+        model_attribute: attribute of a LightningModule that holds the Hugging Face model;
+            found automatically when ``None``.
+        reset_prefix_cache: reset vLLM's prefix cache after each push.
+
+    Example::
+
+        >>> from vllm import LLM  # doctest: +SKIP
+        >>> llm = LLM(model=path, dtype="float32", weight_transfer_config={"backend": "gloo"})  # doctest: +SKIP
+        >>> updater = VLLMUpdater(engine=llm)  # doctest: +SKIP
+        >>> updater.init(VLLMUpdater.get_model_metadata(hf_model))  # doctest: +SKIP
+        >>> updater.push_weights(hf_model)  # doctest: +SKIP
+        >>> updater.weight_version, llm.get_weight_version()  # doctest: +SKIP
+        (1, '1')
+    """
+
+    def __init__(
+        self,
+        master_address: str | None = None,
+        master_port: int | None = None,
+        model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None,
+        vllm_tp_size: int | None = None,
+        *,
+        engine: Any = None,
+        backend: str = "auto",
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        model_attribute: str | None = None,
+        reset_prefix_cache: bool = True,
+    ) -> None:
+        if master_port is not None and not 0 <= master_port < 65536:
+            raise ValueError(f"Invalid value for master_port={master_port}. Must be in [0, 65535], or None.")
+        if vllm_tp_size is not None and vllm_tp_size < 1:
+            raise ValueError(f"Invalid value for vllm_tp_size={vllm_tp_size}. Must be >= 1.")
+        if timeout_seconds <= 0:
+            raise ValueError(f"Invalid value for timeout_seconds={timeout_seconds}. Must be > 0.")
+        validate_bucket_size(bucket_size_bytes)
+        resolve_backend(backend, engine_device="cpu")  # checks the name early
+        self.master_address = master_address or "127.0.0.1"
+        self.master_port = master_port
+        self.model_metadata: ModelMetadata | None = dict(model_metadata) if model_metadata is not None else None
+        self.vllm_tp_size = vllm_tp_size
+        self.backend = backend
+        self.bucket_size_bytes = bucket_size_bytes
+        self.timeout_seconds = timeout_seconds
+        self.model_attribute = model_attribute
+        self.reset_prefix_cache = reset_prefix_cache
+        self._engine: EngineTarget | None = as_engine_target(engine) if engine is not None else None
+        self._version = 0
+        self._post_hooks: list[Callable[[], Any]] = []
+        self._client: TimedClient | None = None
+        self._transfer: TrainerWeightTransferEngine[Any] | None = None
+        self._source: PushSource | None = None
+        self.last_sync: SyncStats | None = None
+
+    # -- engine and group -------------------------------------------------------
+
+    @property
+    def engine(self) -> EngineTarget | None:
+        """The adapter of the vLLM engine this updater pushes to."""
+        return self._engine
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the collective group with the engine's workers is formed."""
+        return self._transfer is not None
+
+    def all_worker_ids(self) -> list[int]:
+        """Ids of the engines this updater can push to (one engine: ``[0]``)."""
+        return [0] if self._engine is not None else []
+
+    @classmethod
+    def get_model_metadata(cls, model: torch.nn.Module, model_attribute: str | None = None) -> ModelMetadata:
+        """``{name: (dtype, shape)}`` of the Hugging Face model inside ``model``, without copying tensors."""
+        return model_metadata(find_hf_model(model, model_attribute))
+
+    def init(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:
+        """Check the engine and join the collective group with its workers.
+
+        Blocks until every worker has joined, at most ``timeout_seconds``.
+
+        Args:
+            model_metadata: ``{name: (dtype, shape)}`` of the weights to send; replaces the
+                constructor's value when given.
+
+        Raises:
+            EngineConfigError: no engine, an engine without a weight-transfer config, a
+                different backend, or a tensor-parallel size that does not match.
+            WeightSyncTimeoutError: the workers did not join in time.
+        """
+        if model_metadata is not None:
+            self.model_metadata = dict(model_metadata)
+        if self.model_metadata is None:
+            raise ValueError(
+                "init needs the model metadata: pass init(VLLMUpdater.get_model_metadata(model)) or "
+                "model_metadata=... to the constructor."
+            )
+        engine = self._require_engine()
+        backend = self._check_engine(engine)
+        self.close()
+        register_backends()
+        world_size = 1 + engine.num_workers()
+        self._client = TimedClient(engine, self.timeout_seconds)
+        self._source = PushSource(self.model_metadata)
+        init_info = trainer_init_info(
+            backend,
+            master_address=self.master_address,
+            master_port=self.master_port,
+            world_size=world_size,
+            bucket_size_bytes=self.bucket_size_bytes,
+            timeout_seconds=self.timeout_seconds,
+        )
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
+        self._transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=self._client, source=self._source)
+
+    def _require_engine(self) -> EngineTarget:
+        if self._engine is None:
+            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
+        return self._engine
+
+    def _check_engine(self, engine: EngineTarget) -> str:
+        configured = engine.transfer_backend()
+        backend = resolve_backend(self.backend, engine_device=engine.device_type())
+        if configured is None:
+            raise EngineConfigError(
+                f"The {engine.description} engine was built without a weight-transfer config, so it cannot receive "
+                f"weights. Build it with weight_transfer_config={{'backend': '{backend}'}}."
+            )
+        if configured != backend:
+            raise EngineConfigError(
+                f"The {engine.description} engine expects weight-transfer backend {configured!r} but this updater "
+                f"uses {backend!r}. Build the engine with weight_transfer_config={{'backend': '{backend}'}} or pass "
+                f"backend={configured!r} to the updater."
+            )
+        if self.vllm_tp_size is not None and self.vllm_tp_size != engine.tensor_parallel_size():
+            raise EngineConfigError(
+                f"vllm_tp_size={self.vllm_tp_size} but the engine runs with tensor_parallel_size="
+                f"{engine.tensor_parallel_size()}; pass vllm_tp_size={engine.tensor_parallel_size()} or leave it None."
+            )
+        return backend
+
+    def close(self) -> None:
+        """Leave the group and release the engine's side of it; the engine keeps serving."""
+        transfer, self._transfer = self._transfer, None
+        if transfer is None:
+            return
+        transfer.shutdown()
+        if self._client is not None:
+            try:
+                self._client.shutdown_weight_transfer_engine()
+            except Exception as error:  # the engine may be gone; nothing left to release then
+                log.warning("Could not release vLLM's weight-transfer engine: %s", error)
+
+    # -- pushing ----------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights last pushed (0 before the first push)."""
+        return self._version
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"Invalid value for weight_version={value}. Must be >= 0.")
+        self._version = int(value)
+
+    def increment_version(self) -> None:
+        """Count one more weight version without pushing (TorchRL's collectors call this)."""
+        self._version += 1
+
+    def register_post_hook(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook()`` after every successful push, in registration order."""
+        if not callable(hook):
+            raise TypeError(f"A post hook must be callable, got {type(hook).__name__}.")
+        self._post_hooks.append(hook)
+
+    @property
+    def post_hooks(self) -> list[Callable[[], Any]]:
+        """The hooks run after each successful push."""
+        return list(self._post_hooks)
+
+    def push_weights(self, policy_or_weights: torch.nn.Module | None = None, worker_ids: Any = None) -> SyncStats:
+        """Send the policy's weights to vLLM and commit them as a new version.
+
+        Joins the group first if :meth:`init` has not run (metadata then comes from
+        ``policy_or_weights``). If the push fails, the group is released and the next
+        push joins again, so an engine that restarted is picked up.
+
+        Args:
+            policy_or_weights: a Hugging Face model or a LightningModule holding one.
+            worker_ids: engines to update; only ``None`` or ``[0]`` while one engine is held.
+
+        Returns:
+            The version pushed, the seconds it took and the bytes sent.
+
+        Raises:
+            ValueError: the weights do not match the metadata the group was set up with.
+            WeightSyncError: the transfer failed (the engine keeps its previous version).
+        """
+        if policy_or_weights is None:
+            raise ValueError("push_weights needs the weights: pass the policy (a Hugging Face model or LightningModule).")
+        if worker_ids not in (None, 0, [0]):
+            raise ValueError(f"Invalid worker_ids={worker_ids!r}: this updater holds one engine, id 0.")
+        model = find_hf_model(policy_or_weights, self.model_attribute)
+        weights = ModuleWeights(model)
+        if self._transfer is None:
+            self.init(self.model_metadata if self.model_metadata is not None else model_metadata(model))
+        assert self._transfer is not None and self._source is not None and self._client is not None
+        self._check_weights(model)
+        version = self._version + 1
+        self._source.current = weights
+        self._client.next_weight_version = str(version)
+        start = time.perf_counter()
+        try:
+            self._transfer.send_weights()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._source.current = None
+        if self.reset_prefix_cache:
+            engine = self._require_engine()
+            call_with_timeout(engine.reset_prefix_cache, timeout=self.timeout_seconds, what="vLLM to reset its prefix cache")
+        self._version = version
+        self.last_sync = SyncStats(version, time.perf_counter() - start, self._wire_bytes())
+        for hook in self._post_hooks:
+            hook()
+        return self.last_sync
+
+    def _check_weights(self, model: torch.nn.Module) -> None:
+        assert self.model_metadata is not None
+        problems = metadata_problems(self.model_metadata, model_metadata(model))
+        if problems:
+            listed = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
+            more = f" (and {len(problems) - _MAX_LISTED_PROBLEMS} more)" if len(problems) > _MAX_LISTED_PROBLEMS else ""
+            raise ValueError(
+                f"The weights pushed do not match the metadata the sync was set up with: {listed}{more}. "
+                "Push the same model architecture, or call init() with its new metadata."
+            )
+
+    def _wire_bytes(self) -> int:
+        assert self.model_metadata is not None
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.model_metadata.values())
+
+
+vLLMUpdater = VLLMUpdater
+"""TorchRL's spelling of the same class."""

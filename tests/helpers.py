@@ -1,0 +1,101 @@
+"""Tiny models and measurements shared by the tests.
+
+Everything is built locally (no model hub): a random Qwen2 small enough for a
+2-core CPU, whose head size (64) is one vLLM's CPU attention supports.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+VOCAB_SIZE = 512
+PROMPTS = [[1, 5, 9, 33, 7, 2], [100, 200, 300, 400], [7, 7, 7, 8, 9, 10, 11, 12], [42, 13, 250, 500, 3]]
+
+
+def tiny_qwen2(seed: int = 0, tie_word_embeddings: bool = False) -> Qwen2ForCausalLM:
+    """A 2-layer float32 Qwen2 with hidden size 128 and 2 heads of 64."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        torch_dtype="float32",
+    )
+    return Qwen2ForCausalLM(config).float().eval()
+
+
+def save_model(model: Qwen2ForCausalLM, directory: Path) -> Path:
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def build_llm(model_dir: Path, backend: str | None = "gloo", **kwargs):
+    """A real vLLM engine on CPU for ``model_dir`` (about 20 s to start)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    extra = {} if backend is None else {"weight_transfer_config": {"backend": backend}}
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        **extra,
+        **kwargs,
+    )
+
+
+def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
+    """vLLM's log-probability of every prompt token after the first, per prompt."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    result = []
+    for prompt, output in zip(prompts, outputs):
+        per_token = output.prompt_logprobs[1:]
+        result.append([entry[token].logprob for entry, token in zip(per_token, prompt[1:])])
+    return result
+
+
+def vllm_greedy(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, prompts=PROMPTS) -> list[list[float]]:
+    result = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        logprobs = torch.log_softmax(model(ids).logits.float(), dim=-1)[0]
+        result.append([logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)])
+    return result
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts=PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    result = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        result.append(out[0, len(prompt) :].tolist())
+    return result
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
