@@ -10,6 +10,9 @@ import os
 from pathlib import Path
 
 import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 VOCAB_SIZE = 512
@@ -56,6 +59,11 @@ def build_llm(model_dir: Path, backend: str | None = "gloo", **kwargs):
     )
 
 
+def shutdown(llm) -> None:
+    """Stop an engine while pytest still captures output (vLLM logs as it stops)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
     """vLLM's log-probability of every prompt token after the first, per prompt."""
     from vllm import SamplingParams, TokensPrompt
@@ -99,3 +107,60 @@ def hf_greedy(model, prompts=PROMPTS, max_tokens: int = 8) -> list[list[int]]:
 
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+class TinyCausalLM(LightningModule):
+    """A LightningModule training a Hugging Face causal LM on next-token prediction."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-2, attribute: str = "model") -> None:
+        super().__init__()
+        self.attribute = attribute
+        setattr(self, attribute, model)
+        self.lr = lr
+
+    @property
+    def hf(self) -> torch.nn.Module:
+        return getattr(self, self.attribute)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.hf.train()
+        loss = self.hf(input_ids=batch, labels=batch).loss
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def token_batches(num_batches: int, batch_size: int = 4, length: int = 16, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB_SIZE, (num_batches * batch_size, length), generator=generator)
+    return DataLoader(data, batch_size=batch_size)
+
+
+def cpu_trainer(tmp_path: Path, callbacks: list, **kwargs) -> Trainer:
+    settings = dict(
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(tmp_path, name="logs"),
+    )
+    settings.update(kwargs)
+    return Trainer(callbacks=callbacks, **settings)
+
+
+def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of every ``tag`` scalar in the TensorBoard event files under ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = []
+    for event_file in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(event_file))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values += [(event.step, event.value) for event in accumulator.Scalars(tag)]
+    return values

@@ -1,0 +1,25 @@
+"""lightning-vllm: keep a vLLM engine on the weights a PyTorch Lightning Trainer is training.
+
+Example::
+
+    >>> from lightning.pytorch import Trainer
+    >>> from lightning_vllm import VLLMWeightSync
+    >>> trainer = Trainer(callbacks=[VLLMWeightSync(engine=llm, every_n_train_steps=4)])  # doctest: +SKIP
+"""
+
+from lightning_vllm.callback import VLLMWeightSync
+from lightning_vllm.engines import EngineTarget, LocalLLMEngine
+from lightning_vllm.errors import EngineConfigError, WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
+
+__all__ = [
+    "EngineConfigError",
+    "EngineTarget",
+    "LocalLLMEngine",
+    "SyncStats",
+    "VLLMUpdater",
+    "VLLMWeightSync",
+    "WeightSyncError",
+    "WeightSyncTimeoutError",
+    "vLLMUpdater",
+]

@@ -1,0 +1,171 @@
+"""When to send: a Lightning callback that keeps a vLLM engine on the trainer's weights."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
+from lightning_vllm.transports.gloo import DEFAULT_TIMEOUT_SECONDS
+from lightning_vllm.updater import SyncStats, VLLMUpdater
+
+log = logging.getLogger(__name__)
+
+
+class VLLMWeightSync(Callback):
+    """Push the LightningModule's Hugging Face weights into vLLM while training.
+
+    Pushes once when fitting starts (so vLLM starts from the trainer's weights),
+    then every ``every_n_train_steps`` optimizer steps and/or every
+    ``every_n_epochs`` epochs. Each push logs ``vllm/weight_version``,
+    ``vllm/sync_seconds`` and ``vllm/sync_bytes`` to every Lightning logger. Only
+    global rank 0 talks to vLLM; other ranks skip the push and never wait for it.
+
+    Args:
+        engine: the vLLM engine to update (a ``vllm.LLM`` built with
+            ``weight_transfer_config={"backend": "gloo"}``). ``None`` on ranks that hold
+            no engine (under DDP, only global rank 0 needs one).
+        every_n_train_steps: push after every N optimizer steps; ``None`` or 0 turns it off.
+        every_n_epochs: push at the end of every N training epochs; ``None`` or 0 turns it off.
+        push_on_fit_start: push once before the first training step.
+        model_attribute: LightningModule attribute holding the Hugging Face model;
+            found automatically when ``None``.
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"`` or ``"ipc"`` (see ``VLLMUpdater``).
+        master_address: address the trainer listens on for the rendezvous (loopback by default).
+        master_port: rendezvous port; ``None`` picks a free one.
+        timeout_seconds: the longest any single wait of a push may take.
+        bucket_size_bytes: largest packed bucket on the wire.
+        updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above.
+
+    Raises:
+        ValueError: for a negative interval, or both ``engine`` and ``updater``.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from vllm import LLM  # doctest: +SKIP
+        >>> llm = LLM(model=path, dtype="float32", weight_transfer_config={"backend": "gloo"})  # doctest: +SKIP
+        >>> trainer = Trainer(callbacks=[VLLMWeightSync(engine=llm, every_n_train_steps=4)])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        engine: Any = None,
+        *,
+        every_n_train_steps: int | None = 1,
+        every_n_epochs: int | None = None,
+        push_on_fit_start: bool = True,
+        model_attribute: str | None = None,
+        backend: str = "auto",
+        master_address: str | None = None,
+        master_port: int | None = None,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        updater: VLLMUpdater | None = None,
+    ) -> None:
+        self._every_n_train_steps = every_n_train_steps or 0
+        self._every_n_epochs = every_n_epochs or 0
+        self._validate(engine, updater)
+        self.push_on_fit_start = push_on_fit_start
+        self.updater = updater or VLLMUpdater(
+            master_address=master_address,
+            master_port=master_port,
+            engine=engine,
+            backend=backend,
+            timeout_seconds=timeout_seconds,
+            bucket_size_bytes=bucket_size_bytes,
+            model_attribute=model_attribute,
+        )
+        self._last_global_step_pushed = -1
+
+    def _validate(self, engine: Any, updater: VLLMUpdater | None) -> None:
+        if self._every_n_train_steps < 0:
+            raise ValueError(f"Invalid value for every_n_train_steps={self._every_n_train_steps}. Must be >= 0.")
+        if self._every_n_epochs < 0:
+            raise ValueError(f"Invalid value for every_n_epochs={self._every_n_epochs}. Must be >= 0.")
+        if engine is not None and updater is not None:
+            raise ValueError("Pass either engine=... or updater=..., not both: the updater already holds its engine.")
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights last pushed."""
+        return self.updater.weight_version
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_train_steps=self._every_n_train_steps, every_n_epochs=self._every_n_epochs)
+
+    # -- hooks ------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero and self.updater.engine is None:
+            raise ValueError(
+                "VLLMWeightSync on global rank 0 has no vLLM engine: pass engine=... (e.g. a vllm.LLM built with "
+                "weight_transfer_config={'backend': 'gloo'})."
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the strategy has set up the model, so the weights are the ones trained.
+        if self.push_on_fit_start:
+            self._push(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # global_step moves only at an optimizer step (gradient accumulation), and
+        # stays put for the batches in between: remember the step last pushed.
+        step = trainer.global_step
+        if self._every_n_train_steps and step > 0 and step % self._every_n_train_steps == 0:
+            if step != self._last_global_step_pushed:
+                self._push(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch + 1
+        if self._every_n_epochs and epoch % self._every_n_epochs == 0:
+            if trainer.global_step != self._last_global_step_pushed:
+                self._push(trainer, pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.updater.close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.updater.close()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight_version": self.updater.weight_version, "last_global_step_pushed": self._last_global_step_pushed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.updater.weight_version = state_dict.get("weight_version", 0)
+        self._last_global_step_pushed = state_dict.get("last_global_step_pushed", -1)
+
+    # -- pushing ----------------------------------------------------------------
+
+    def _push(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_global_step_pushed = trainer.global_step
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        stats = self.updater.push_weights(pl_module)
+        log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
+        self._log(trainer, stats)
+
+    def _log(self, trainer: pl.Trainer, stats: SyncStats) -> None:
+        metrics = {
+            "vllm/weight_version": float(stats.weight_version),
+            "vllm/sync_seconds": stats.seconds,
+            "vllm/sync_bytes": float(stats.num_bytes),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
