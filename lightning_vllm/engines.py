@@ -19,7 +19,7 @@ class EngineTarget(Protocol):
 
     @property
     def description(self) -> str:
-        """A short human name for messages, e.g. ``"vllm.LLM (in-process)"``."""
+        """A short human name for messages, e.g. ``"in-process vllm.LLM"``."""
         ...
 
     def transfer_backend(self) -> str | None:
@@ -68,7 +68,7 @@ class LocalLLMEngine:
 
     @property
     def description(self) -> str:
-        return "vllm.LLM (in-process)"
+        return "in-process vllm.LLM"
 
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import DistStoreError, PrefixStore, ProcessGroupGloo, TCPStore
 from typing_extensions import Self, override
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
@@ -395,19 +395,29 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             "weight_transfer_config={'backend': 'gloo'}, that its workers can reach this address, "
             "and that vllm_tp_size matches the engine."
         )
+        try:
+            self._group = self._await_group(workers, trainer, timeout, hint)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @staticmethod
+    def _await_group(
+        workers: BackgroundCall[None], trainer: BackgroundCall[ProcessGroupGloo], timeout: float, hint: str
+    ) -> ProcessGroupGloo:
         deadline = time.monotonic() + timeout
         while not (workers.done() and trainer.done()):
             if workers.done():
                 workers.result(0)  # raises the engine's error, if it failed
             if time.monotonic() > deadline:
-                self.shutdown()
                 raise WeightSyncTimeoutError(f"Timed out after {timeout:g} s. {hint}")
             time.sleep(_POLL_SECONDS)
         workers.result(0)
         try:
-            self._group = trainer.result(0)
+            return trainer.result(0)
+        except DistStoreError as error:  # the store's own timeout: nobody came
+            raise WeightSyncTimeoutError(f"Timed out after {timeout:g} s ({error}). {hint}") from error
         except RuntimeError as error:
-            self.shutdown()
             raise WeightSyncError(f"The gloo group did not form: {error}. {hint}") from error
 
     @override

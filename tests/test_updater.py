@@ -1,0 +1,197 @@
+"""VLLMUpdater against a real vLLM engine: pushes, versions, errors and waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import (
+    build_llm,
+    hf_greedy,
+    hf_prompt_logprobs,
+    max_abs_diff,
+    shutdown,
+    tiny_qwen2,
+    vllm_greedy,
+    vllm_prompt_logprobs,
+)
+
+from lightning_vllm import EngineConfigError, VLLMUpdater, WeightSyncTimeoutError, vLLMUpdater
+
+TOLERANCE = 1e-4
+
+
+def assert_serves(llm, model) -> None:
+    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)) < TOLERANCE
+    assert vllm_greedy(llm) == hf_greedy(model)
+
+
+def test_push_replaces_the_served_weights_and_commits_a_version(llm):
+    first, second = tiny_qwen2(seed=11), tiny_qwen2(seed=12)
+    updater = VLLMUpdater(engine=llm, timeout_seconds=60)
+    updater.init(VLLMUpdater.get_model_metadata(first))
+
+    stats = updater.push_weights(first)
+    assert_serves(llm, first)
+    assert (stats.weight_version, updater.weight_version, llm.get_weight_version()) == (1, 1, "1")
+    assert stats.num_bytes == sum(p.numel() * 4 for p in first.parameters()) and stats.seconds > 0
+
+    updater.push_weights(second)
+    assert_serves(llm, second)
+    assert llm.get_weight_version() == "2"
+    updater.close()
+
+
+def test_small_buckets_split_large_tensors_into_slices(llm):
+    model = tiny_qwen2(seed=13)
+    # The embedding (512 x 128 float32 = 256 KiB) is four times this bucket.
+    updater = VLLMUpdater(engine=llm, bucket_size_bytes=64 * 1024)
+    updater.push_weights(model)  # init happens on the first push
+    assert_serves(llm, model)
+    updater.close()
+
+
+def test_a_push_after_close_joins_again(llm):
+    model = tiny_qwen2(seed=14)
+    updater = VLLMUpdater(engine=llm)
+    updater.push_weights(tiny_qwen2(seed=15))
+    updater.close()
+    assert not updater.initialized
+    updater.push_weights(model)
+    assert_serves(llm, model)
+    assert llm.get_weight_version() == "2"
+    updater.close()
+
+
+def test_post_hooks_run_in_order_after_each_push(llm):
+    calls = []
+    updater = VLLMUpdater(engine=llm)
+    updater.register_post_hook(lambda: calls.append(("first", updater.weight_version)))
+    updater.register_post_hook(lambda: calls.append(("second", updater.weight_version)))
+    updater.push_weights(tiny_qwen2(seed=16))
+    updater.push_weights(tiny_qwen2(seed=17))
+    assert calls == [("first", 1), ("second", 1), ("first", 2), ("second", 2)]
+    assert len(updater.post_hooks) == 2
+    updater.close()
+
+
+def test_backend_mismatch_is_refused_before_any_byte_moves(llm):
+    model = tiny_qwen2(seed=18)
+    VLLMUpdater(engine=llm).push_weights(model)
+    version = llm.get_weight_version()
+    with pytest.raises(EngineConfigError, match="expects weight-transfer backend 'gloo' but this updater uses 'nccl'"):
+        VLLMUpdater(engine=llm, backend="nccl").init(VLLMUpdater.get_model_metadata(model))
+    with pytest.raises(EngineConfigError, match="vllm_tp_size=2 but the engine runs with tensor_parallel_size=1"):
+        VLLMUpdater(engine=llm, vllm_tp_size=2).init(VLLMUpdater.get_model_metadata(model))
+    assert llm.get_weight_version() == version
+    assert_serves(llm, model)
+
+
+def test_weights_that_do_not_match_the_metadata_are_refused(llm):
+    model = tiny_qwen2(seed=19)
+    updater = VLLMUpdater(engine=llm)
+    updater.push_weights(model)
+    other = tiny_qwen2(seed=20)
+    other.model.layers = other.model.layers[:1]  # one layer fewer
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.self_attn.q_proj.weight'"):
+        updater.push_weights(other)
+    assert llm.get_weight_version() == "1"
+    assert_serves(llm, model)
+    updater.close()
+
+
+def test_push_needs_weights():
+    with pytest.raises(ValueError, match="push_weights needs the weights"):
+        VLLMUpdater().push_weights(None)
+
+
+def test_init_without_an_engine_says_how_to_give_one():
+    with pytest.raises(EngineConfigError, match="pass engine="):
+        VLLMUpdater().init(VLLMUpdater.get_model_metadata(torch.nn.Linear(2, 2)))
+
+
+def test_torchrl_spelling_is_the_same_class():
+    assert vLLMUpdater is VLLMUpdater
+
+
+class SilentEngine:
+    """An engine behind a network that never answers: every control call blocks."""
+
+    description = "silent test engine"
+
+    def __init__(self) -> None:
+        self.never = threading.Event()
+
+    def transfer_backend(self) -> str:
+        return "gloo"
+
+    def device_type(self) -> str:
+        return "cpu"
+
+    def tensor_parallel_size(self) -> int:
+        return 1
+
+    def num_workers(self) -> int:
+        return 1
+
+    def init_weight_transfer_engine(self, init_info):
+        self.never.wait()
+
+    def start_weight_update(self):
+        self.never.wait()
+
+    def update_weights(self, update_info):
+        self.never.wait()
+
+    def finish_weight_update(self, weight_version=None):
+        self.never.wait()
+
+    def shutdown_weight_transfer_engine(self):
+        self.never.wait()
+
+    def get_weight_version(self):
+        return None
+
+    def reset_prefix_cache(self):
+        self.never.wait()
+
+
+def test_an_engine_that_never_answers_fails_within_the_timeout():
+    updater = VLLMUpdater(engine=SilentEngine(), timeout_seconds=2)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError, match="Timed out after 2 s waiting for vLLM to initialise its weight-transfer engine"):
+        updater.push_weights(tiny_qwen2())
+    assert time.monotonic() - start < 10
+    assert not updater.initialized
+
+
+class EngineWithoutWorkers(SilentEngine):
+    """Answers the init call at once but its worker never joins the group."""
+
+    def init_weight_transfer_engine(self, init_info):
+        return None
+
+
+def test_workers_that_never_join_fail_within_the_timeout():
+    updater = VLLMUpdater(engine=EngineWithoutWorkers(), timeout_seconds=2)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError, match="join the gloo group"):
+        updater.init(VLLMUpdater.get_model_metadata(tiny_qwen2()))
+    assert time.monotonic() - start < 10
+
+
+@pytest.fixture(scope="module")
+def llm_without_transfer(model_dir):
+    engine = build_llm(model_dir, backend=None)
+    yield engine
+    shutdown(engine)
+
+
+def test_engine_without_weight_transfer_config_gets_a_clear_error(llm_without_transfer):
+    model = tiny_qwen2(seed=21)
+    before = vllm_prompt_logprobs(llm_without_transfer)
+    with pytest.raises(EngineConfigError, match=r"without a weight-transfer config.*weight_transfer_config=\{'backend': 'gloo'\}"):
+        VLLMUpdater(engine=llm_without_transfer, timeout_seconds=10).push_weights(model)
+    assert vllm_prompt_logprobs(llm_without_transfer) == before
