@@ -1,0 +1,45 @@
+"""Where vLLM lives: the in-process vllm.LLM adapter, with and without a separate engine process."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import build_llm, hf_prompt_logprobs, max_abs_diff, shutdown, tiny_qwen2, vllm_prompt_logprobs
+
+from lightning_vllm import EngineTarget, LocalLLMEngine, VLLMUpdater
+from lightning_vllm.engines import as_engine_target
+
+
+def test_local_llm_adapter_reports_what_the_updater_checks(llm):
+    engine = as_engine_target(llm)
+    assert isinstance(engine, LocalLLMEngine) and isinstance(engine, EngineTarget)
+    assert engine.transfer_backend() == "gloo"
+    assert engine.device_type() == "cpu"
+    assert (engine.tensor_parallel_size(), engine.num_workers()) == (1, 1)
+
+
+def test_unsupported_engines_are_named():
+    with pytest.raises(TypeError, match="Unsupported engine str"):
+        as_engine_target("not an engine")
+
+
+@pytest.fixture(scope="module")
+def llm_single_process(model_dir):
+    """Engine core and worker inside the test process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine = build_llm(model_dir, backend="gloo")
+    yield engine
+    shutdown(engine)
+
+
+def test_engine_in_the_training_process_receives_pushes(llm_single_process):
+    from vllm.v1.engine.core_client import InprocClient
+
+    assert isinstance(llm_single_process.llm_engine.engine_core, InprocClient)
+    model = tiny_qwen2(seed=31)
+    updater = VLLMUpdater(engine=llm_single_process, timeout_seconds=60)
+    updater.push_weights(model)
+    updater.push_weights(model)
+    assert max_abs_diff(vllm_prompt_logprobs(llm_single_process), hf_prompt_logprobs(model)) < 1e-4
+    assert llm_single_process.get_weight_version() == "2"
+    updater.close()
