@@ -119,3 +119,19 @@ def test_state_dict_round_trip_reads_old_checkpoints():
     sync.load_state_dict({"weight_version": 7, "last_global_step_pushed": 14})
     assert sync.state_dict() == {"weight_version": 7, "last_global_step_pushed": 14}
     assert isinstance(torch.tensor(sync.weight_version), torch.Tensor)
+
+
+class FailingCausalLM(TinyCausalLM):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_in_training_releases_the_group(llm, tmp_path):
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=1)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=4)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(FailingCausalLM(tiny_qwen2(seed=0)), token_batches(num_batches=4))
+    assert sync.weight_version == 2  # fit start and step 1
+    assert not sync.updater.initialized

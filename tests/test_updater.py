@@ -195,3 +195,22 @@ def test_engine_without_weight_transfer_config_gets_a_clear_error(llm_without_tr
     with pytest.raises(EngineConfigError, match=r"without a weight-transfer config.*weight_transfer_config=\{'backend': 'gloo'\}"):
         VLLMUpdater(engine=llm_without_transfer, timeout_seconds=10).push_weights(model)
     assert vllm_prompt_logprobs(llm_without_transfer) == before
+
+
+def listening_addresses() -> set[tuple[str, int]]:
+    import os
+
+    import psutil
+
+    process = psutil.Process(os.getpid())
+    return {(c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_trainer_listens_on_loopback_only_by_default(llm):
+    before = listening_addresses()
+    updater = VLLMUpdater(engine=llm)
+    updater.init(VLLMUpdater.get_model_metadata(tiny_qwen2()))
+    opened = listening_addresses() - before
+    assert opened, "the rendezvous store should be listening"
+    assert {ip for ip, _ in opened} == {"127.0.0.1"}
+    updater.close()

@@ -1,0 +1,60 @@
+"""The gloo backend's messages and checks (the transfer itself runs in the end-to-end tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_vllm.transports.buckets import Bucket, TensorSpec
+from lightning_vllm.transports.gloo import (
+    GlooTrainerInitInfo,
+    GlooWeightTransferInitInfo,
+    GlooWeightTransferUpdateInfo,
+    dtype_from_name,
+    local_address_towards,
+)
+
+
+def test_update_info_round_trips_through_plain_data():
+    specs = [TensorSpec("a", torch.bfloat16, (2, 3)), TensorSpec("b", torch.float32, (4,))]
+    info = GlooWeightTransferUpdateInfo.from_plan(specs, [Bucket(0, 1, 12), Bucket(1, 2, 16)])
+    payload = dataclasses.asdict(info)  # what crosses the process boundary: lists, strings, ints
+    assert payload == {
+        "names": ["a", "b"],
+        "dtype_names": ["bfloat16", "float32"],
+        "shapes": [[2, 3], [4]],
+        "bucket_ends": [1, 2],
+    }
+    received = GlooWeightTransferUpdateInfo(**payload)
+    assert received.specs() == specs
+    assert received.buckets(specs) == [Bucket(0, 1, 12), Bucket(1, 2, 16)]
+
+
+def test_update_info_rejects_inconsistent_plans():
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        GlooWeightTransferUpdateInfo(names=["a"], dtype_names=[], shapes=[[1]], bucket_ends=[1])
+    with pytest.raises(ValueError, match="must rise strictly and end at 2"):
+        GlooWeightTransferUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[1]] * 2, bucket_ends=[1])
+
+
+def test_dtype_names_are_never_evaluated_as_arbitrary_attributes():
+    assert dtype_from_name("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="Unknown dtype name 'tensor'"):
+        dtype_from_name("tensor")
+
+
+@pytest.mark.parametrize("size", [0, -8, 12])
+def test_bucket_size_must_be_a_positive_multiple_of_eight(size):
+    with pytest.raises(ValueError, match=f"bucket_size_bytes={size}"):
+        GlooTrainerInitInfo(bucket_size_bytes=size)
+    with pytest.raises(ValueError, match=f"bucket_size_bytes={size}"):
+        GlooWeightTransferInitInfo(
+            master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, group_name="g", bucket_size_bytes=size
+        )
+
+
+def test_workers_stay_on_loopback_when_the_trainer_is_on_loopback():
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
+    assert local_address_towards("localhost") in ("127.0.0.1", "::1")

@@ -1,0 +1,51 @@
+"""Backend choice and the trainer-side settings handed to vLLM's own engines (NCCL, IPC)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+from lightning_vllm.transports import resolve_backend, trainer_init_info
+from lightning_vllm.transports.gloo import GlooTrainerInitInfo
+
+
+def test_auto_picks_gloo_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_backend("auto", engine_device="cpu") == "gloo"
+    assert resolve_backend("auto", engine_device="cuda") == "gloo"
+
+
+def test_auto_picks_nccl_between_cuda_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto", engine_device="cuda") == "nccl"
+    assert resolve_backend("auto", engine_device="cpu") == "gloo"
+
+
+def test_explicit_backends_are_kept_and_unknown_ones_named():
+    assert resolve_backend("ipc", engine_device="cuda") == "ipc"
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        resolve_backend("mpi", engine_device="cpu")
+
+
+SETTINGS = dict(master_address="127.0.0.1", world_size=3, bucket_size_bytes=1 << 20, timeout_seconds=5.0)
+
+
+def test_gloo_settings_keep_port_zero_for_the_transport_to_pick():
+    info = trainer_init_info("gloo", master_port=None, **SETTINGS)
+    assert isinstance(info, GlooTrainerInitInfo) and info.backend == "gloo"
+    assert (info.master_port, info.world_size, info.bucket_size_bytes, info.is_sender) == (0, 3, 1 << 20, True)
+
+
+def test_nccl_uses_vllms_packed_engine_with_our_bucket_size():
+    info = trainer_init_info("nccl", master_port=None, **SETTINGS)
+    assert isinstance(info, NCCLTrainerInitInfo)
+    assert info.packed and info.packed_buffer_size_bytes == 1 << 20
+    assert info.world_size == 3 and 0 < info.master_port < 65536
+    assert trainer_init_info("nccl", master_port=29555, **SETTINGS).master_port == 29555
+
+
+def test_ipc_uses_vllms_packed_engine():
+    info = trainer_init_info("ipc", master_port=None, **SETTINGS)
+    assert isinstance(info, IPCTrainerInitInfo) and info.packed and info.packed_buffer_size_bytes == 1 << 20
