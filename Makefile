@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -p no:cacheprovider
 
 demo: $(STAMP)

@@ -167,7 +167,8 @@ def new_gloo_group(
 
     Blocks until all ``world_size`` ranks have joined or ``timeout_seconds`` pass.
     """
-    options = ProcessGroupGloo._Options()
+    # torch's stubs omit the gloo options, the only way to bind the endpoint to one address.
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [ProcessGroupGloo.create_device(hostname=address)]
     options._timeout = datetime.timedelta(seconds=timeout_seconds)
     return ProcessGroupGloo(PrefixStore(group_name, store), rank, world_size, options)
@@ -175,7 +176,7 @@ def new_gloo_group(
 
 def broadcast(group: ProcessGroupGloo, tensor: torch.Tensor, timeout_seconds: float) -> None:
     """Broadcast a contiguous CPU tensor from rank 0; blocks until every rank has it."""
-    group.broadcast(tensor, 0).wait(datetime.timedelta(seconds=timeout_seconds))
+    group.broadcast(tensor, 0).wait(datetime.timedelta(seconds=timeout_seconds))  # type: ignore[attr-defined]
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -258,7 +259,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 tensors = unpack_bucket(buffer, specs[bucket.start : bucket.stop])
                 if self.device.type != "cpu":
                     tensors = [(name, tensor.to(self.device)) for name, tensor in tensors]
-                self.model.load_weights(tensors)
+                self.model.load_weights(tensors)  # type: ignore[operator]  # every vLLM model has it
 
     @override
     def shutdown(self) -> None:
