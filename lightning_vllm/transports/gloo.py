@@ -328,7 +328,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._store: TCPStore | None = None
         self._group: ProcessGroupGloo | None = None
         self._staging: torch.Tensor | None = None
-        self.last_sent_bytes = 0
 
     @classmethod
     @override
@@ -444,7 +443,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets)
         self.client.start_weight_update()
         receive = BackgroundCall(self.client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
-        self.last_sent_bytes = self._broadcast_buckets(specs, buckets, tensors, receive)
+        self._broadcast_buckets(specs, buckets, tensors, receive)
         receive.result(self.timeout_seconds)
         self.client.finish_weight_update()
 
@@ -454,7 +453,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         buckets: Sequence[Bucket],
         tensors: Iterator[torch.Tensor],
         receive: BackgroundCall[None],
-    ) -> int:
+    ) -> None:
         assert self._group is not None
         sent = 0
         with torch.no_grad():
@@ -474,7 +473,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                             "stopped; re-initialise the updater (init) once it is back."
                         ) from error
                     sent += payload.numel()
-        return sent
 
     def _bucket_payloads(
         self, bucket: Bucket, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]
@@ -517,10 +515,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._staging = None  # free the old buffer before allocating the new one
             self._staging = torch.empty(min(num_bytes, self.bucket_size_bytes), dtype=torch.uint8)
         return self._staging
-
-    def release_staging_memory(self) -> None:
-        """Free the staging bucket between syncs (it is rebuilt at the next one)."""
-        self._staging = None
 
     @override
     def shutdown(self) -> None:
