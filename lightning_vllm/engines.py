@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
+from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
+
 
 @runtime_checkable
 class EngineTarget(Protocol):
@@ -34,6 +36,10 @@ class EngineTarget(Protocol):
 
     def num_workers(self) -> int:
         """Worker processes that join the transfer group (TP x PP x DP)."""
+        ...
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        """What the engine's model loads (names, serving dtypes, shapes), ``None`` if unknown."""
         ...
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
@@ -83,6 +89,14 @@ class LocalLLMEngine:
     def num_workers(self) -> int:
         parallel = self._config.parallel_config
         return int(parallel.world_size * parallel.data_parallel_size)
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        model_config = self._config.model_config
+        return checkpoint_weights(
+            model_config.model,
+            serving_dtype=model_config.dtype,
+            ties_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
+        )
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

@@ -19,3 +19,7 @@ class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
 
 class EngineConfigError(WeightSyncError, ValueError):
     """The vLLM engine is not set up for the weight sync that was asked for."""
+
+
+class WeightsMismatchError(WeightSyncError, ValueError):
+    """The weights offered do not fit the engine's model (names, shapes or dtypes)."""

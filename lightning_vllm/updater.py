@@ -11,32 +11,31 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
 from lightning_vllm._waits import TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, as_engine_target
-from lightning_vllm.errors import EngineConfigError, WeightSyncError
+from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.transports import resolve_backend, trainer_init_info
 from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
 from lightning_vllm.transports.gloo import DEFAULT_TIMEOUT_SECONDS, validate_bucket_size
 from lightning_vllm.transports.plugin import register_backends
 from lightning_vllm.weights import (
     ModelMetadata,
-    ModuleWeights,
     PushSource,
-    find_hf_model,
-    metadata_problems,
-    model_metadata,
+    check_weights,
+    source_metadata,
+    weights_from,
 )
+from lightning_vllm.weights.checks import TIED_OUTPUT_EMBEDDING
 
 log = logging.getLogger(__name__)
-
-_MAX_LISTED_PROBLEMS = 10
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,9 @@ class VLLMUpdater:
 
     The updater joins one collective group with the engine's workers (trainer rank
     0, then every worker), checks before any byte moves that the engine is set up
-    for the chosen backend, and after each successful push commits a new weight
+    for the chosen backend and that the weights fit the engine's model (names,
+    shapes, dtypes, read from the checkpoint the engine loaded), converts them to
+    the engine's serving dtype on the way, and after each successful push commits a new weight
     version in the engine and resets its prefix cache, so no rollout reuses KV
     computed with old weights.
 
@@ -109,7 +110,7 @@ class VLLMUpdater:
         resolve_backend(backend, engine_device="cpu")  # checks the name early
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
-        self.model_metadata: ModelMetadata | None = dict(model_metadata) if model_metadata is not None else None
+        self.model_metadata: ModelMetadata | None = _as_metadata(model_metadata)
         self.vllm_tp_size = vllm_tp_size
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
@@ -119,10 +120,39 @@ class VLLMUpdater:
         self._engine: EngineTarget | None = as_engine_target(engine) if engine is not None else None
         self._version = 0
         self._post_hooks: list[Callable[[], Any]] = []
+        self._collector_ref: weakref.ref[Any] | None = None
         self._client: TimedClient | None = None
         self._transfer: TrainerWeightTransferEngine[Any] | None = None
         self._source: PushSource | None = None
+        self._wire: ModelMetadata = {}
+        self._drops_tied_output_embedding = False
         self.last_sync: SyncStats | None = None
+
+    # -- construction from a policy ----------------------------------------------
+
+    @classmethod
+    def from_policy(cls, policy: Any) -> VLLMUpdater | None:
+        """An updater for ``policy`` if it holds a Hugging Face model vLLM can serve, else ``None``.
+
+        The updater carries the policy's metadata; give it an engine before the first push.
+        """
+        if not isinstance(policy, torch.nn.Module):
+            return None
+        try:
+            metadata = cls.get_model_metadata(policy)
+        except (TypeError, ValueError):
+            return None
+        return cls(model_metadata=metadata)
+
+    @classmethod
+    def get_model_metadata(cls, model: Any, model_attribute: str | None = None) -> ModelMetadata:
+        """``{name: (dtype, shape)}`` of what would be sent for ``model``, read without copying a tensor.
+
+        Args:
+            model: a Hugging Face or PEFT model, a LightningModule holding one, a dict or a TensorDict.
+            model_attribute: the LightningModule attribute holding the model, if not found automatically.
+        """
+        return source_metadata(weights_from(model, model_attribute))
 
     # -- engine and group -------------------------------------------------------
 
@@ -137,16 +167,11 @@ class VLLMUpdater:
         return self._transfer is not None
 
     def all_worker_ids(self) -> list[int]:
-        """Ids of the engines this updater can push to (one engine: ``[0]``)."""
+        """Ids of the engines this updater can push to (``[0]`` for its one engine)."""
         return [0] if self._engine is not None else []
 
-    @classmethod
-    def get_model_metadata(cls, model: torch.nn.Module, model_attribute: str | None = None) -> ModelMetadata:
-        """``{name: (dtype, shape)}`` of the Hugging Face model inside ``model``, without copying tensors."""
-        return model_metadata(find_hf_model(model, model_attribute))
-
     def init(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:
-        """Check the engine and join the collective group with its workers.
+        """Check the metadata against the engine's model and join the group with its workers.
 
         Blocks until every worker has joined, at most ``timeout_seconds``.
 
@@ -157,10 +182,11 @@ class VLLMUpdater:
         Raises:
             EngineConfigError: no engine, an engine without a weight-transfer config, a
                 different backend, or a tensor-parallel size that does not match.
+            WeightsMismatchError: the metadata does not fit the engine's model.
             WeightSyncTimeoutError: the workers did not join in time.
         """
         if model_metadata is not None:
-            self.model_metadata = dict(model_metadata)
+            self.model_metadata = _as_metadata(model_metadata)
         if self.model_metadata is None:
             raise ValueError(
                 "init needs the model metadata: pass init(VLLMUpdater.get_model_metadata(model)) or "
@@ -168,11 +194,12 @@ class VLLMUpdater:
             )
         engine = self._require_engine()
         backend = self._check_engine(engine)
+        self._wire = self._wire_metadata(engine, self.model_metadata)
         self.close()
         register_backends()
         world_size = 1 + engine.num_workers()
         self._client = TimedClient(engine, self.timeout_seconds)
-        self._source = PushSource(self.model_metadata)
+        self._source = PushSource(self._wire)
         init_info = trainer_init_info(
             backend,
             master_address=self.master_address,
@@ -185,6 +212,28 @@ class VLLMUpdater:
 
         log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
         self._transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=self._client, source=self._source)
+
+    def _wire_metadata(self, engine: EngineTarget, metadata: ModelMetadata) -> ModelMetadata:
+        """What goes on the wire: the engine's names and serving dtypes, checked against ``metadata``."""
+        expected = engine.expected_weights()
+        if expected is None:
+            log.warning(
+                "Cannot read which weights %s loads (no local safetensors checkpoint); sending the metadata as given "
+                "without checking it against the engine.",
+                engine.description,
+            )
+            self._drops_tied_output_embedding = False
+            return dict(metadata)
+        self._drops_tied_output_embedding = expected.ties_word_embeddings
+        check_weights(expected.weights, self._offered(metadata), what="The model metadata")
+        return {name: expected.weights[name] for name in self._offered(metadata)}
+
+    def _offered(self, metadata: ModelMetadata) -> ModelMetadata:
+        # A model that ties its output embedding to its input embedding loads only the
+        # input one; a state dict still lists both, and the tied copy is not sent.
+        if self._drops_tied_output_embedding:
+            return {name: meta for name, meta in metadata.items() if name != TIED_OUTPUT_EMBEDDING}
+        return metadata
 
     def _require_engine(self) -> EngineTarget:
         if self._engine is None:
@@ -224,7 +273,7 @@ class VLLMUpdater:
             except Exception as error:  # the engine may be gone; nothing left to release then
                 log.warning("Could not release vLLM's weight-transfer engine: %s", error)
 
-    # -- pushing ----------------------------------------------------------------
+    # -- versions, hooks and the collector ------------------------------------------
 
     @property
     def weight_version(self) -> int:
@@ -242,7 +291,7 @@ class VLLMUpdater:
         self._version += 1
 
     def register_post_hook(self, hook: Callable[[], Any]) -> None:
-        """Run ``hook()`` after every successful push, in registration order."""
+        """Run ``hook()`` after every successful push, in registration order; never after a failed one."""
         if not callable(hook):
             raise TypeError(f"A post hook must be callable, got {type(hook).__name__}.")
         self._post_hooks.append(hook)
@@ -252,38 +301,97 @@ class VLLMUpdater:
         """The hooks run after each successful push."""
         return list(self._post_hooks)
 
-    def push_weights(self, policy_or_weights: torch.nn.Module | None = None, worker_ids: Any = None) -> SyncStats:
-        """Send the policy's weights to vLLM and commit them as a new version.
+    def register_collector(self, collector: Any) -> None:
+        """Attach the collector (or any container) that owns this updater, once.
+
+        It is held weakly. As in TorchRL, its ``increment_version`` (if any) runs after
+        each successful push, for as long as the collector lives.
+
+        Raises:
+            RuntimeError: a collector is already registered.
+        """
+        if self._collector_ref is not None:
+            raise RuntimeError("Cannot register collector twice.")
+        self._collector_ref = weakref.ref(collector)
+        if hasattr(collector, "increment_version"):
+            increment = weakref.WeakMethod(collector.increment_version)
+
+            def increment_collector_version() -> None:
+                method = increment()
+                if method is not None:
+                    method()
+
+            self.register_post_hook(increment_collector_version)
+
+    @property
+    def collector(self) -> Any:
+        """The registered collector, or ``None`` if none was registered or it is gone."""
+        return self._collector_ref() if self._collector_ref is not None else None
+
+    # -- pushing ----------------------------------------------------------------
+
+    def __call__(self, weights: Any = None, worker_ids: Any = None) -> SyncStats:
+        """Same as :meth:`push_weights` (TorchRL's updaters are callable)."""
+        return self.push_weights(weights, worker_ids)
+
+    def push_weights(
+        self,
+        policy_or_weights: Any = None,
+        worker_ids: int | torch.device | Sequence[int | torch.device] | None = None,
+    ) -> SyncStats:
+        """Send weights to vLLM and commit them as a new version.
 
         Joins the group first if :meth:`init` has not run (metadata then comes from
-        ``policy_or_weights``). If the push fails, the group is released and the next
-        push joins again, so an engine that restarted is picked up.
+        the weights). If the push fails, the group is released and the next push joins
+        again, so an engine that restarted is picked up.
 
         Args:
-            policy_or_weights: a Hugging Face model or a LightningModule holding one.
-            worker_ids: engines to update; only ``None`` or ``[0]`` while one engine is held.
+            policy_or_weights: a Hugging Face or PEFT model, a LightningModule holding one,
+                a dict of tensors or a TensorDict (nested keys joined with ``"."``).
+            worker_ids: engines to update, by id (see :meth:`all_worker_ids`) or by device
+                (the engines on that device type); all when ``None``.
 
         Returns:
             The version pushed, the seconds it took and the bytes sent.
 
         Raises:
-            ValueError: the weights do not match the metadata the group was set up with.
+            WeightsMismatchError: the weights do not fit the engine's model; nothing is sent.
             WeightSyncError: the transfer failed (the engine keeps its previous version).
         """
-        if policy_or_weights is None:
-            raise ValueError("push_weights needs the weights: pass the policy (a Hugging Face model or LightningModule).")
-        if worker_ids not in (None, 0, [0]):
-            raise ValueError(f"Invalid worker_ids={worker_ids!r}: this updater holds one engine, id 0.")
-        model = find_hf_model(policy_or_weights, self.model_attribute)
-        weights = ModuleWeights(model)
+        weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
+        source = self._maybe_map_weights(weights)
+        targets = self._resolve_worker_ids(worker_ids)
         if self._transfer is None:
-            self.init(self.model_metadata if self.model_metadata is not None else model_metadata(model))
-        assert self._transfer is not None and self._source is not None and self._client is not None
-        self._check_weights(model)
-        version = self._version + 1
-        self._source.current = weights
-        self._client.next_weight_version = str(version)
+            self.init(self.model_metadata if self.model_metadata is not None else source_metadata(source))
+        check_weights(self._wire, self._offered(source_metadata(source)), what="The weights pushed")
         start = time.perf_counter()
+        for worker_id in targets:
+            self._sync_weights_with_worker(worker_id=worker_id, server_weights=source)
+        self._version += 1
+        self.last_sync = SyncStats(self._version, time.perf_counter() - start, self._wire_bytes() * len(targets))
+        for hook in self._post_hooks:
+            hook()
+        return self.last_sync
+
+    def _get_server_weights(self) -> Any:
+        """Not used, as in TorchRL's vLLMUpdater: weights must be passed to :meth:`push_weights`."""
+        raise ValueError(
+            "push_weights needs the weights: pass the policy (a Hugging Face model or a LightningModule holding one), "
+            "a dict of tensors or a TensorDict. This updater does not fetch weights by itself."
+        )
+
+    def _maybe_map_weights(self, server_weights: Any) -> WeightSource:
+        """Turn a model, a dict or a TensorDict into the named, streamed source the transport reads."""
+        return weights_from(server_weights, self.model_attribute)
+
+    def _sync_weights_with_worker(self, *, worker_id: int | torch.device | None = None, server_weights: Any) -> None:
+        """Send ``server_weights`` to one engine and commit the next version there."""
+        if worker_id not in (None, *self.all_worker_ids()):
+            raise ValueError(f"Unknown worker_id={worker_id!r}; this updater's engines are {self.all_worker_ids()}.")
+        if self._transfer is None or self._source is None or self._client is None:
+            raise RuntimeError("The updater is not connected: call init() first.")
+        self._source.current = server_weights if isinstance(server_weights, WeightSource) else self._maybe_map_weights(server_weights)
+        self._client.next_weight_version = str(self._version + 1)
         try:
             self._transfer.send_weights()
         except BaseException:
@@ -292,28 +400,35 @@ class VLLMUpdater:
         finally:
             self._source.current = None
         if self.reset_prefix_cache:
-            engine = self._require_engine()
-            call_with_timeout(engine.reset_prefix_cache, timeout=self.timeout_seconds, what="vLLM to reset its prefix cache")
-        self._version = version
-        self.last_sync = SyncStats(version, time.perf_counter() - start, self._wire_bytes())
-        for hook in self._post_hooks:
-            hook()
-        return self.last_sync
-
-    def _check_weights(self, model: torch.nn.Module) -> None:
-        assert self.model_metadata is not None
-        problems = metadata_problems(self.model_metadata, model_metadata(model))
-        if problems:
-            listed = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
-            more = f" (and {len(problems) - _MAX_LISTED_PROBLEMS} more)" if len(problems) > _MAX_LISTED_PROBLEMS else ""
-            raise ValueError(
-                f"The weights pushed do not match the metadata the sync was set up with: {listed}{more}. "
-                "Push the same model architecture, or call init() with its new metadata."
+            call_with_timeout(
+                self._require_engine().reset_prefix_cache, timeout=self.timeout_seconds, what="vLLM to reset its prefix cache"
             )
 
+    def _resolve_worker_ids(self, worker_ids: int | torch.device | Sequence[int | torch.device] | None) -> list[int]:
+        known = self.all_worker_ids()
+        if worker_ids is None:
+            return known
+        requested = [worker_ids] if isinstance(worker_ids, (int, torch.device)) else list(worker_ids)
+        resolved: list[int] = []
+        for worker in requested:
+            if isinstance(worker, torch.device):
+                resolved += [i for i in known if self._require_engine().device_type() == worker.type]
+            elif worker in known:
+                resolved.append(worker)
+            else:
+                raise ValueError(f"Unknown worker id {worker!r}; this updater's engines are {known}.")
+        if not resolved:
+            raise ValueError(f"worker_ids={worker_ids!r} selects no engine; this updater's engines are {known}.")
+        return sorted(set(resolved))
+
     def _wire_bytes(self) -> int:
-        assert self.model_metadata is not None
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.model_metadata.values())
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self._wire.values())
+
+
+def _as_metadata(metadata: Mapping[str, tuple[torch.dtype, Any]] | None) -> ModelMetadata | None:
+    if metadata is None:
+        return None
+    return {name: (dtype, torch.Size(shape)) for name, (dtype, shape) in metadata.items()}
 
 
 vLLMUpdater = VLLMUpdater

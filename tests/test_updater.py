@@ -136,6 +136,9 @@ class SilentEngine:
     def num_workers(self) -> int:
         return 1
 
+    def expected_weights(self):
+        return None
+
     def init_weight_transfer_engine(self, init_info):
         self.never.wait()
 

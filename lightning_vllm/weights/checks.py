@@ -1,0 +1,109 @@
+"""Checking weights against what the engine's model loads, before any byte moves.
+
+vLLM 0.32 has no route that lists the tensors a model loads (``/weight_info`` only
+reports the version). The engine's checkpoint does: it holds exactly the tensors,
+names and shapes the engine loaded at start. Its safetensors headers are read
+without reading the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_vllm.errors import WeightsMismatchError
+from lightning_vllm.weights.model import ModelMetadata
+
+MAX_LISTED_PROBLEMS = 10
+TIED_OUTPUT_EMBEDDING = "lm_head.weight"
+_INPUT_EMBEDDING_SUFFIX = "embed_tokens.weight"
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExpectedWeights:
+    """What an engine's model loads: ``{name: (wire dtype, shape)}``, and whether it ties embeddings.
+
+    The wire dtype of a floating tensor is the engine's serving dtype, so weights are
+    converted on the trainer (bucket by bucket) and the engine loads them as they come.
+    """
+
+    weights: ModelMetadata
+    ties_word_embeddings: bool
+
+
+def checkpoint_weights(
+    model_dir: str | Path, *, serving_dtype: torch.dtype, ties_word_embeddings: bool
+) -> ExpectedWeights | None:
+    """The weights in a local safetensors checkpoint, or ``None`` if there is none to read."""
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    weights: ModelMetadata = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                tensor = checkpoint.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype(), torch.uint8)
+                wire = serving_dtype if dtype.is_floating_point else dtype
+                weights[name] = (wire, torch.Size(tensor.get_shape()))
+    if ties_word_embeddings:
+        weights.pop(TIED_OUTPUT_EMBEDDING, None)
+    return ExpectedWeights(weights, ties_word_embeddings)
+
+
+def metadata_problems(expected: Mapping[str, tuple[torch.dtype, Any]], actual: Mapping[str, tuple[torch.dtype, Any]]) -> list[str]:
+    """Every difference between the weights an engine loads and the weights offered, one line each."""
+    problems = [f"unknown tensor {name!r} (the engine's model has no such weight)" for name in actual if name not in expected]
+    problems += [f"missing tensor {name!r}" for name in expected if name not in actual]
+    for name, (wire_dtype, shape) in expected.items():
+        if name not in actual:
+            continue
+        dtype, actual_shape = actual[name]
+        if tuple(actual_shape) != tuple(shape):
+            problems.append(f"tensor {name!r} has shape {tuple(actual_shape)}, the engine's has {tuple(shape)}")
+        if not isinstance(dtype, torch.dtype) or (wire_dtype in _FLOATING and dtype not in _FLOATING):
+            problems.append(f"tensor {name!r} has dtype {dtype}, which cannot be sent as {wire_dtype}")
+    return problems
+
+
+def _hint(problems: list[str], expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
+    if TIED_OUTPUT_EMBEDDING in expected and TIED_OUTPUT_EMBEDDING not in actual:
+        if any(name.endswith(_INPUT_EMBEDDING_SUFFIX) for name in actual):
+            return (
+                "The model ties its input and output embeddings but the engine's does not: start the engine "
+                "from a checkpoint saved from this model (tie_word_embeddings must agree)."
+            )
+    if any(problem.startswith("unknown") for problem in problems) and all(
+        "." in name and name.split(".", 1)[1] in expected for name in actual if name not in expected
+    ):
+        return "The names carry an extra prefix: pass the Hugging Face model itself or set model_attribute=..."
+    return "Push the architecture the engine serves (same checkpoint, same config), or restart the engine on this model."
+
+
+def check_weights(expected: Mapping[str, tuple[torch.dtype, Any]], actual: Mapping[str, tuple[torch.dtype, Any]], *, what: str) -> None:
+    """Raise one error listing up to 10 problems, or nothing if ``actual`` fits ``expected``.
+
+    Raises:
+        WeightsMismatchError: names, shapes or dtypes do not fit.
+    """
+    problems = metadata_problems(expected, actual)
+    if not problems:
+        return
+    listed = "\n  - ".join(problems[:MAX_LISTED_PROBLEMS])
+    more = f"\n  (and {len(problems) - MAX_LISTED_PROBLEMS} more)" if len(problems) > MAX_LISTED_PROBLEMS else ""
+    raise WeightsMismatchError(
+        f"{what} do not fit the engine's model ({len(problems)} problem(s)); nothing was sent and vLLM keeps its "
+        f"weights:\n  - {listed}{more}\n{_hint(problems, expected, actual)}"
+    )

@@ -1,0 +1,68 @@
+"""PEFT LoRA models: send the merged weights without merging the live model.
+
+vLLM serves the base architecture, so a LoRA policy is sent as base weight plus
+the adapters' delta, under the base model's names. The merge happens one
+parameter at a time into a fresh tensor (``get_delta_weight`` builds the delta
+without touching the module), so the training module is never changed and the
+extra memory is one weight matrix, not a merged copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import materialize_full_tensor
+
+# Parameters that belong to adapters, or to the frozen copy PEFT keeps beside a
+# trained module (modules_to_save): never sent.
+_ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.", ".original_module.")
+_BASE_SUFFIX = ".base_layer.weight"
+_SAVED_MODULE = ".modules_to_save."
+
+
+def has_lora(module: torch.nn.Module) -> bool:
+    """Whether any PEFT LoRA layer is inside ``module``."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return False
+    return any(isinstance(child, LoraLayer) for child in module.modules())
+
+
+def _sent_name(name: str) -> str | None:
+    """The name under which ``name`` is sent, or ``None`` for adapter parameters."""
+    if any(marker in name for marker in _ADAPTER_MARKERS):
+        return None
+    if _SAVED_MODULE in name:  # "lm_head.modules_to_save.default.weight" -> "lm_head.weight"
+        head, _, tail = name.partition(_SAVED_MODULE)
+        return f"{head}.{tail.partition('.')[2]}"
+    return name
+
+
+def lora_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of what is sent for a LoRA model: base and trained weights, no adapters."""
+    for name, param in module.named_parameters():
+        sent = _sent_name(name)
+        if sent is not None:
+            yield sent, param
+
+
+def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like :func:`lora_parameters`, with each LoRA base weight replaced by base + active adapters' delta."""
+    from peft.tuners.lora import LoraLayer
+
+    with torch.no_grad():
+        for name, param in lora_parameters(module):
+            tensor = materialize_full_tensor(param.detach())
+            if name.endswith(_BASE_SUFFIX):
+                layer = module.get_submodule(name[: -len(_BASE_SUFFIX)])
+                if isinstance(layer, LoraLayer) and not layer.merged and not layer.disable_adapters:
+                    deltas = [
+                        layer.get_delta_weight(adapter)  # type: ignore[operator]  # defined by every LoRA layer type
+                        for adapter in layer.active_adapters
+                        if adapter in layer.lora_A
+                    ]
+                    if deltas:
+                        tensor = tensor + sum(deltas).to(tensor.dtype)
+            yield name, tensor

@@ -1,0 +1,162 @@
+"""Weight sources: what a push reads, as vLLM ``WeightSource`` objects.
+
+A source declares ``metadata()`` (names, dtypes, shapes, read without copying or
+gathering any tensor) and yields ``(name, tensor)`` pairs one at a time when the
+transport asks, so a push never holds a second copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
+
+from lightning_vllm.weights.lora import has_lora, lora_parameters, merged_lora_weights
+from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
+
+
+def _check_unique(names: list[str], origin: str) -> None:
+    seen: set[str] = set()
+    repeated = sorted({name for name in names if name in seen or seen.add(name)})  # type: ignore[func-returns-value]
+    if repeated:
+        raise ValueError(
+            f"{origin} gives several tensors the same checkpoint name after removing wrapper prefixes: "
+            f"{', '.join(repeated[:5])}. Pass the Hugging Face model itself."
+        )
+
+
+class ModuleWeights(WeightSource):
+    """The parameters of a Hugging Face model, under their checkpoint names.
+
+    Dense parameters are yielded as they are (no copy); FSDP shards are gathered
+    with ``full_tensor()`` one parameter at a time.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._names = [canonical_name(name) for name, _ in self.module.named_parameters()]
+        _check_unique(self._names, type(module).__name__)
+
+    def metadata(self) -> list[ParamMeta]:
+        # A DTensor (FSDP2) reports its global shape here, so nothing is gathered.
+        return [
+            ParamMeta(name, param.dtype, tuple(param.shape))
+            for name, (_, param) in zip(self._names, self.module.named_parameters())
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (_, param) in zip(self._names, self.module.named_parameters()):
+            yield name, materialize_full_tensor(param.detach())
+
+
+class LoraMergedWeights(WeightSource):
+    """A PEFT LoRA model's merged weights under the base model's names; the module is left untouched."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._names = [canonical_name(name) for name, _ in lora_parameters(module)]
+        _check_unique(self._names, type(module).__name__)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(name, param.dtype, tuple(param.shape))
+            for name, (_, param) in zip(self._names, lora_parameters(self.module))
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (_, tensor) in zip(self._names, merged_lora_weights(self.module)):
+            yield name, tensor
+
+
+class MappingWeights(WeightSource):
+    """Weights given as a dict or a TensorDict (nested keys joined with ``"."``)."""
+
+    def __init__(self, weights: Mapping[str, Any] | Any) -> None:
+        flat = _flatten(weights)
+        names = [canonical_name(name) for name in flat]
+        _check_unique(names, "The weights")
+        self._tensors = dict(zip(names, flat.values()))
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self._tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._tensors.items():
+            yield name, materialize_full_tensor(tensor.detach())
+
+
+def _flatten(weights: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    from tensordict import TensorDictBase
+
+    if isinstance(weights, TensorDictBase):
+        weights = weights.flatten_keys(".").to_dict()
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in weights.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            flat[name] = value
+        elif isinstance(value, Mapping) or hasattr(value, "flatten_keys"):
+            flat.update(_flatten(value, prefix=f"{name}."))
+        else:
+            raise TypeError(f"Weight {name!r} is a {type(value).__name__}, not a tensor.")
+    return flat
+
+
+def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> WeightSource:
+    """The source for what ``push_weights`` was given.
+
+    Args:
+        policy_or_weights: a Hugging Face model, a PEFT model, a LightningModule holding
+            one, a ``dict`` of tensors, a TensorDict, or a ready ``WeightSource``.
+        model_attribute: the LightningModule attribute holding the model, if not found automatically.
+
+    Raises:
+        TypeError: for anything else.
+    """
+    if isinstance(policy_or_weights, WeightSource):
+        return policy_or_weights
+    if isinstance(policy_or_weights, torch.nn.Module):
+        model = find_hf_model(policy_or_weights, model_attribute)
+        return LoraMergedWeights(model) if has_lora(model) else ModuleWeights(model)
+    if isinstance(policy_or_weights, Mapping) or hasattr(policy_or_weights, "flatten_keys"):
+        return MappingWeights(policy_or_weights)
+    raise TypeError(
+        f"Cannot push weights from a {type(policy_or_weights).__name__}: pass a Hugging Face model, a LightningModule "
+        "holding one, a dict of tensors or a TensorDict."
+    )
+
+
+def source_metadata(source: WeightSource) -> ModelMetadata:
+    """``{name: (dtype, shape)}`` of a source, in its order."""
+    return {meta.name: (meta.dtype, torch.Size(meta.shape)) for meta in source.metadata()}
+
+
+class PushSource(WeightSource):
+    """The weights of the push under way, in the wire dtypes and names fixed at ``init``.
+
+    vLLM's trainer engines take one ``WeightSource`` when they connect and replay it
+    at every push; the updater swaps the weights behind it (``current``) before each
+    push, after checking them. Tensors the engine does not load (the output
+    embedding of a model that ties it to the input embedding) are left out.
+    """
+
+    def __init__(self, wire: Mapping[str, tuple[torch.dtype, Any]]) -> None:
+        self.wire_dtypes = {name: dtype for name, (dtype, _) in wire.items()}
+        self.current: WeightSource | None = None
+
+    def _current(self) -> WeightSource:
+        if self.current is None:
+            raise RuntimeError("No weights are being pushed: set PushSource.current first.")
+        return self.current
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(meta.name, self.wire_dtypes[meta.name], meta.shape)
+            for meta in self._current().metadata()
+            if meta.name in self.wire_dtypes
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((name, tensor) for name, tensor in self._current() if name in self.wire_dtypes)
