@@ -384,8 +384,10 @@ class VLLMUpdater:
         """Turn a model, a dict or a TensorDict into the named, streamed source the transport reads."""
         return weights_from(server_weights, self.model_attribute)
 
-    def _sync_weights_with_worker(self, *, worker_id: int | torch.device | None = None, server_weights: Any) -> None:
+    def _sync_weights_with_worker(self, *, worker_id: int | torch.device | None = None, server_weights: Any = None) -> None:
         """Send ``server_weights`` to one engine and commit the next version there."""
+        if server_weights is None:
+            server_weights = self._get_server_weights()
         if worker_id not in (None, *self.all_worker_ids()):
             raise ValueError(f"Unknown worker_id={worker_id!r}; this updater's engines are {self.all_worker_ids()}.")
         if self._transfer is None or self._source is None or self._client is None:

@@ -79,16 +79,15 @@ def metadata_problems(expected: Mapping[str, tuple[torch.dtype, Any]], actual: M
 
 
 def _hint(problems: list[str], expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
+    unknown = [name for name in actual if name not in expected]
+    if unknown and all("." in name and name.split(".", 1)[1] in expected for name in unknown):
+        return "The names carry an extra prefix: pass the Hugging Face model itself or set model_attribute=..."
     if TIED_OUTPUT_EMBEDDING in expected and TIED_OUTPUT_EMBEDDING not in actual:
-        if any(name.endswith(_INPUT_EMBEDDING_SUFFIX) for name in actual):
+        if any(name.endswith(_INPUT_EMBEDDING_SUFFIX) and name in expected for name in actual):
             return (
                 "The model ties its input and output embeddings but the engine's does not: start the engine "
                 "from a checkpoint saved from this model (tie_word_embeddings must agree)."
             )
-    if any(problem.startswith("unknown") for problem in problems) and all(
-        "." in name and name.split(".", 1)[1] in expected for name in actual if name not in expected
-    ):
-        return "The names carry an extra prefix: pass the Hugging Face model itself or set model_attribute=..."
     return "Push the architecture the engine serves (same checkpoint, same config), or restart the engine on this model."
 
 
