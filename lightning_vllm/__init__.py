@@ -9,7 +9,7 @@ Example::
 
 from lightning_vllm.callback import VLLMWeightSync
 from lightning_vllm.engines import EngineTarget, LocalLLMEngine
-from lightning_vllm.errors import EngineConfigError, WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "VLLMWeightSync",
     "WeightSyncError",
     "WeightSyncTimeoutError",
+    "WeightsMismatchError",
     "vLLMUpdater",
 ]

@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, W
 
 from lightning_vllm._waits import TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, as_engine_target
-from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.errors import EngineConfigError, WeightsMismatchError
 from lightning_vllm.transports import resolve_backend, trainer_init_info
 from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
 from lightning_vllm.transports.gloo import DEFAULT_TIMEOUT_SECONDS, validate_bucket_size
@@ -33,7 +33,8 @@ from lightning_vllm.weights import (
     source_metadata,
     weights_from,
 )
-from lightning_vllm.weights.checks import TIED_OUTPUT_EMBEDDING
+from lightning_vllm.weights.checks import INPUT_EMBEDDING_SUFFIX, TIED_OUTPUT_EMBEDDING
+from lightning_vllm.weights.sources import differs_from_input_embedding
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,20 @@ class VLLMUpdater:
             return {name: meta for name, meta in metadata.items() if name != TIED_OUTPUT_EMBEDDING}
         return metadata
 
+    def _check_tied_output_embedding(self, source: WeightSource) -> None:
+        if not self._drops_tied_output_embedding:
+            return
+        if TIED_OUTPUT_EMBEDDING not in source_metadata(source):
+            return
+        embedding = differs_from_input_embedding(source, TIED_OUTPUT_EMBEDDING, INPUT_EMBEDDING_SUFFIX)
+        if embedding is not None:
+            raise WeightsMismatchError(
+                f"The weights pushed do not fit the engine's model; nothing was sent and vLLM keeps its weights: "
+                f"{TIED_OUTPUT_EMBEDDING!r} differs from {embedding!r}, but the engine's model ties its output "
+                "embedding to its input embedding. Start the engine from a checkpoint saved from this model "
+                "(tie_word_embeddings must agree)."
+            )
+
     def _require_engine(self) -> EngineTarget:
         if self._engine is None:
             raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
@@ -364,6 +379,7 @@ class VLLMUpdater:
         if self._transfer is None:
             self.init(self.model_metadata if self.model_metadata is not None else source_metadata(source))
         check_weights(self._wire, self._offered(source_metadata(source)), what="The weights pushed")
+        self._check_tied_output_embedding(source)
         start = time.perf_counter()
         for worker_id in targets:
             self._sync_weights_with_worker(worker_id=worker_id, server_weights=source)

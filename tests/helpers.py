@@ -41,7 +41,7 @@ def save_model(model: Qwen2ForCausalLM, directory: Path) -> Path:
     return directory
 
 
-def build_llm(model_dir: Path, backend: str | None = "gloo", **kwargs):
+def build_llm(model_dir: Path, backend: str | None = "gloo", dtype: str = "float32", **kwargs):
     """A real vLLM engine on CPU for ``model_dir`` (about 20 s to start)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -51,7 +51,7 @@ def build_llm(model_dir: Path, backend: str | None = "gloo", **kwargs):
         model=str(model_dir),
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=128,
         seed=0,
         **extra,

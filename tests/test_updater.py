@@ -217,3 +217,57 @@ def test_the_trainer_listens_on_loopback_only_by_default(llm):
     assert opened, "the rendezvous store should be listening"
     assert {ip for ip, _ in opened} == {"127.0.0.1"}
     updater.close()
+
+
+def test_worker_ids_select_engines_by_id_or_device(llm):
+    model = tiny_qwen2(seed=22)
+    updater = VLLMUpdater(engine=llm)
+    assert updater.all_worker_ids() == [0]
+    updater.push_weights(model, worker_ids=0)
+    updater.push_weights(model, worker_ids=[0])
+    updater.push_weights(model, worker_ids=torch.device("cpu"))
+    assert llm.get_weight_version() == "3"
+    with pytest.raises(ValueError, match=r"Unknown worker id 1; this updater's engines are \[0\]"):
+        updater.push_weights(model, worker_ids=[1])
+    with pytest.raises(ValueError, match="selects no engine"):
+        updater.push_weights(model, worker_ids=torch.device("cuda"))
+    assert llm.get_weight_version() == "3"
+    updater.close()
+
+
+def bad_inputs(model):
+    """Each kind of bad input, as a dict of weights built from a good model."""
+    good = {name: param.detach() for name, param in model.named_parameters()}
+    unknown = {**good, "model.layers.2.mlp.up_proj.weight": torch.zeros(256, 128)}
+    missing = {name: tensor for name, tensor in good.items() if name != "model.norm.weight"}
+    wrong_shape = {**good, "model.norm.weight": torch.ones(64)}
+    wrong_dtype = {**good, "model.norm.weight": torch.ones(128, dtype=torch.int64)}
+    return {
+        "unknown tensor 'model.layers.2.mlp.up_proj.weight'": unknown,
+        "missing tensor 'model.norm.weight'": missing,
+        r"tensor 'model.norm.weight' has shape \(64,\), the engine's has \(128,\)": wrong_shape,
+        "tensor 'model.norm.weight' has dtype torch.int64, which cannot be sent as torch.float32": wrong_dtype,
+    }
+
+
+def test_each_kind_of_bad_input_is_refused_and_vllm_keeps_serving(llm):
+    from lightning_vllm import WeightsMismatchError
+
+    model = tiny_qwen2(seed=23)
+    updater = VLLMUpdater(engine=llm)
+    hook_calls = []
+    updater.register_post_hook(lambda: hook_calls.append(updater.weight_version))
+    updater.push_weights(model)
+    served = vllm_prompt_logprobs(llm)
+    for problem, weights in bad_inputs(model).items():
+        with pytest.raises(WeightsMismatchError, match=problem):
+            updater.push_weights(weights)
+        # Also refused before joining, when the metadata itself is wrong.
+        with pytest.raises(WeightsMismatchError, match=problem):
+            VLLMUpdater(engine=llm).init(VLLMUpdater.get_model_metadata(weights))
+    assert llm.get_weight_version() == "1" and updater.weight_version == 1
+    assert vllm_prompt_logprobs(llm) == served
+    assert hook_calls == [1]  # never after a failed push
+    updater.push_weights(model)  # the group survived the refusals
+    assert llm.get_weight_version() == "2"
+    updater.close()

@@ -234,6 +234,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_embeddings(self.model)
 
     @override
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -265,6 +266,32 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def shutdown(self) -> None:
         self._group = None
         self._store = None
+
+
+def refresh_tied_embeddings(model: torch.nn.Module) -> None:
+    """Re-process embedding layers that share their weight with another layer.
+
+    Works around vLLM 0.32 on CPU: the output embedding of a model that ties it to
+    the input embedding (``lm_head``) loads no weight of its own, so layer-wise
+    reload does not re-process it, and it keeps computing logits from the packed
+    (oneDNN) copy of the *old* embedding it made at start. Its weight tensor is the
+    new one, so re-running its processing rebuilds the packed copy. Unquantized
+    embeddings only: their processing just repacks and can run again safely.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(module)
+    for modules in holders.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from lightning_vllm.weights.model import ModelMetadata
 
 MAX_LISTED_PROBLEMS = 10
 TIED_OUTPUT_EMBEDDING = "lm_head.weight"
-_INPUT_EMBEDDING_SUFFIX = "embed_tokens.weight"
+INPUT_EMBEDDING_SUFFIX = "embed_tokens.weight"
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -83,7 +83,7 @@ def _hint(problems: list[str], expected: Mapping[str, Any], actual: Mapping[str,
     if unknown and all("." in name and name.split(".", 1)[1] in expected for name in unknown):
         return "The names carry an extra prefix: pass the Hugging Face model itself or set model_attribute=..."
     if TIED_OUTPUT_EMBEDDING in expected and TIED_OUTPUT_EMBEDDING not in actual:
-        if any(name.endswith(_INPUT_EMBEDDING_SUFFIX) and name in expected for name in actual):
+        if any(name.endswith(INPUT_EMBEDDING_SUFFIX) and name in expected for name in actual):
             return (
                 "The model ties its input and output embeddings but the engine's does not: start the engine "
                 "from a checkpoint saved from this model (tie_word_embeddings must agree)."

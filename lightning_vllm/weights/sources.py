@@ -128,6 +128,25 @@ def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> 
     )
 
 
+def differs_from_input_embedding(source: WeightSource, output_name: str, input_suffix: str) -> str | None:
+    """The input embedding's name if ``source``'s output embedding is not a copy of it, else ``None``.
+
+    Stops reading the source as soon as both tensors were seen.
+    """
+    found: dict[str, torch.Tensor] = {}
+    input_name = output_name
+    for name, tensor in source:
+        if name == output_name or name.endswith(input_suffix):
+            found[name] = tensor
+            input_name = name if name != output_name else input_name
+        if len(found) == 2:
+            break
+    output, embedding = found.get(output_name), found.get(input_name)
+    if output is None or embedding is None or output is embedding or torch.equal(output, embedding):
+        return None
+    return input_name
+
+
 def source_metadata(source: WeightSource) -> ModelMetadata:
     """``{name: (dtype, shape)}`` of a source, in its order."""
     return {meta.name: (meta.dtype, torch.Size(meta.shape)) for meta in source.metadata()}

@@ -1,0 +1,134 @@
+"""What is sent, end to end: each kind of policy or weights lands in a real vLLM engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    TinyCausalLM,
+    build_llm,
+    cpu_trainer,
+    hf_greedy,
+    hf_prompt_logprobs,
+    max_abs_diff,
+    save_model,
+    shutdown,
+    tiny_qwen2,
+    token_batches,
+    vllm_greedy,
+    vllm_prompt_logprobs,
+)
+from tensordict import TensorDict
+
+from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightsMismatchError
+
+FLOAT32_TOLERANCE = 1e-4
+
+
+def assert_serves(llm, model, tolerance: float = FLOAT32_TOLERANCE) -> None:
+    model.eval()
+    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)) < tolerance
+    assert vllm_greedy(llm) == hf_greedy(model)
+
+
+def test_compiled_model_under_a_custom_attribute(llm, tmp_path):
+    hf = tiny_qwen2(seed=40)
+    module = TinyCausalLM(torch.compile(hf, backend="eager"), attribute="actor")
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2)
+    cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
+    assert sync.weight_version == 2
+    assert_serves(llm, hf)
+
+
+def test_weights_as_a_dict_and_as_a_tensordict(llm):
+    updater = VLLMUpdater(engine=llm)
+    as_dict = tiny_qwen2(seed=41)
+    updater.push_weights({name: param.detach() for name, param in as_dict.named_parameters()})
+    assert_serves(llm, as_dict)
+    as_tensordict = tiny_qwen2(seed=42)
+    weights = TensorDict(dict(as_tensordict.named_parameters()), []).unflatten_keys(".")
+    assert isinstance(weights["model", "layers", "0", "mlp", "up_proj", "weight"], torch.Tensor)
+    updater.push_weights(weights)
+    assert_serves(llm, as_tensordict)
+    assert llm.get_weight_version() == "2"
+    updater.close()
+
+
+def test_a_lightning_state_dict_is_refused_with_a_prefix_hint(llm):
+    module = TinyCausalLM(tiny_qwen2(seed=43), attribute="actor")
+    with pytest.raises(WeightsMismatchError, match="extra prefix"):
+        VLLMUpdater(engine=llm).push_weights(module.state_dict())
+    # Named, the attribute is found and the same weights go through.
+    VLLMUpdater(engine=llm, model_attribute="actor").push_weights(module)
+    assert_serves(llm, module.hf)
+
+
+def test_lora_policy_sends_merged_weights_and_leaves_the_module_untouched(llm, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(44)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    policy = get_peft_model(tiny_qwen2(seed=0), config)
+    module = TinyCausalLM(policy, lr=1e-2)
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2)
+    cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
+    before = {name: param.detach().clone() for name, param in policy.named_parameters()}
+
+    sync.updater.push_weights(module)
+
+    for name, param in policy.named_parameters():
+        assert torch.equal(param, before[name]), name  # bit-identical: nothing merged into the live module
+    assert any(layer.merged is False for layer in policy.modules() if hasattr(layer, "merged"))
+    policy.eval()
+    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(policy)) < FLOAT32_TOLERANCE
+    sync.updater.close()
+
+
+@pytest.fixture(scope="module")
+def tied_llm(tmp_path_factory):
+    """An engine on a model whose output embedding is tied to its input embedding."""
+    model_dir = save_model(tiny_qwen2(seed=0, tie_word_embeddings=True), tmp_path_factory.mktemp("tied"))
+    engine = build_llm(model_dir)
+    yield engine
+    shutdown(engine)
+
+
+def test_tied_embeddings(tied_llm, tmp_path):
+    model = tiny_qwen2(seed=45, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    sync = VLLMWeightSync(engine=tied_llm, every_n_train_steps=1)
+    cpu_trainer(tmp_path, [sync], max_steps=2).fit(TinyCausalLM(model), token_batches(num_batches=2))
+    assert_serves(tied_llm, model)
+    # A state dict lists the tied output embedding too; it is not sent twice.
+    stats = sync.updater.push_weights(model.state_dict())
+    assert stats.num_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert_serves(tied_llm, model)
+    sync.updater.close()
+
+
+def test_an_untied_output_embedding_into_a_tied_engine_is_refused(tied_llm):
+    untied = {name: param.detach() for name, param in tiny_qwen2(seed=46).named_parameters()}
+    version = tied_llm.get_weight_version()
+    with pytest.raises(WeightsMismatchError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'.*ties"):
+        VLLMUpdater(engine=tied_llm).push_weights(untied)
+    assert tied_llm.get_weight_version() == version
+
+
+@pytest.fixture(scope="module")
+def bf16_llm(model_dir):
+    engine = build_llm(model_dir, dtype="bfloat16")
+    yield engine
+    shutdown(engine)
+
+
+def test_float32_trainer_into_a_bfloat16_engine(bf16_llm):
+    model = tiny_qwen2(seed=47)
+    updater = VLLMUpdater(engine=bf16_llm)
+    stats = updater.push_weights(model)
+    assert stats.num_bytes == sum(p.numel() * 2 for p in model.parameters())  # sent as bfloat16
+    reference = tiny_qwen2(seed=47).to(torch.bfloat16).float()  # what bfloat16 weights compute
+    served = vllm_prompt_logprobs(bf16_llm)
+    assert max_abs_diff(served, hf_prompt_logprobs(reference)) < 0.05
+    assert max_abs_diff(served, hf_prompt_logprobs(tiny_qwen2(seed=0))) > 0.5  # the push changed the weights
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    updater.close()
