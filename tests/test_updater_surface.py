@@ -133,3 +133,25 @@ def test_a_collector_registers_once_and_is_held_weakly():
 
 def test_no_worker_without_an_engine():
     assert VLLMUpdater().all_worker_ids() == []
+
+
+def test_maybe_map_weights_turns_every_accepted_form_into_a_source():
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    model = tiny_qwen2()
+    for weights in (model, TinyCausalLM(model), dict(model.named_parameters())):
+        source = VLLMUpdater()._maybe_map_weights(weights)
+        assert isinstance(source, WeightSource)
+        assert [meta.name for meta in source.metadata()] == [name for name, _ in model.named_parameters()]
+
+
+def test_sync_with_a_worker_needs_a_connected_updater():
+    with pytest.raises(RuntimeError, match="not connected: call init"):
+        VLLMUpdater()._sync_weights_with_worker(server_weights=tiny_qwen2())
+    with pytest.raises(ValueError, match="push_weights needs the weights"):
+        VLLMUpdater()._sync_weights_with_worker()
+
+
+def test_calling_the_updater_pushes():
+    with pytest.raises(ValueError, match="push_weights needs the weights"):
+        VLLMUpdater()()
