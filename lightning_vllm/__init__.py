@@ -8,11 +8,16 @@ Example::
 """
 
 from lightning_vllm.callback import VLLMWeightSync
-from lightning_vllm.engines import EngineTarget, LocalLLMEngine
+from lightning_vllm.engines import AsyncLLMEngine, EngineTarget, Generation, HTTPEngine, LocalLLMEngine, RayEngine, VLLMActor
 from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
 
 __all__ = [
+    "AsyncLLMEngine",
+    "Generation",
+    "HTTPEngine",
+    "RayEngine",
+    "VLLMActor",
     "EngineConfigError",
     "EngineTarget",
     "LocalLLMEngine",

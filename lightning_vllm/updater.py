@@ -20,7 +20,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
 from lightning_vllm._waits import TimedClient, call_with_timeout
-from lightning_vllm.engines import EngineTarget, as_engine_target
+from lightning_vllm.engines import EngineTarget, PauseMode, as_engine_targets
 from lightning_vllm.errors import EngineConfigError, WeightsMismatchError
 from lightning_vllm.transports import resolve_backend, trainer_init_info
 from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
@@ -51,8 +51,9 @@ class SyncStats:
 class VLLMUpdater:
     """Pushes a policy's weights into a vLLM engine over vLLM's weight-transfer protocol.
 
-    The updater joins one collective group with the engine's workers (trainer rank
-    0, then every worker), checks before any byte moves that the engine is set up
+    For each engine the updater joins one collective group with its workers (trainer
+    rank 0, then every worker; one group per engine, so engines fail and are updated
+    independently), checks before any byte moves that the engine is set up
     for the chosen backend and that the weights fit the engine's model (names,
     shapes, dtypes, read from the checkpoint the engine loaded), converts them to
     the engine's serving dtype on the way, and after each successful push commits a new weight
@@ -66,7 +67,9 @@ class VLLMUpdater:
         model_metadata: ``{name: (dtype, shape)}`` of the weights to send, dtypes being
             the engine's serving dtypes; taken from the first pushed model when ``None``.
         vllm_tp_size: vLLM's tensor-parallel size; checked against the engine when given.
-        engine: the vLLM engine to update (a ``vllm.LLM``, or any ``EngineTarget``).
+        engine: the vLLM engine(s) to update: a ``vllm.LLM``, an ``AsyncLLM``, a server URL
+            (``"http://host:port"``), a Ray actor handle of ``VLLMActor``, any
+            ``EngineTarget``, or a list mixing them (worker ids are list positions).
         backend: ``"auto"`` (NCCL between CUDA devices, gloo otherwise), ``"gloo"``,
             ``"nccl"`` or ``"ipc"``; must match the engine's ``weight_transfer_config``.
         bucket_size_bytes: largest packed bucket on the wire, which bounds the trainer's
@@ -75,6 +78,9 @@ class VLLMUpdater:
         model_attribute: attribute of a LightningModule that holds the Hugging Face model;
             found automatically when ``None``.
         reset_prefix_cache: reset vLLM's prefix cache after each push.
+        pause_mode: how engines that serve while training (``AsyncLLM``, servers) treat
+            requests in flight during a push: ``"keep"`` freezes and resumes them (nothing
+            lost), ``"wait"`` finishes them first, ``"abort"`` drops them.
 
     Example::
 
@@ -100,6 +106,7 @@ class VLLMUpdater:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         model_attribute: str | None = None,
         reset_prefix_cache: bool = True,
+        pause_mode: PauseMode = "keep",
     ) -> None:
         if master_port is not None and not 0 <= master_port < 65536:
             raise ValueError(f"Invalid value for master_port={master_port}. Must be in [0, 65535], or None.")
@@ -109,6 +116,8 @@ class VLLMUpdater:
             raise ValueError(f"Invalid value for timeout_seconds={timeout_seconds}. Must be > 0.")
         validate_bucket_size(bucket_size_bytes)
         resolve_backend(backend, engine_device="cpu")  # checks the name early
+        if pause_mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"Invalid value for pause_mode={pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
         self.model_metadata: ModelMetadata | None = _as_metadata(model_metadata)
@@ -118,15 +127,12 @@ class VLLMUpdater:
         self.timeout_seconds = timeout_seconds
         self.model_attribute = model_attribute
         self.reset_prefix_cache = reset_prefix_cache
-        self._engine: EngineTarget | None = as_engine_target(engine) if engine is not None else None
+        self.pause_mode: PauseMode = pause_mode
+        self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
+        self._links: dict[int, _Link] = {}
         self._version = 0
         self._post_hooks: list[Callable[[], Any]] = []
         self._collector_ref: weakref.ref[Any] | None = None
-        self._client: TimedClient | None = None
-        self._transfer: TrainerWeightTransferEngine[Any] | None = None
-        self._source: PushSource | None = None
-        self._wire: ModelMetadata = {}
-        self._drops_tied_output_embedding = False
         self.last_sync: SyncStats | None = None
 
     # -- construction from a policy ----------------------------------------------
@@ -155,26 +161,38 @@ class VLLMUpdater:
         """
         return source_metadata(weights_from(model, model_attribute))
 
-    # -- engine and group -------------------------------------------------------
+    # -- engines and groups -----------------------------------------------------
 
     @property
     def engine(self) -> EngineTarget | None:
-        """The adapter of the vLLM engine this updater pushes to."""
-        return self._engine
+        """The adapter of the first engine (the only one, usually)."""
+        return self._engines[0] if self._engines else None
+
+    @property
+    def engines(self) -> list[EngineTarget]:
+        """The adapters of every engine, in worker-id order."""
+        return list(self._engines)
 
     @property
     def initialized(self) -> bool:
-        """Whether the collective group with the engine's workers is formed."""
-        return self._transfer is not None
+        """Whether a group is formed with every engine."""
+        return bool(self._engines) and len(self._links) == len(self._engines)
 
     def all_worker_ids(self) -> list[int]:
-        """Ids of the engines this updater can push to (``[0]`` for its one engine)."""
-        return [0] if self._engine is not None else []
+        """Ids of the engines this updater can push to: their positions in ``engine``."""
+        return list(range(len(self._engines)))
+
+    def engine_versions(self) -> dict[int, str | None]:
+        """The weight version each engine reports, by worker id."""
+        return {
+            worker_id: call_with_timeout(engine.get_weight_version, timeout=self.timeout_seconds, what="the engine's version")
+            for worker_id, engine in enumerate(self._engines)
+        }
 
     def init(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:
-        """Check the metadata against the engine's model and join the group with its workers.
+        """Check the metadata against each engine's model and join a group with each engine's workers.
 
-        Blocks until every worker has joined, at most ``timeout_seconds``.
+        Blocks until every worker has joined, at most ``timeout_seconds`` per engine.
 
         Args:
             model_metadata: ``{name: (dtype, shape)}`` of the weights to send; replaces the
@@ -183,7 +201,7 @@ class VLLMUpdater:
         Raises:
             EngineConfigError: no engine, an engine without a weight-transfer config, a
                 different backend, or a tensor-parallel size that does not match.
-            WeightsMismatchError: the metadata does not fit the engine's model.
+            WeightsMismatchError: the metadata does not fit an engine's model.
             WeightSyncTimeoutError: the workers did not join in time.
         """
         if model_metadata is not None:
@@ -193,14 +211,20 @@ class VLLMUpdater:
                 "init needs the model metadata: pass init(VLLMUpdater.get_model_metadata(model)) or "
                 "model_metadata=... to the constructor."
             )
-        engine = self._require_engine()
-        backend = self._check_engine(engine)
-        self._wire = self._wire_metadata(engine, self.model_metadata)
+        if not self._engines:
+            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
         self.close()
+        for worker_id in self.all_worker_ids():
+            self._connect(worker_id, self.model_metadata)
+
+    def _connect(self, worker_id: int, metadata: ModelMetadata) -> _Link:
+        engine = self._engines[worker_id]
+        backend = self._check_engine(engine)
+        wire, ties = self._wire_metadata(engine, metadata)
         register_backends()
-        world_size = 1 + engine.num_workers()
-        self._client = TimedClient(engine, self.timeout_seconds)
-        self._source = PushSource(self._wire)
+        client = TimedClient(engine, self.timeout_seconds)
+        source = PushSource(wire)
+        world_size = 1 + call_with_timeout(engine.num_workers, timeout=self.timeout_seconds, what="the engine's world size")
         init_info = trainer_init_info(
             backend,
             master_address=self.master_address,
@@ -212,51 +236,27 @@ class VLLMUpdater:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
-        self._transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=self._client, source=self._source)
+        transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+        link = _Link(engine, client, transfer, source, wire, ties)
+        self._links[worker_id] = link
+        return link
 
-    def _wire_metadata(self, engine: EngineTarget, metadata: ModelMetadata) -> ModelMetadata:
+    def _wire_metadata(self, engine: EngineTarget, metadata: ModelMetadata) -> tuple[ModelMetadata, bool]:
         """What goes on the wire: the engine's names and serving dtypes, checked against ``metadata``."""
-        expected = engine.expected_weights()
+        expected = call_with_timeout(engine.expected_weights, timeout=self.timeout_seconds, what="the engine's model facts")
         if expected is None:
             log.warning(
                 "Cannot read which weights %s loads (no local safetensors checkpoint); sending the metadata as given "
                 "without checking it against the engine.",
                 engine.description,
             )
-            self._drops_tied_output_embedding = False
-            return dict(metadata)
-        self._drops_tied_output_embedding = expected.ties_word_embeddings
-        check_weights(expected.weights, self._offered(metadata), what="The model metadata")
-        return {name: expected.weights[name] for name in self._offered(metadata)}
-
-    def _offered(self, metadata: ModelMetadata) -> ModelMetadata:
-        # A model that ties its output embedding to its input embedding loads only the
-        # input one; a state dict still lists both, and the tied copy is not sent.
-        if self._drops_tied_output_embedding:
-            return {name: meta for name, meta in metadata.items() if name != TIED_OUTPUT_EMBEDDING}
-        return metadata
-
-    def _check_tied_output_embedding(self, source: WeightSource) -> None:
-        if not self._drops_tied_output_embedding:
-            return
-        if TIED_OUTPUT_EMBEDDING not in source_metadata(source):
-            return
-        embedding = differs_from_input_embedding(source, TIED_OUTPUT_EMBEDDING, INPUT_EMBEDDING_SUFFIX)
-        if embedding is not None:
-            raise WeightsMismatchError(
-                f"The weights pushed do not fit the engine's model; nothing was sent and vLLM keeps its weights: "
-                f"{TIED_OUTPUT_EMBEDDING!r} differs from {embedding!r}, but the engine's model ties its output "
-                "embedding to its input embedding. Start the engine from a checkpoint saved from this model "
-                "(tie_word_embeddings must agree)."
-            )
-
-    def _require_engine(self) -> EngineTarget:
-        if self._engine is None:
-            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
-        return self._engine
+            return dict(metadata), False
+        offered = _offered(metadata, expected.ties_word_embeddings)
+        check_weights(expected.weights, offered, what="The model metadata")
+        return {name: expected.weights[name] for name in offered}, expected.ties_word_embeddings
 
     def _check_engine(self, engine: EngineTarget) -> str:
-        configured = engine.transfer_backend()
+        configured = call_with_timeout(engine.transfer_backend, timeout=self.timeout_seconds, what=f"{engine.description} to describe itself")
         backend = resolve_backend(self.backend, engine_device=engine.device_type())
         if configured is None:
             raise EngineConfigError(
@@ -277,16 +277,19 @@ class VLLMUpdater:
         return backend
 
     def close(self) -> None:
-        """Leave the group and release the engine's side of it; the engine keeps serving."""
-        transfer, self._transfer = self._transfer, None
-        if transfer is None:
+        """Leave every group and release the engines' side of them; the engines keep serving."""
+        for worker_id in list(self._links):
+            self._disconnect(worker_id)
+
+    def _disconnect(self, worker_id: int) -> None:
+        link = self._links.pop(worker_id, None)
+        if link is None:
             return
-        transfer.shutdown()
-        if self._client is not None:
-            try:
-                self._client.shutdown_weight_transfer_engine()
-            except Exception as error:  # the engine may be gone; nothing left to release then
-                log.warning("Could not release vLLM's weight-transfer engine: %s", error)
+        link.transfer.shutdown()
+        try:
+            link.client.shutdown_weight_transfer_engine()
+        except Exception as error:  # the engine may be gone; nothing left to release then
+            log.warning("Could not release the weight-transfer engine of %s: %s", link.engine.description, error)
 
     # -- versions, hooks and the collector ------------------------------------------
 
@@ -356,9 +359,9 @@ class VLLMUpdater:
     ) -> SyncStats:
         """Send weights to vLLM and commit them as a new version.
 
-        Joins the group first if :meth:`init` has not run (metadata then comes from
-        the weights). If the push fails, the group is released and the next push joins
-        again, so an engine that restarted is picked up.
+        Joins the groups first if :meth:`init` has not run (metadata then comes from
+        the weights). An engine whose push fails is disconnected and joined again at
+        the next push, so an engine that restarted is picked up.
 
         Args:
             policy_or_weights: a Hugging Face or PEFT model, a LightningModule holding one,
@@ -370,21 +373,29 @@ class VLLMUpdater:
             The version pushed, the seconds it took and the bytes sent.
 
         Raises:
-            WeightsMismatchError: the weights do not fit the engine's model; nothing is sent.
-            WeightSyncError: the transfer failed (the engine keeps its previous version).
+            WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.
+            WeightSyncError: a transfer failed (that engine keeps its previous version).
         """
         weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
         source = self._maybe_map_weights(weights)
         targets = self._resolve_worker_ids(worker_ids)
-        if self._transfer is None:
-            self.init(self.model_metadata if self.model_metadata is not None else source_metadata(source))
-        check_weights(self._wire, self._offered(source_metadata(source)), what="The weights pushed")
-        self._check_tied_output_embedding(source)
+        offered = source_metadata(source)
+        if self.model_metadata is None:
+            self.model_metadata = offered
+        links = [self._links.get(worker_id) or self._connect(worker_id, self.model_metadata) for worker_id in targets]
+        for link in links:  # every check before the first byte moves
+            check_weights(link.wire, _offered(offered, link.ties), what="The weights pushed")
+            if link.ties:
+                _check_tied_output_embedding(source, offered)
+        version = self._version + 1
         start = time.perf_counter()
-        for worker_id in targets:
-            self._sync_weights_with_worker(worker_id=worker_id, server_weights=source)
-        self._version += 1
-        self.last_sync = SyncStats(self._version, time.perf_counter() - start, self._wire_bytes() * len(targets))
+        try:
+            for worker_id in targets:
+                self._sync_weights_with_worker(worker_id=worker_id, server_weights=source)
+                self._version = version  # used as soon as one engine has committed it
+        finally:
+            seconds = time.perf_counter() - start
+        self.last_sync = SyncStats(version, seconds, sum(_num_bytes(link.wire) for link in links))
         for hook in self._post_hooks:
             hook()
         return self.last_sync
@@ -401,36 +412,46 @@ class VLLMUpdater:
         return weights_from(server_weights, self.model_attribute)
 
     def _sync_weights_with_worker(self, *, worker_id: int | torch.device | None = None, server_weights: Any = None) -> None:
-        """Send ``server_weights`` to one engine and commit the next version there."""
+        """Send ``server_weights`` to one engine (``None``: the first) and commit the next version there.
+
+        Generation on that engine is paused (``pause_mode``) for the transfer and resumed after it.
+        """
         if server_weights is None:
             server_weights = self._get_server_weights()
-        if worker_id not in (None, *self.all_worker_ids()):
-            raise ValueError(f"Unknown worker_id={worker_id!r}; this updater's engines are {self.all_worker_ids()}.")
-        if self._transfer is None or self._source is None or self._client is None:
-            raise RuntimeError("The updater is not connected: call init() first.")
-        self._source.current = server_weights if isinstance(server_weights, WeightSource) else self._maybe_map_weights(server_weights)
-        self._client.next_weight_version = str(self._version + 1)
+        worker_id = 0 if worker_id is None else worker_id
+        if not isinstance(worker_id, int) or worker_id not in self._links:
+            raise RuntimeError(f"The updater is not connected to engine {worker_id!r}: call init() first.")
+        link = self._links[worker_id]
+        source = server_weights if isinstance(server_weights, WeightSource) else self._maybe_map_weights(server_weights)
+        engine = link.engine
+        link.source.current = source
+        link.client.next_weight_version = str(self._version + 1)
+        self._bounded(engine.pause_generation, self.pause_mode, what=f"{engine.description} to pause generation")
         try:
-            self._transfer.send_weights()
+            link.transfer.send_weights()
+            if self.reset_prefix_cache:
+                self._bounded(engine.reset_prefix_cache, what=f"{engine.description} to reset its prefix cache")
         except BaseException:
-            self.close()
+            self._disconnect(worker_id)
             raise
         finally:
-            self._source.current = None
-        if self.reset_prefix_cache:
-            call_with_timeout(
-                self._require_engine().reset_prefix_cache, timeout=self.timeout_seconds, what="vLLM to reset its prefix cache"
-            )
+            link.source.current = None
+            self._bounded(engine.resume_generation, what=f"{engine.description} to resume generation")
+
+    def _bounded(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        return call_with_timeout(fn, *args, timeout=self.timeout_seconds, what=what)
 
     def _resolve_worker_ids(self, worker_ids: int | torch.device | Sequence[int | torch.device] | None) -> list[int]:
         known = self.all_worker_ids()
+        if not known:
+            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
         if worker_ids is None:
             return known
         requested = [worker_ids] if isinstance(worker_ids, (int, torch.device)) else list(worker_ids)
         resolved: list[int] = []
         for worker in requested:
             if isinstance(worker, torch.device):
-                resolved += [i for i in known if self._require_engine().device_type() == worker.type]
+                resolved += [i for i in known if self._engines[i].device_type() == worker.type]
             elif worker in known:
                 resolved.append(worker)
             else:
@@ -439,8 +460,42 @@ class VLLMUpdater:
             raise ValueError(f"worker_ids={worker_ids!r} selects no engine; this updater's engines are {known}.")
         return sorted(set(resolved))
 
-    def _wire_bytes(self) -> int:
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self._wire.values())
+
+@dataclass
+class _Link:
+    """One engine's connection: its client, the transfer engine and what goes on its wire."""
+
+    engine: EngineTarget
+    client: TimedClient
+    transfer: TrainerWeightTransferEngine[Any]
+    source: PushSource
+    wire: ModelMetadata
+    ties: bool
+
+
+def _offered(metadata: ModelMetadata, ties_word_embeddings: bool) -> ModelMetadata:
+    # A model that ties its output embedding to its input embedding loads only the
+    # input one; a state dict still lists both, and the tied copy is not sent.
+    if ties_word_embeddings:
+        return {name: meta for name, meta in metadata.items() if name != TIED_OUTPUT_EMBEDDING}
+    return metadata
+
+
+def _check_tied_output_embedding(source: WeightSource, offered: ModelMetadata) -> None:
+    if TIED_OUTPUT_EMBEDDING not in offered:
+        return
+    embedding = differs_from_input_embedding(source, TIED_OUTPUT_EMBEDDING, INPUT_EMBEDDING_SUFFIX)
+    if embedding is not None:
+        raise WeightsMismatchError(
+            f"The weights pushed do not fit the engine's model; nothing was sent and vLLM keeps its weights: "
+            f"{TIED_OUTPUT_EMBEDDING!r} differs from {embedding!r}, but the engine's model ties its output "
+            "embedding to its input embedding. Start the engine from a checkpoint saved from this model "
+            "(tie_word_embeddings must agree)."
+        )
+
+
+def _num_bytes(metadata: ModelMetadata) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in metadata.values())
 
 
 def _as_metadata(metadata: Mapping[str, tuple[torch.dtype, Any]] | None) -> ModelMetadata | None:

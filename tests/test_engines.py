@@ -18,8 +18,10 @@ def test_local_llm_adapter_reports_what_the_updater_checks(llm):
 
 
 def test_unsupported_engines_are_named():
-    with pytest.raises(TypeError, match="Unsupported engine str"):
-        as_engine_target("not an engine")
+    with pytest.raises(TypeError, match="Unsupported engine int.*server URL.*Ray actor handle"):
+        as_engine_target(42)
+    with pytest.raises(ValueError, match="Invalid engine URL 'localhost:8000'"):
+        as_engine_target("localhost:8000")
 
 
 @pytest.fixture(scope="module")

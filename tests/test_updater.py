@@ -160,6 +160,15 @@ class SilentEngine:
     def reset_prefix_cache(self):
         self.never.wait()
 
+    def pause_generation(self, mode):
+        self.never.wait()
+
+    def resume_generation(self):
+        self.never.wait()
+
+    def generate(self, prompts, sampling_params):
+        self.never.wait()
+
 
 def test_an_engine_that_never_answers_fails_within_the_timeout():
     updater = VLLMUpdater(engine=SilentEngine(), timeout_seconds=2)

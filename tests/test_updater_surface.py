@@ -146,7 +146,7 @@ def test_maybe_map_weights_turns_every_accepted_form_into_a_source():
 
 
 def test_sync_with_a_worker_needs_a_connected_updater():
-    with pytest.raises(RuntimeError, match="not connected: call init"):
+    with pytest.raises(RuntimeError, match="not connected to engine 0: call init"):
         VLLMUpdater()._sync_weights_with_worker(server_weights=tiny_qwen2())
     with pytest.raises(ValueError, match="push_weights needs the weights"):
         VLLMUpdater()._sync_weights_with_worker()

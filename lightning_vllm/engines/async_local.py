@@ -1,0 +1,124 @@
+"""An ``AsyncLLM`` in the training process, driven from the (synchronous) trainer.
+
+``AsyncLLM`` lives on an asyncio event loop. The adapter runs one loop on a
+daemon thread (or uses the loop you give it) and submits every call there, so the
+trainer's thread can push weights while requests are being served. Around a
+transfer the updater pauses generation (see ``PauseMode``), so no request is
+served from half-updated weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest, WeightTransferUpdatePayload
+
+from lightning_vllm.engines.base import Generation, PauseMode, generations_from_outputs
+from lightning_vllm.engines.local import expected_from_config
+from lightning_vllm.weights.checks import ExpectedWeights
+
+_T = TypeVar("_T")
+
+
+class AsyncLLMEngine:
+    """Adapter for a ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+    Args:
+        async_llm: the engine, built with ``weight_transfer_config={"backend": "gloo"}``.
+        loop: the running event loop the engine is used on, if your code already runs one
+            in another thread; by default the adapter starts its own on a daemon thread.
+
+    Example::
+
+        >>> from vllm import AsyncEngineArgs  # doctest: +SKIP
+        >>> from vllm.v1.engine.async_llm import AsyncLLM  # doctest: +SKIP
+        >>> engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path,  # doctest: +SKIP
+        ...     weight_transfer_config={"backend": "gloo"}))
+        >>> sync = VLLMWeightSync(engine=AsyncLLMEngine(engine))  # doctest: +SKIP
+    """
+
+    def __init__(self, async_llm: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.async_llm = async_llm
+        self._config = async_llm.vllm_config
+        if loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="lightning-vllm: AsyncLLM loop", daemon=True).start()
+        self.loop = loop
+
+    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coroutine`` on the engine's loop and wait for it (callers bound the wait)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def submit(self, coroutine: Coroutine[Any, Any, _T]) -> Any:
+        """Start ``coroutine`` on the engine's loop; returns a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    @property
+    def description(self) -> str:
+        return "in-process AsyncLLM"
+
+    def transfer_backend(self) -> str | None:
+        config = self._config.weight_transfer_config
+        return None if config is None else str(config.backend)
+
+    def device_type(self) -> str:
+        return str(self._config.device_config.device_type)
+
+    def tensor_parallel_size(self) -> int:
+        return int(self._config.parallel_config.tensor_parallel_size)
+
+    def num_workers(self) -> int:
+        parallel = self._config.parallel_config
+        return int(parallel.world_size * parallel.data_parallel_size)
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return expected_from_config(self._config)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        self.run(self.async_llm.start_weight_update())
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self.run(self.async_llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.run(self.async_llm.finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.run(self.async_llm.shutdown_weight_transfer_engine())
+
+    def get_weight_version(self) -> str | None:
+        return self.run(self.async_llm.get_weight_version())
+
+    def reset_prefix_cache(self) -> None:
+        self.run(self.async_llm.reset_prefix_cache())
+
+    def pause_generation(self, mode: PauseMode) -> None:
+        self.run(self.async_llm.pause_generation(mode=mode, clear_cache=False))
+
+    def resume_generation(self) -> None:
+        self.run(self.async_llm.resume_generation())
+
+    async def generate_async(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+        """Generate on the engine's loop; all prompts run concurrently."""
+        import uuid
+
+        from vllm import TokensPrompt
+
+        async def one(prompt: list[int]) -> Any:
+            final = None
+            request = TokensPrompt(prompt_token_ids=prompt)
+            async for output in self.async_llm.generate(request, sampling_params, request_id=uuid.uuid4().hex):
+                final = output
+            return final
+
+        outputs = await asyncio.gather(*(one(prompt) for prompt in prompts))
+        return generations_from_outputs(outputs, await self.async_llm.get_weight_version())
+
+    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+        return self.run(self.generate_async(prompts, sampling_params))

@@ -1,0 +1,134 @@
+"""What the updater and rollouts need from a vLLM engine, wherever it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
+
+from lightning_vllm.weights.checks import ExpectedWeights
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""How requests in flight are treated while weights change (vLLM's ``pause_generation`` modes):
+``"keep"`` freezes them and resumes them afterwards (nothing is lost), ``"wait"`` lets them
+finish first, ``"abort"`` drops them."""
+
+
+@dataclass
+class Generation:
+    """One sampled completion of one prompt.
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        token_ids: the generated tokens.
+        logprobs: log-probability of each generated token, if asked for.
+        prompt_logprobs: log-probability of each prompt token after the first, if asked for.
+        text: the generated text, when the engine has a tokenizer.
+        weight_version: the version of the weights that produced the tokens (the
+            first token's, if an update happened while it was generated).
+        weight_versions: ``(version, start, end)`` spans over ``token_ids`` when vLLM reports them.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None
+    text: str | None = None
+    weight_version: str | None = None
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@runtime_checkable
+class EngineTarget(Protocol):
+    """An adapter for one vLLM engine: its facts, its weight-sync control plane, and generation.
+
+    The four ``*_weight_*`` methods are vLLM's ``VLLMWeightSyncClient`` protocol; each
+    blocks until the engine has done it (the updater bounds every call with a timeout).
+    """
+
+    @property
+    def description(self) -> str:
+        """A short human name for messages, e.g. ``"in-process vllm.LLM"``."""
+        ...
+
+    def transfer_backend(self) -> str | None:
+        """The weight-transfer backend the engine was built with, ``None`` if none."""
+        ...
+
+    def device_type(self) -> str:
+        """vLLM's device type: ``"cpu"``, ``"cuda"``, ..."""
+        ...
+
+    def tensor_parallel_size(self) -> int: ...
+
+    def num_workers(self) -> int:
+        """Worker processes that join the transfer group (TP x PP x DP)."""
+        ...
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        """What the engine's model loads (names, serving dtypes, shapes), ``None`` if unknown."""
+        ...
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    def shutdown_weight_transfer_engine(self) -> None: ...
+
+    def get_weight_version(self) -> str | None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def pause_generation(self, mode: PauseMode) -> None:
+        """Stop scheduling requests until :meth:`resume_generation` (no-op where nothing runs concurrently)."""
+        ...
+
+    def resume_generation(self) -> None: ...
+
+    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+        """Sample completions of token-id prompts with vLLM ``SamplingParams``; one entry per sample."""
+        ...
+
+
+def spans(weight_versions: Any) -> list[tuple[str, int, int]]:
+    """vLLM's ``WeightVersionSpan`` list (or dicts from JSON) as plain tuples."""
+    result = []
+    for span in weight_versions or []:
+        if isinstance(span, dict):
+            result.append((str(span["version"]), int(span["start"]), int(span["end"])))
+        else:
+            result.append((str(span.version), int(span.start), int(span.end)))
+    return result
+
+
+def generations_from_outputs(outputs: Any, fallback_version: str | None) -> list[Generation]:
+    """Turn vLLM ``RequestOutput`` objects into :class:`Generation` s."""
+    result = []
+    for output in outputs:
+        prompt = list(output.prompt_token_ids or [])
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None:
+            prompt_logprobs = [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+        for sample in output.outputs:
+            token_ids = list(sample.token_ids)
+            logprobs = None
+            if sample.logprobs is not None:
+                logprobs = [entry[token].logprob for entry, token in zip(sample.logprobs, token_ids)]
+            versions = spans(getattr(sample, "weight_versions", None))
+            result.append(
+                Generation(
+                    prompt_token_ids=prompt,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    text=sample.text or None,
+                    weight_version=versions[0][0] if versions else fallback_version,
+                    weight_versions=versions,
+                )
+            )
+    return result

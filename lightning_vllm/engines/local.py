@@ -1,0 +1,93 @@
+"""A ``vllm.LLM`` in the training process (multiprocess engine core or not)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
+
+from lightning_vllm.engines.base import Generation, PauseMode, generations_from_outputs
+from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
+
+
+def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
+    """What a vLLM engine with this ``VllmConfig`` loads, read from its local checkpoint."""
+    model_config = vllm_config.model_config
+    return checkpoint_weights(
+        model_config.model,
+        serving_dtype=model_config.dtype,
+        ties_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
+    )
+
+
+class LocalLLMEngine:
+    """Adapter for a ``vllm.LLM``.
+
+    ``vllm.LLM`` is synchronous: generation and weight updates run one after the
+    other in the caller's thread, so there is nothing to pause.
+
+    Example::
+
+        >>> from vllm import LLM  # doctest: +SKIP
+        >>> llm = LLM(model=path, weight_transfer_config={"backend": "gloo"})  # doctest: +SKIP
+        >>> LocalLLMEngine(llm).transfer_backend()  # doctest: +SKIP
+        'gloo'
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._config = llm.llm_engine.vllm_config
+
+    @property
+    def description(self) -> str:
+        return "in-process vllm.LLM"
+
+    def transfer_backend(self) -> str | None:
+        config = self._config.weight_transfer_config
+        return None if config is None else str(config.backend)
+
+    def device_type(self) -> str:
+        return str(self._config.device_config.device_type)
+
+    def tensor_parallel_size(self) -> int:
+        return int(self._config.parallel_config.tensor_parallel_size)
+
+    def num_workers(self) -> int:
+        parallel = self._config.parallel_config
+        return int(parallel.world_size * parallel.data_parallel_size)
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return expected_from_config(self._config)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def get_weight_version(self) -> str | None:
+        return self.llm.get_weight_version()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def pause_generation(self, mode: PauseMode) -> None:
+        """Nothing to pause: ``vllm.LLM`` generates only inside ``generate`` calls."""
+
+    def resume_generation(self) -> None:
+        """Nothing to resume."""
+
+    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+        from vllm import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params, use_tqdm=False)
+        return generations_from_outputs(outputs, self.get_weight_version())

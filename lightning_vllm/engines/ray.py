@@ -1,0 +1,126 @@
+"""vLLM engines inside Ray actors.
+
+:class:`VLLMActor` is a small actor class holding a ``vllm.LLM``; :class:`RayEngine`
+drives one actor from the trainer. Every remote call is waited for with a timeout
+by the updater. Ray's own serialization carries the calls: using Ray is the
+user's opt-in to it.
+
+Example::
+
+    >>> import ray  # doctest: +SKIP
+    >>> actor = ray.remote(num_cpus=1)(VLLMActor).remote(  # doctest: +SKIP
+    ...     model=path, dtype="float32", weight_transfer_config={"backend": "gloo"})
+    >>> sync = VLLMWeightSync(engine=actor)  # the handle is wrapped in a RayEngine  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
+
+from lightning_vllm.engines.base import Generation, PauseMode
+from lightning_vllm.engines.local import LocalLLMEngine
+from lightning_vllm.weights.checks import ExpectedWeights
+
+
+class VLLMActor(LocalLLMEngine):
+    """A ``vllm.LLM`` to run as a Ray actor (``ray.remote(VLLMActor).remote(**llm_kwargs)``).
+
+    Args:
+        **llm_kwargs: passed to ``vllm.LLM``; include ``weight_transfer_config``.
+    """
+
+    def __init__(self, **llm_kwargs: Any) -> None:
+        from vllm import LLM
+
+        super().__init__(LLM(**llm_kwargs))
+
+    def describe(self) -> dict[str, Any]:
+        """The facts the updater checks, in one remote call."""
+        return {
+            "transfer_backend": self.transfer_backend(),
+            "device_type": self.device_type(),
+            "tensor_parallel_size": self.tensor_parallel_size(),
+            "num_workers": self.num_workers(),
+            "expected_weights": self.expected_weights(),
+        }
+
+
+def is_actor_handle(engine: Any) -> bool:
+    """Whether ``engine`` is a Ray actor handle (without importing Ray when it is not loaded)."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return False
+    from ray.actor import ActorHandle
+
+    return isinstance(engine, ActorHandle)
+
+
+class RayEngine:
+    """Adapter for a Ray actor running :class:`VLLMActor` (or any actor with the same methods)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self._facts: dict[str, Any] | None = None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.handle, method).remote(*args))
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        if self._facts is None:
+            self._facts = self._call("describe")
+        return self._facts
+
+    @property
+    def description(self) -> str:
+        return f"Ray actor {self.handle._actor_id.hex()[:8]}"
+
+    def transfer_backend(self) -> str | None:
+        return self.facts["transfer_backend"]
+
+    def device_type(self) -> str:
+        return str(self.facts["device_type"])
+
+    def tensor_parallel_size(self) -> int:
+        return int(self.facts["tensor_parallel_size"])
+
+    def num_workers(self) -> int:
+        return int(self.facts["num_workers"])
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return self.facts["expected_weights"]
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")
+
+    def get_weight_version(self) -> str | None:
+        return self._call("get_weight_version")
+
+    def reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
+    def pause_generation(self, mode: PauseMode) -> None:
+        """Nothing to pause: the actor runs one call at a time, so no request overlaps an update."""
+
+    def resume_generation(self) -> None:
+        """Nothing to resume."""
+
+    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+        return self._call("generate", prompts, sampling_params)
