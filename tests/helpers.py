@@ -164,3 +164,75 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
         if tag in accumulator.Tags()["scalars"]:
             values += [(event.step, event.value) for event in accumulator.Scalars(tag)]
     return values
+
+
+def save_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer over the tiny vocabulary (token ``i`` is the word ``t<i>``).
+
+    vLLM's OpenAI-compatible server needs a tokenizer beside the model to answer
+    ``/v1/completions``, even for token-id prompts.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB_SIZE)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1").save_pretrained(directory)
+    return directory
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class VLLMServer:
+    """``vllm serve`` (its module spelling: the CPU build's console script cannot start) as a subprocess."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *, dev_mode: bool = True, backend: str | None = "gloo") -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0"}
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128",
+            "--enforce-eager", "--seed", "0",
+        ]  # fmt: skip
+        if backend is not None:
+            command += ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_until_healthy(self, timeout: float = 240.0) -> None:
+        import time
+
+        import requests
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).ok:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM server at {self.url} not healthy after {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self.log.close()
