@@ -389,13 +389,15 @@ class VLLMUpdater:
                 _check_tied_output_embedding(source, offered)
         version = self._version + 1
         start = time.perf_counter()
+        num_committed = 0
         try:
-            for worker_id in targets:
+            for worker_id in targets:  # each commits self._version + 1
                 self._sync_weights_with_worker(worker_id=worker_id, server_weights=source)
-                self._version = version  # used as soon as one engine has committed it
+                num_committed += 1
         finally:
-            seconds = time.perf_counter() - start
-        self.last_sync = SyncStats(version, seconds, sum(_num_bytes(link.wire) for link in links))
+            if num_committed:  # the version is used once any engine has committed it
+                self._version = version
+        self.last_sync = SyncStats(version, time.perf_counter() - start, sum(_num_bytes(link.wire) for link in links))
         for hook in self._post_hooks:
             hook()
         return self.last_sync
