@@ -9,10 +9,19 @@ Example::
 
 from lightning_vllm.callback import VLLMWeightSync
 from lightning_vllm.engines import AsyncLLMEngine, EngineTarget, Generation, HTTPEngine, LocalLLMEngine, RayEngine, VLLMActor
-from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.errors import (
+    EngineConfigError,
+    StaleRolloutsError,
+    WeightsMismatchError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
+from lightning_vllm.rollouts import generate
 from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
 
 __all__ = [
+    "StaleRolloutsError",
+    "generate",
     "AsyncLLMEngine",
     "Generation",
     "HTTPEngine",

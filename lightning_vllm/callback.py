@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_vllm.engines import Generation, PauseMode
+from lightning_vllm.errors import StaleRolloutsError
 from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
 from lightning_vllm.transports.gloo import DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.updater import SyncStats, VLLMUpdater
@@ -25,10 +28,19 @@ class VLLMWeightSync(Callback):
     ``vllm/sync_seconds`` and ``vllm/sync_bytes`` to every Lightning logger. Only
     global rank 0 talks to vLLM; other ranks skip the push and never wait for it.
 
+    Rollouts: inside ``training_step``, :meth:`generate` (or
+    ``lightning_vllm.generate(self, prompts)``) samples from the engine this callback
+    keeps in sync; each sample carries the weight version that produced it. The
+    callback logs ``vllm/staleness`` (trainer version minus the oldest rollout version
+    used in the step) and raises ``StaleRolloutsError`` beyond ``max_staleness``.
+
     Args:
-        engine: the vLLM engine to update (a ``vllm.LLM`` built with
-            ``weight_transfer_config={"backend": "gloo"}``). ``None`` on ranks that hold
-            no engine (under DDP, only global rank 0 needs one).
+        engine: the vLLM engine(s) to update: a ``vllm.LLM`` built with
+            ``weight_transfer_config={"backend": "gloo"}``, an ``AsyncLLM``, a server URL,
+            a Ray actor handle, a list of them, or a dict of ``vllm.LLM`` arguments (the
+            engine is then built on global rank 0 when fitting starts, which also makes the
+            callback configurable from a LightningCLI YAML file). ``None`` on ranks that
+            hold no engine (under DDP, only global rank 0 needs one).
         every_n_train_steps: push after every N optimizer steps; ``None`` or 0 turns it off.
         every_n_epochs: push at the end of every N training epochs; ``None`` or 0 turns it off.
         push_on_fit_start: push once before the first training step.
@@ -39,6 +51,9 @@ class VLLMWeightSync(Callback):
         master_port: rendezvous port; ``None`` picks a free one.
         timeout_seconds: the longest any single wait of a push may take.
         bucket_size_bytes: largest packed bucket on the wire.
+        pause_mode: what engines serving during a push do with requests in flight
+            (``"keep"``, ``"wait"``, ``"abort"``; see ``VLLMUpdater``).
+        max_staleness: the most versions a rollout may lag the trainer; ``None`` for no limit.
         updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above.
 
     Raises:
@@ -65,16 +80,25 @@ class VLLMWeightSync(Callback):
         master_port: int | None = None,
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        pause_mode: PauseMode = "keep",
+        max_staleness: int | None = None,
         updater: VLLMUpdater | None = None,
     ) -> None:
         self._every_n_train_steps = every_n_train_steps or 0
         self._every_n_epochs = every_n_epochs or 0
         self._validate(engine, updater)
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"Invalid value for max_staleness={max_staleness}. Must be >= 0, or None.")
         self.push_on_fit_start = push_on_fit_start
+        self.max_staleness = max_staleness
+        # vllm.LLM arguments: the engine is built on global rank 0 in setup.
+        self._engine_args = dict(engine) if isinstance(engine, Mapping) else None
+        self._oldest_rollout_version: int | None = None
         self.updater = updater or VLLMUpdater(
             master_address=master_address,
             master_port=master_port,
-            engine=engine,
+            engine=None if self._engine_args is not None else engine,
+            pause_mode=pause_mode,
             backend=backend,
             timeout_seconds=timeout_seconds,
             bucket_size_bytes=bucket_size_bytes,
@@ -104,6 +128,10 @@ class VLLMWeightSync(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero and self._engine_args is not None and self.updater.engine is None:
+            from vllm import LLM
+
+            self.updater.set_engine(LLM(**self._engine_args))
         if stage == "fit" and trainer.is_global_zero and self.updater.engine is None:
             raise ValueError(
                 "VLLMWeightSync on global rank 0 has no vLLM engine: pass engine=... (e.g. a vllm.LLM built with "
@@ -122,6 +150,7 @@ class VLLMWeightSync(Callback):
     ) -> None:
         # global_step moves only at an optimizer step (gradient accumulation), and
         # stays put for the batches in between: remember the step last pushed.
+        self._log_staleness(trainer)
         step = trainer.global_step
         if self._every_n_train_steps and step > 0 and step % self._every_n_train_steps == 0:
             if step != self._last_global_step_pushed:
@@ -151,6 +180,61 @@ class VLLMWeightSync(Callback):
         self.updater.weight_version = state_dict.get("weight_version", 0)
         self._last_global_step_pushed = state_dict.get("last_global_step_pushed", -1)
 
+    # -- rollouts -----------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[list[int] | str], sampling_params: Any = None, *, worker_id: int = 0
+    ) -> list[Generation]:
+        """Sample from the engine this callback keeps in sync, one entry per sample.
+
+        Args:
+            prompts: token-id lists, or texts when the engine has a tokenizer.
+            sampling_params: vLLM ``SamplingParams`` (``n`` samples per prompt, logprobs, ...).
+            worker_id: which engine, when the callback updates several.
+
+        Returns:
+            Per sample: generated token ids, their logprobs (if asked), text (if the engine
+            has a tokenizer) and the weight version that produced it.
+
+        Raises:
+            StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
+        """
+        engines = self.updater.engines
+        if not engines:
+            raise RuntimeError(
+                "This rank holds no vLLM engine to generate from (under DDP only global rank 0 has one unless every "
+                "rank is given an engine, e.g. a server URL)."
+            )
+        if sampling_params is None:
+            from vllm import SamplingParams
+
+            sampling_params = SamplingParams()
+        generations = engines[worker_id].generate(prompts, sampling_params)
+        self._record_versions(generations)
+        return generations
+
+    def _record_versions(self, generations: Sequence[Generation]) -> None:
+        versions = [version_number(generation.weight_version) for generation in generations]
+        if not versions:
+            return
+        oldest = min(versions)
+        current = self.updater.weight_version
+        if self.max_staleness is not None and current - oldest > self.max_staleness:
+            raise StaleRolloutsError(
+                f"Rollouts from weight version {oldest} are {current - oldest} versions behind the trainer "
+                f"(version {current}), more than max_staleness={self.max_staleness}. Push more often "
+                "(every_n_train_steps), generate from the engines this callback updates, or raise max_staleness."
+            )
+        self._oldest_rollout_version = oldest if self._oldest_rollout_version is None else min(oldest, self._oldest_rollout_version)
+
+    def _log_staleness(self, trainer: pl.Trainer) -> None:
+        if self._oldest_rollout_version is None:
+            return
+        staleness = self.updater.weight_version - self._oldest_rollout_version
+        self._oldest_rollout_version = None
+        for logger in trainer.loggers:
+            logger.log_metrics({"vllm/staleness": float(staleness)}, step=trainer.global_step)
+
     # -- pushing ----------------------------------------------------------------
 
     def _push(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,3 +253,8 @@ class VLLMWeightSync(Callback):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def version_number(weight_version: str | None) -> int:
+    """A weight version string as a number; vLLM's ``"default"`` (never pushed) is 0."""
+    return int(weight_version) if weight_version is not None and weight_version.isdigit() else 0

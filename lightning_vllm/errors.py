@@ -23,3 +23,7 @@ class EngineConfigError(WeightSyncError, ValueError):
 
 class WeightsMismatchError(WeightSyncError, ValueError):
     """The weights offered do not fit the engine's model (names, shapes or dtypes)."""
+
+
+class StaleRolloutsError(WeightSyncError, ValueError):
+    """Rollouts came from weights older than the callback's ``max_staleness`` allows."""

@@ -173,6 +173,11 @@ class VLLMUpdater:
         """The adapters of every engine, in worker-id order."""
         return list(self._engines)
 
+    def set_engine(self, engine: Any) -> None:
+        """Replace the engine(s) this updater pushes to (leaving any group formed with the old ones)."""
+        self.close()
+        self._engines = as_engine_targets(engine) if engine is not None else []
+
     @property
     def initialized(self) -> bool:
         """Whether a group is formed with every engine."""

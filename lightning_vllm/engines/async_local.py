@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest, WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, generations_from_outputs
+from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
 from lightning_vllm.engines.local import expected_from_config
 from lightning_vllm.weights.checks import ExpectedWeights
 
@@ -104,21 +104,18 @@ class AsyncLLMEngine:
     def resume_generation(self) -> None:
         self.run(self.async_llm.resume_generation())
 
-    async def generate_async(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+    async def generate_async(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         """Generate on the engine's loop; all prompts run concurrently."""
         import uuid
 
-        from vllm import TokensPrompt
-
-        async def one(prompt: list[int]) -> Any:
+        async def one(prompt: list[int] | str) -> Any:
             final = None
-            request = TokensPrompt(prompt_token_ids=prompt)
-            async for output in self.async_llm.generate(request, sampling_params, request_id=uuid.uuid4().hex):
+            async for output in self.async_llm.generate(as_prompt(prompt), sampling_params, request_id=uuid.uuid4().hex):
                 final = output
             return final
 
         outputs = await asyncio.gather(*(one(prompt) for prompt in prompts))
         return generations_from_outputs(outputs, await self.async_llm.get_weight_version())
 
-    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         return self.run(self.generate_async(prompts, sampling_params))

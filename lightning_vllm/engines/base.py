@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -90,9 +91,21 @@ class EngineTarget(Protocol):
 
     def resume_generation(self) -> None: ...
 
-    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
-        """Sample completions of token-id prompts with vLLM ``SamplingParams``; one entry per sample."""
+    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+        """Sample completions with vLLM ``SamplingParams``; one entry per sample, prompt by prompt.
+
+        Prompts are token ids, or text when the engine has a tokenizer.
+        """
         ...
+
+
+def as_prompt(prompt: list[int] | str) -> Any:
+    """A vLLM prompt: ``TokensPrompt`` for token ids, the text itself otherwise."""
+    if isinstance(prompt, str):
+        return prompt
+    from vllm import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(prompt))
 
 
 def spans(weight_versions: Any) -> list[tuple[str, int, int]]:

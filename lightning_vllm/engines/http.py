@@ -15,6 +15,7 @@ point: install lightning-vllm in the server's environment, nothing else.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -140,14 +141,14 @@ class HTTPEngine:
         """The model name the server answers to."""
         return str(self._request("GET", "v1/models")["data"][0]["id"])
 
-    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
-        """Sample through the OpenAI-compatible ``/v1/completions`` route, with token-id prompts.
+    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+        """Sample through the OpenAI-compatible ``/v1/completions`` route (token-id or text prompts).
 
         The server needs a tokenizer beside its model for this route.
         """
         body: dict[str, Any] = {
             "model": self.served_model,
-            "prompt": prompts,
+            "prompt": list(prompts),
             "max_tokens": sampling_params.max_tokens,
             "temperature": sampling_params.temperature,
             "top_p": sampling_params.top_p,
@@ -163,7 +164,7 @@ class HTTPEngine:
         version = self.get_weight_version()
         generations = []
         for choice in sorted(response["choices"], key=lambda choice: choice["index"]):
-            prompt = list(choice.get("prompt_token_ids") or prompts[choice["index"] // sampling_params.n])
+            prompt = list(choice.get("prompt_token_ids") or [])
             prompt_logprobs = None
             if choice.get("prompt_logprobs") is not None:
                 entries = choice["prompt_logprobs"][1:]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, generations_from_outputs
+from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 
@@ -86,8 +87,6 @@ class LocalLLMEngine:
     def resume_generation(self) -> None:
         """Nothing to resume."""
 
-    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
-        from vllm import TokensPrompt
-
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params, use_tqdm=False)
+    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+        outputs = self.llm.generate([as_prompt(p) for p in prompts], sampling_params, use_tqdm=False)
         return generations_from_outputs(outputs, self.get_weight_version())

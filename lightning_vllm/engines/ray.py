@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
@@ -122,5 +123,5 @@ class RayEngine:
     def resume_generation(self) -> None:
         """Nothing to resume."""
 
-    def generate(self, prompts: list[list[int]], sampling_params: Any) -> list[Generation]:
+    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         return self._call("generate", prompts, sampling_params)
