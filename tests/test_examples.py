@@ -1,0 +1,44 @@
+"""The examples run end to end with small settings (subprocesses: vLLM needs a __main__ guard)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import tensorboard_scalars
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    completed = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=dict(os.environ), capture_output=True, text=True, timeout=600
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return completed
+
+
+def test_grpo_tiny_logs_and_plots(tmp_path):
+    completed = run([str(EXAMPLES / "grpo_tiny.py"), "--steps", "4", "--log-dir", str(tmp_path / "logs")], tmp_path)
+    log_dir = tmp_path / "logs" / "grpo_tiny" / "version_0"
+    assert (log_dir / "grpo_tiny.png").stat().st_size > 10_000
+    for tag in ("reward", "loss", "vllm/weight_version", "vllm/sync_seconds", "vllm/staleness"):
+        assert tensorboard_scalars(log_dir, tag), tag
+    assert "Samples before training" in completed.stdout and "Samples after training" in completed.stdout
+    assert f"tensorboard --logdir {tmp_path / 'logs'}" in completed.stdout
+
+
+def test_grpo_tiny_from_the_lightning_cli_yaml(tmp_path):
+    run(
+        [str(EXAMPLES / "grpo_tiny.py"), "fit", "--config", str(EXAMPLES / "grpo_tiny.yaml"), "--trainer.max_steps", "2"],
+        tmp_path,
+    )
+    log_dir = tmp_path / "lightning_logs" / "grpo_tiny_cli" / "version_0"
+    assert [value for _, value in tensorboard_scalars(log_dir, "vllm/weight_version")] == [1.0, 2.0]
+
+
+def test_minimal_example(tmp_path):
+    completed = run([str(EXAMPLES / "minimal.py"), "--steps", "2"], tmp_path)
+    assert "after training:  " in completed.stdout
