@@ -1,0 +1,56 @@
+"""Write docs/api.md from the docstrings of lightning_vllm's public API.
+
+Run ``python docs/gen_api.py`` after changing a public docstring; a test checks the
+file is up to date.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import lightning_vllm
+
+API_FILE = Path(__file__).with_name("api.md")
+
+
+def _signature(obj: object) -> str:
+    try:
+        return str(inspect.signature(obj))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _doc(obj: object) -> str:
+    return inspect.cleandoc(inspect.getdoc(obj) or "").strip()
+
+
+def render() -> str:
+    lines = [
+        "# API reference",
+        "",
+        "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand.",
+        "",
+    ]
+    for name in sorted(set(lightning_vllm.__all__), key=str.lower):
+        obj = getattr(lightning_vllm, name)
+        if name != obj.__name__:  # an alias such as vLLMUpdater
+            lines += [f"## `{name}`", "", f"Another name for `{obj.__name__}`.", ""]
+            continue
+        kind = "class" if inspect.isclass(obj) else "function"
+        lines += [f"## `{name}{_signature(obj)}`", "", f"*{kind}* in `{obj.__module__}`", "", _doc(obj), ""]
+        if not inspect.isclass(obj):
+            continue
+        for member_name, member in inspect.getmembers(obj):
+            if member_name.startswith("_") or member_name not in obj.__dict__ or not _doc(member):
+                continue
+            if isinstance(inspect.getattr_static(obj, member_name), property):
+                lines += [f"### `{name}.{member_name}` (property)", "", _doc(member), ""]
+            elif callable(member):
+                lines += [f"### `{name}.{member_name}{_signature(member)}`", "", _doc(member), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    API_FILE.write_text(render())
+    print(f"wrote {API_FILE}")
