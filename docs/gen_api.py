@@ -32,7 +32,7 @@ def render() -> str:
         "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand.",
         "",
     ]
-    for name in sorted(set(lightning_vllm.__all__), key=str.lower):
+    for name in sorted(set(lightning_vllm.__all__), key=lambda name: (name.lower(), name)):
         obj = getattr(lightning_vllm, name)
         if name != obj.__name__:  # an alias such as vLLMUpdater
             lines += [f"## `{name}`", "", f"Another name for `{obj.__name__}`.", ""]
