@@ -41,22 +41,22 @@ def save_model(model: Qwen2ForCausalLM, directory: Path) -> Path:
     return directory
 
 
-def build_llm(model_dir: Path, backend: str | None = "gloo", dtype: str = "float32", **kwargs):
+def engine_kwargs(model_dir: Path, backend: str | None = "gloo", **overrides) -> dict:
+    """Arguments of a small CPU vLLM engine on ``model_dir`` (``vllm.LLM``, ``AsyncEngineArgs``, ``VLLMActor``)."""
+    kwargs = dict(
+        model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128, seed=0
+    )
+    if backend is not None:
+        kwargs["weight_transfer_config"] = {"backend": backend}
+    return {**kwargs, **overrides}
+
+
+def build_llm(model_dir: Path, backend: str | None = "gloo", **overrides):
     """A real vLLM engine on CPU for ``model_dir`` (about 20 s to start)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    extra = {} if backend is None else {"weight_transfer_config": {"backend": backend}}
-    return LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype=dtype,
-        max_model_len=128,
-        seed=0,
-        **extra,
-        **kwargs,
-    )
+    return LLM(**engine_kwargs(model_dir, backend, **overrides))
 
 
 def shutdown(llm) -> None:

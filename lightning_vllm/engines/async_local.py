@@ -17,13 +17,12 @@ from typing import Any, TypeVar
 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest, WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
-from lightning_vllm.engines.local import expected_from_config
-from lightning_vllm.weights.checks import ExpectedWeights
+from lightning_vllm.engines.local import EngineConfigFacts
 
 _T = TypeVar("_T")
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineConfigFacts):
     """Adapter for a ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     Args:
@@ -59,23 +58,6 @@ class AsyncLLMEngine:
     @property
     def description(self) -> str:
         return "in-process AsyncLLM"
-
-    def transfer_backend(self) -> str | None:
-        config = self._config.weight_transfer_config
-        return None if config is None else str(config.backend)
-
-    def device_type(self) -> str:
-        return str(self._config.device_config.device_type)
-
-    def tensor_parallel_size(self) -> int:
-        return int(self._config.parallel_config.tensor_parallel_size)
-
-    def num_workers(self) -> int:
-        parallel = self._config.parallel_config
-        return int(parallel.world_size * parallel.data_parallel_size)
-
-    def expected_weights(self) -> ExpectedWeights | None:
-        return expected_from_config(self._config)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

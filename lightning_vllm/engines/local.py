@@ -21,7 +21,30 @@ def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
     )
 
 
-class LocalLLMEngine:
+class EngineConfigFacts:
+    """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``)."""
+
+    _config: Any
+
+    def transfer_backend(self) -> str | None:
+        config = self._config.weight_transfer_config
+        return None if config is None else str(config.backend)
+
+    def device_type(self) -> str:
+        return str(self._config.device_config.device_type)
+
+    def tensor_parallel_size(self) -> int:
+        return int(self._config.parallel_config.tensor_parallel_size)
+
+    def num_workers(self) -> int:
+        parallel = self._config.parallel_config
+        return int(parallel.world_size * parallel.data_parallel_size)
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return expected_from_config(self._config)
+
+
+class LocalLLMEngine(EngineConfigFacts):
     """Adapter for a ``vllm.LLM``.
 
     ``vllm.LLM`` is synchronous: generation and weight updates run one after the
@@ -42,23 +65,6 @@ class LocalLLMEngine:
     @property
     def description(self) -> str:
         return "in-process vllm.LLM"
-
-    def transfer_backend(self) -> str | None:
-        config = self._config.weight_transfer_config
-        return None if config is None else str(config.backend)
-
-    def device_type(self) -> str:
-        return str(self._config.device_config.device_type)
-
-    def tensor_parallel_size(self) -> int:
-        return int(self._config.parallel_config.tensor_parallel_size)
-
-    def num_workers(self) -> int:
-        parallel = self._config.parallel_config
-        return int(parallel.world_size * parallel.data_parallel_size)
-
-    def expected_weights(self) -> ExpectedWeights | None:
-        return expected_from_config(self._config)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

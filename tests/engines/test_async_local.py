@@ -9,6 +9,7 @@ from helpers import (
     PROMPTS,
     TinyCausalLM,
     cpu_trainer,
+    engine_kwargs,
     hf_prompt_logprobs,
     max_abs_diff,
     tiny_qwen2,
@@ -25,15 +26,7 @@ def async_engine(model_dir):
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=256,
-        seed=0,
-        weight_transfer_config={"backend": "gloo"},
-    )
+    args = AsyncEngineArgs(**engine_kwargs(model_dir, max_model_len=256))
     engine = AsyncLLMEngine(AsyncLLM.from_engine_args(args))
     yield engine
     engine.async_llm.shutdown()

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from helpers import PROMPTS, TinyCausalLM, cpu_trainer, hf_prompt_logprobs, max_abs_diff, tiny_qwen2, token_batches
+from helpers import (
+    PROMPTS,
+    TinyCausalLM,
+    cpu_trainer,
+    engine_kwargs,
+    hf_prompt_logprobs,
+    max_abs_diff,
+    tiny_qwen2,
+    token_batches,
+)
 from vllm import SamplingParams
 
 from lightning_vllm import RayEngine, VLLMActor, VLLMUpdater, VLLMWeightSync
@@ -14,15 +23,7 @@ def actor(model_dir):
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    handle = ray.remote(num_cpus=1)(VLLMActor).remote(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=128,
-        seed=0,
-        weight_transfer_config={"backend": "gloo"},
-    )
+    handle = ray.remote(num_cpus=1)(VLLMActor).remote(**engine_kwargs(model_dir))
     yield handle
     ray.kill(handle)
     ray.shutdown()
