@@ -1,7 +1,8 @@
 """Write docs/api.md from the docstrings of lightning_vllm's public API.
 
-Run ``python docs/gen_api.py`` after changing a public docstring; a test checks the
-file is up to date.
+Run ``python docs/gen_api.py`` after changing a public docstring; a test runs
+``python docs/gen_api.py --check`` (in a fresh interpreter, so no other test's imports
+change what is rendered).
 """
 
 from __future__ import annotations
@@ -52,5 +53,12 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    API_FILE.write_text(render())
-    print(f"wrote {API_FILE}")
+    import sys
+
+    if "--check" in sys.argv:
+        if API_FILE.read_text() != render():
+            sys.exit(f"{API_FILE} is out of date: run python docs/gen_api.py")
+        print(f"{API_FILE} is up to date")
+    else:
+        API_FILE.write_text(render())
+        print(f"wrote {API_FILE}")
