@@ -77,6 +77,14 @@ def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
     return result
 
 
+def engine_prompt_logprobs(engine, prompts=PROMPTS) -> list[list[float]]:
+    """Prompt logprobs through an engine adapter's ``generate`` (any target: HTTP, AsyncLLM, Ray)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    return [generation.prompt_logprobs for generation in engine.generate(prompts, params)]
+
+
 def vllm_greedy(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[list[int]]:
     from vllm import SamplingParams, TokensPrompt
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from helpers import (
-    PROMPTS,
+    engine_prompt_logprobs,
     TinyCausalLM,
     cpu_trainer,
     engine_kwargs,
@@ -32,17 +32,12 @@ def async_engine(model_dir):
     engine.async_llm.shutdown()
 
 
-def served_logprobs(engine: AsyncLLMEngine) -> list[list[float]]:
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    return [generation.prompt_logprobs for generation in engine.generate(PROMPTS, params)]
-
-
 def test_training_pushes_into_an_async_engine(async_engine, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=async_engine, every_n_train_steps=2)
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
     module.hf.eval()
-    assert max_abs_diff(served_logprobs(async_engine), hf_prompt_logprobs(module.hf)) < 1e-4
+    assert max_abs_diff(engine_prompt_logprobs(async_engine), hf_prompt_logprobs(module.hf)) < 1e-4
     assert async_engine.get_weight_version() == str(sync.weight_version) == "2"
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from helpers import (
+    engine_prompt_logprobs,
     TinyCausalLM,
     VLLMServer,
     cpu_trainer,
@@ -48,24 +49,17 @@ def server(served_model_dir, tmp_path_factory):
     server.stop()  # also runs when a test failed
 
 
-def served_logprobs(engine: HTTPEngine) -> list[list[float]]:
-    from helpers import PROMPTS
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    return [generation.prompt_logprobs for generation in engine.generate(PROMPTS, params)]
-
-
 def test_training_pushes_into_a_vllm_server(server, tmp_path):
     engine = HTTPEngine(server.url)
     assert (engine.transfer_backend(), engine.device_type(), engine.num_workers()) == ("gloo", "cpu", 1)
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
-    before = served_logprobs(engine)
+    before = engine_prompt_logprobs(engine)
     sync = VLLMWeightSync(engine=server.url, every_n_train_steps=2)
     cpu_trainer(tmp_path, [sync], max_steps=4).fit(module, token_batches(num_batches=4))
     module.hf.eval()
     trained = hf_prompt_logprobs(module.hf)
     assert max_abs_diff(before, trained) > 1e-2
-    assert max_abs_diff(served_logprobs(engine), trained) < 1e-4
+    assert max_abs_diff(engine_prompt_logprobs(engine), trained) < 1e-4
     assert sync.weight_version == 3 and engine.get_weight_version() == "3"
 
 

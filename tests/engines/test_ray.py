@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import (
-    PROMPTS,
+    engine_prompt_logprobs,
     TinyCausalLM,
     cpu_trainer,
     engine_kwargs,
@@ -13,7 +13,6 @@ from helpers import (
     tiny_qwen2,
     token_batches,
 )
-from vllm import SamplingParams
 
 from lightning_vllm import RayEngine, VLLMActor, VLLMUpdater, VLLMWeightSync
 
@@ -29,11 +28,6 @@ def actor(model_dir):
     ray.shutdown()
 
 
-def served_logprobs(engine: RayEngine) -> list[list[float]]:
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    return [generation.prompt_logprobs for generation in engine.generate(PROMPTS, params)]
-
-
 def test_training_pushes_into_a_ray_actor(actor, tmp_path):
     engine = RayEngine(actor)
     assert (engine.transfer_backend(), engine.num_workers()) == ("gloo", 1)
@@ -41,7 +35,7 @@ def test_training_pushes_into_a_ray_actor(actor, tmp_path):
     sync = VLLMWeightSync(engine=actor, every_n_train_steps=2)
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
     module.hf.eval()
-    assert max_abs_diff(served_logprobs(engine), hf_prompt_logprobs(module.hf)) < 1e-4
+    assert max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(module.hf)) < 1e-4
     assert engine.get_weight_version() == str(sync.weight_version) == "2"
 
 
@@ -49,6 +43,6 @@ def test_a_ray_actor_beside_an_in_process_engine(actor, llm):
     model = tiny_qwen2(seed=80)
     updater = VLLMUpdater(engine=[llm, actor])
     updater.push_weights(model, worker_ids=[1])
-    assert max_abs_diff(served_logprobs(RayEngine(actor)), hf_prompt_logprobs(model)) < 1e-4
+    assert max_abs_diff(engine_prompt_logprobs(RayEngine(actor)), hf_prompt_logprobs(model)) < 1e-4
     assert updater.engine_versions()[1] == "1"
     updater.close()
