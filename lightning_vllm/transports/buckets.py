@@ -10,6 +10,12 @@ a layer boundary lets the worker finish that layer before the next bucket lands.
 A bucket never holds more than ``bucket_size_bytes`` unless a single tensor is
 larger than that; such a tensor travels alone, in slices of at most
 ``bucket_size_bytes``, so the trainer's staging memory stays one bucket.
+
+Within a bucket, tensors travel in *segments*, one broadcast each (or one per
+slice). A tensor of at least ``coalesce_bytes`` is a segment of its own and is sent
+straight from the trainer's memory, without a copy; smaller neighbours are packed
+together, so small tensors do not pay a broadcast each. The receiver loads each
+segment as soon as it lands, while the next ones are still on the wire.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BUCKET_SIZE_BYTES = 256 * 1024 * 1024
+# Below this, a broadcast's fixed cost outweighs the copy that packing costs.
+DEFAULT_COALESCE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,56 @@ def plan_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_size_bytes: int)
             size += spec.num_bytes
     close()
     return buckets
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tensors ``specs[start:stop]`` sent as one byte range, ``offset`` bytes into their bucket."""
+
+    start: int
+    stop: int
+    offset: int
+    num_bytes: int
+
+    def slices(self, bucket_size_bytes: int) -> Iterator[tuple[int, int]]:
+        """Byte ranges, relative to the bucket, of the broadcasts that carry this segment."""
+        for begin in range(0, self.num_bytes, bucket_size_bytes):
+            yield self.offset + begin, self.offset + min(begin + bucket_size_bytes, self.num_bytes)
+
+
+def plan_segments(specs: Sequence[TensorSpec], buckets: Sequence[Bucket], coalesce_bytes: int) -> list[int]:
+    """Where segments end (index one past their last tensor), bucket by bucket.
+
+    Every bucket end is a segment end. A tensor of ``coalesce_bytes`` or more is a
+    segment alone; runs of smaller ones are packed up to ``coalesce_bytes``.
+    """
+    if coalesce_bytes <= 0:
+        raise ValueError(f"Invalid value for coalesce_bytes={coalesce_bytes}. Must be > 0.")
+    ends: list[int] = []
+    for bucket in buckets:
+        size = 0
+        for index in range(bucket.start, bucket.stop):
+            num_bytes = specs[index].num_bytes
+            if size and (num_bytes >= coalesce_bytes or size + num_bytes > coalesce_bytes):
+                ends.append(index)
+                size = 0
+            size += num_bytes
+        ends.append(bucket.stop)
+    return ends
+
+
+def bucket_segments(specs: Sequence[TensorSpec], bucket: Bucket, segment_ends: Sequence[int]) -> list[Segment]:
+    """The segments of ``bucket``, given every segment end of the plan."""
+    segments = []
+    start = bucket.start
+    offset = 0
+    for end in segment_ends:
+        if end <= bucket.start or end > bucket.stop:
+            continue
+        num_bytes = sum(spec.num_bytes for spec in specs[start:end])
+        segments.append(Segment(start, end, offset, num_bytes))
+        start, offset = end, offset + num_bytes
+    return segments
 
 
 def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:

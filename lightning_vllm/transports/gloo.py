@@ -22,10 +22,13 @@ bucket plan) and one ``finish_weight_update`` call, whatever the number of tenso
 from __future__ import annotations
 
 import datetime
+import queue
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,11 +49,23 @@ from lightning_vllm._waits import BackgroundCall, TimedClient
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.transports.buckets import (
     DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_COALESCE_BYTES,
     Bucket,
+    Segment,
     TensorSpec,
+    bucket_segments,
     plan_buckets,
+    plan_segments,
     unpack_bucket,
 )
+from lightning_vllm.transports.shared_memory import (
+    create_shared_buffer,
+    is_loopback,
+    open_shared_buffer,
+    remove_shared_buffer,
+    shared_memory_available,
+)
+from lightning_vllm.transports.staging import StagingRing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,6 +75,8 @@ DEFAULT_TIMEOUT_SECONDS = 120.0
 # Slices of a bucket must hold whole elements of every wire dtype.
 _ALIGNMENT = 8
 _POLL_SECONDS = 0.05
+# Waiting on a broadcast polls, so a failure of the workers' update call ends it early.
+_WORK_POLL_SECONDS = 0.0005
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -95,6 +112,8 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     group_name: str
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    # Set when the trainer moves bytes through shared memory (workers on its host).
+    shared_memory_path: str | None = None
 
     def __post_init__(self) -> None:
         validate_bucket_size(self.bucket_size_bytes)
@@ -106,13 +125,16 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """One sync's metadata and bucket plan (sent once per sync, before the bytes).
 
-    ``bucket_ends[i]`` is the index one past the last tensor of bucket ``i``.
+    ``bucket_ends[i]`` is the index one past the last tensor of bucket ``i``, and
+    ``segment_ends`` the same for the segments (one broadcast each) inside the
+    buckets; every bucket end is also a segment end.
     """
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     bucket_ends: list[int]
+    segment_ends: list[int]
 
     def __post_init__(self) -> None:
         num_tensors = len(self.names)
@@ -123,6 +145,12 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             )
         if self.bucket_ends != sorted(set(self.bucket_ends)) or (self.bucket_ends and self.bucket_ends[-1] != num_tensors):
             raise ValueError(f"bucket_ends={self.bucket_ends} must rise strictly and end at {num_tensors}.")
+        if self.segment_ends != sorted(set(self.segment_ends)) or not set(self.bucket_ends) <= set(self.segment_ends):
+            raise ValueError(
+                f"segment_ends={self.segment_ends} must rise strictly and include every bucket end {self.bucket_ends}."
+            )
+        if self.segment_ends and self.segment_ends[-1] != num_tensors:
+            raise ValueError(f"segment_ends={self.segment_ends} must end at {num_tensors}.")
 
     def specs(self) -> list[TensorSpec]:
         return [
@@ -137,13 +165,21 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             for start, stop in zip(starts, self.bucket_ends)
         ]
 
+    def segments(self, specs: Sequence[TensorSpec], bucket: Bucket) -> list[Segment]:
+        return bucket_segments(specs, bucket, self.segment_ends)
+
     @classmethod
-    def from_plan(cls, specs: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> Self:
+    def from_plan(
+        cls, specs: Sequence[TensorSpec], buckets: Sequence[Bucket], segment_ends: Sequence[int] | None = None
+    ) -> Self:
+        """The message for a plan; without ``segment_ends``, each bucket is one segment."""
+        bucket_ends = [bucket.stop for bucket in buckets]
         return cls(
             names=[spec.name for spec in specs],
             dtype_names=[dtype_name(spec.dtype) for spec in specs],
             shapes=[list(spec.shape) for spec in specs],
-            bucket_ends=[bucket.stop for bucket in buckets],
+            bucket_ends=bucket_ends,
+            segment_ends=list(segment_ends) if segment_ends is not None else bucket_ends,
         )
 
 
@@ -174,9 +210,23 @@ def new_gloo_group(
     return ProcessGroupGloo(PrefixStore(group_name, store), rank, world_size, options)
 
 
+def post_broadcast(group: ProcessGroupGloo, tensor: torch.Tensor) -> Any:
+    """Start broadcasting a contiguous CPU tensor from rank 0; returns the ``Work`` to wait on.
+
+    gloo runs posted collectives on its own threads, in the order they were posted on
+    each rank, so both sides post the same sequence of sizes.
+    """
+    return group.broadcast(tensor, 0)  # type: ignore[attr-defined]  # torch's stubs omit it
+
+
+def post_acknowledgement(group: ProcessGroupGloo) -> Any:
+    """Start a one-element all-reduce: it completes once every rank has posted it."""
+    return group.allreduce(torch.zeros(1, dtype=torch.int32))  # type: ignore[attr-defined]
+
+
 def broadcast(group: ProcessGroupGloo, tensor: torch.Tensor, timeout_seconds: float) -> None:
     """Broadcast a contiguous CPU tensor from rank 0; blocks until every rank has it."""
-    group.broadcast(tensor, 0).wait(datetime.timedelta(seconds=timeout_seconds))  # type: ignore[attr-defined]
+    post_broadcast(group, tensor).wait(datetime.timedelta(seconds=timeout_seconds))
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -197,6 +247,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self._store: TCPStore | None = None
         self._group: ProcessGroupGloo | None = None
+        self._shared: torch.Tensor | None = None
+        self._receive_buffers: list[torch.Tensor] = []
         self._bucket_size_bytes = DEFAULT_BUCKET_SIZE_BYTES
         self._timeout_seconds = DEFAULT_TIMEOUT_SECONDS
 
@@ -211,6 +263,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._bucket_size_bytes = init_info.bucket_size_bytes
         self._timeout_seconds = init_info.timeout_seconds
         timeout = datetime.timedelta(seconds=init_info.timeout_seconds)
+        if init_info.shared_memory_path is not None:
+            # Mapped before joining: the trainer removes the file once the group is complete.
+            self._shared = open_shared_buffer(init_info.shared_memory_path, init_info.bucket_size_bytes)
         self._store = TCPStore(
             init_info.master_address, init_info.master_port, init_info.world_size, False, timeout
         )
@@ -244,28 +299,137 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     @override
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        if self._group is None:
-            raise RuntimeError("The gloo weight transfer is not initialised: call init_weight_transfer_engine first.")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        specs = update_info.specs()
         with disable_mtp_completeness_check():
-            for bucket in update_info.buckets(specs):
-                # A fresh buffer per bucket: layer-wise reload keeps the loaded
-                # views until their layer is complete, so a reused buffer would be
-                # overwritten under it.
-                buffer = torch.empty(bucket.num_bytes, dtype=torch.uint8)
-                for begin, end in bucket.slices(self._bucket_size_bytes):
-                    broadcast(self._group, buffer[begin:end], self._timeout_seconds)
-                tensors = unpack_bucket(buffer, specs[bucket.start : bucket.stop])
-                if self.device.type != "cpu":
-                    tensors = [(name, tensor.to(self.device)) for name, tensor in tensors]
+            for tensors in self.received_buckets(update_info):
                 self.model.load_weights(tensors)  # type: ignore[operator]  # every vLLM model has it
+
+    def received_buckets(self, update_info: GlooWeightTransferUpdateInfo) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Receive the sync's tensors in order; yields named tensors as soon as they have landed.
+
+        The receives of the current and the next bucket are posted ahead, so gloo's
+        threads take the next bytes off the wire while the caller loads the ones
+        yielded. Each yield holds one or more whole segments. Every wait is bounded
+        by the timeout given at init.
+        """
+        group = self._group
+        if group is None:
+            raise RuntimeError("The gloo weight transfer is not initialised: call init_weight_transfer_engine first.")
+        if self._shared is not None:
+            yield from self._received_through_shared_memory(update_info, group, self._shared)
+            return
+        specs = update_info.specs()
+        buckets = enumerate(update_info.buckets(specs))
+        posted: deque[tuple[list[Any], list[tuple[str, torch.Tensor]], bool]] = deque()
+
+        def post_next_bucket() -> None:
+            bucket_index, bucket = next(buckets, (0, None))
+            if bucket is None:
+                return
+            buffer = self._receive_buffer(bucket_index, bucket.num_bytes)
+            segments = update_info.segments(specs, bucket)
+            for index, segment in enumerate(segments):
+                works = [post_broadcast(group, buffer[begin:end]) for begin, end in segment.slices(self._bucket_size_bytes)]
+                data = buffer[segment.offset : segment.offset + segment.num_bytes]
+                posted.append((works, unpack_bucket(data, specs[segment.start : segment.stop]), index == len(segments) - 1))
+
+        def take() -> list[tuple[str, torch.Tensor]]:
+            works, tensors, ends_bucket = posted.popleft()
+            for work in works:
+                work.wait(datetime.timedelta(seconds=self._timeout_seconds))
+            if ends_bucket:
+                post_next_bucket()
+            return tensors
+
+        post_next_bucket()
+        post_next_bucket()
+        while posted:
+            ready = take()
+            while posted and all(work.is_completed() for work in posted[0][0]):
+                ready += take()  # load what has already landed in one call
+            yield self._on_device(ready)
+
+    def _received_through_shared_memory(
+        self, update_info: GlooWeightTransferUpdateInfo, group: ProcessGroupGloo, shared: torch.Tensor
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """For each payload: wait for the trainer's notice, copy the bytes out, acknowledge.
+
+        A thread of its own does this, so the bytes of the next segments are copied
+        while the caller loads the ones yielded (copies and gloo waits release the
+        GIL). The acknowledgement (an all-reduce every rank joins) tells the trainer
+        that every worker has copied the payload, so it may overwrite that region.
+        """
+        specs = update_info.specs()
+        timeout = datetime.timedelta(seconds=self._timeout_seconds)
+        landed: queue.Queue[list[tuple[str, torch.Tensor]] | BaseException | None] = queue.Queue()
+
+        def copy_out() -> None:
+            notice = torch.empty(2, dtype=torch.int64)
+            acknowledgements = []
+            try:
+                for bucket_index, bucket in enumerate(update_info.buckets(specs)):
+                    buffer = self._receive_buffer(bucket_index, bucket.num_bytes)
+                    for segment in update_info.segments(specs, bucket):
+                        for begin, end in segment.slices(self._bucket_size_bytes):
+                            post_broadcast(group, notice).wait(timeout)
+                            start, stop = notice.tolist()
+                            if stop - start != end - begin:
+                                raise RuntimeError(
+                                    f"The trainer announced {stop - start} bytes where the plan has {end - begin}: "
+                                    "the two sides disagree on the plan. Re-initialise the weight transfer."
+                                )
+                            buffer[begin:end].copy_(shared[start:stop])
+                            acknowledgements.append(post_acknowledgement(group))
+                        data = buffer[segment.offset : segment.offset + segment.num_bytes]
+                        landed.put(unpack_bucket(data, specs[segment.start : segment.stop]))
+                for acknowledgement in acknowledgements:
+                    acknowledgement.wait(timeout)
+                landed.put(None)
+            except BaseException as error:  # handed to the caller's thread
+                landed.put(error)
+
+        threading.Thread(target=copy_out, name="lightning-vllm: shared-memory copy", daemon=True).start()
+        while True:
+            # Every wait inside the thread is bounded by the timeout; this one adds a margin.
+            item = landed.get(timeout=self._timeout_seconds * 2)
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield self._on_device(item)
+
+    def _receive_buffer(self, bucket_index: int, num_bytes: int) -> torch.Tensor:
+        """Where bucket ``bucket_index`` of a sync lands: the same memory at every sync.
+
+        Within a sync each bucket has its own buffer, because layer-wise reload keeps
+        the loaded views until their layer is complete. Between syncs nothing refers
+        to them any more (every layer has been processed into vLLM's own tensors), so
+        they are kept and reused: fresh memory would be page-faulted in at every
+        sync, which measured slower than the copy itself. The cost is one model's
+        worth of bytes held by the worker between syncs (freed at shutdown).
+        """
+        kept = self._receive_buffers
+        if bucket_index < len(kept) and kept[bucket_index].numel() >= num_bytes:
+            return kept[bucket_index][:num_bytes]
+        buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        if bucket_index < len(kept):
+            kept[bucket_index] = buffer
+        else:
+            kept.append(buffer)
+        return buffer
+
+    def _on_device(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        if self.device.type == "cpu":
+            return tensors
+        return [(name, tensor.to(self.device)) for name, tensor in tensors]
 
     @override
     def shutdown(self) -> None:
         self._group = None
         self._store = None
+        self._shared = None
+        self._receive_buffers = []
 
 
 def refresh_tied_embeddings(model: torch.nn.Module) -> None:
@@ -305,6 +469,9 @@ class GlooTrainerInitInfo(TrainerInitInfo):
         world_size: the trainer plus every vLLM worker.
         bucket_size_bytes: the largest packed bucket, and the trainer's staging memory.
         timeout_seconds: the longest any single wait may take.
+        shared_memory: move the bytes through a ``/dev/shm`` buffer instead of TCP,
+            which needs every worker on this host. ``None`` uses it when
+            ``master_address`` is a loopback address and ``/dev/shm`` exists.
     """
 
     backend: ClassVar[str] = "gloo"
@@ -314,7 +481,17 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     world_size: int = 2
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    shared_memory: bool | None = None
     rank: int = field(default=0, kw_only=True)
+
+    def uses_shared_memory(self) -> bool:
+        if self.shared_memory is None:
+            return is_loopback(self.master_address) and shared_memory_available()
+        if self.shared_memory and not shared_memory_available():
+            raise WeightSyncError(
+                "shared_memory=True but this host has no writable /dev/shm; pass shared_memory=False (TCP)."
+            )
+        return self.shared_memory
 
     def __post_init__(self) -> None:
         validate_bucket_size(self.bucket_size_bytes)
@@ -354,7 +531,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.port: int | None = None
         self._store: TCPStore | None = None
         self._group: ProcessGroupGloo | None = None
-        self._staging: torch.Tensor | None = None
+        self.coalesce_bytes = DEFAULT_COALESCE_BYTES
+        self._staging: StagingRing | None = None
 
     @classmethod
     @override
@@ -393,6 +571,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             wait_for_workers=False,
             master_listen_fd=listener.detach(),
         )
+        shared_path = None
+        if init_info.uses_shared_memory():
+            shared_path, shared = create_shared_buffer(init_info.bucket_size_bytes)
+            self._staging = StagingRing(init_info.bucket_size_bytes, buffer=shared)
         worker_info = GlooWeightTransferInitInfo(
             master_address=self.address,
             master_port=self.port,
@@ -401,6 +583,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             group_name=f"lightning_vllm/{uuid.uuid4().hex}",
             bucket_size_bytes=init_info.bucket_size_bytes,
             timeout_seconds=timeout,
+            shared_memory_path=shared_path,
         )
         # The workers block inside init_weight_transfer_engine until the group is
         # complete, and so does the trainer's ProcessGroupGloo constructor: both
@@ -427,6 +610,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            remove_shared_buffer(shared_path)  # every worker has mapped it once the group is complete
 
     @staticmethod
     def _await_group(
@@ -458,8 +643,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if source is None:
             raise ValueError("No weights to send: pass a WeightSource to trainer_init or send_weights.")
         groups = _send_order(source)
-        specs = [spec for group in groups for spec in group]
-        buckets = plan_buckets(groups, self.bucket_size_bytes)
         tensors = (tensor for _, batch in source.iter_groups() for tensor in batch)
         if not self.is_sender:
             for _ in tensors:  # stay in step with the sender's collective gathers
@@ -467,81 +650,159 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return
         if self._group is None:
             raise RuntimeError("The gloo trainer engine is not connected: build it with trainer_init.")
-        update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets)
         self.client.start_weight_update()
-        receive = BackgroundCall(self.client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
-        self._broadcast_buckets(specs, buckets, tensors, receive)
-        receive.result(self.timeout_seconds)
+        self.send_update(groups, tensors)
         self.client.finish_weight_update()
 
-    def _broadcast_buckets(
+    def send_update(
+        self,
+        groups: Sequence[Sequence[TensorSpec]],
+        tensors: Iterator[torch.Tensor],
+        update: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> Any:
+        """One ``update_weights`` call and the broadcasts that carry its tensors.
+
+        Must run between the client's ``start_weight_update`` and
+        ``finish_weight_update``. ``tensors`` yields the tensors of ``groups`` in
+        order. Blocks until the workers have loaded them (``timeout_seconds``).
+
+        Args:
+            groups: the tensor specs, one list per layer group, in send order.
+            tensors: the tensors of ``groups``, in the same order.
+            update: what asks the workers to receive (default: the client's
+                ``update_weights``); it gets the update info as plain data.
+
+        Returns:
+            What ``update`` returned.
+        """
+        if self._group is None:
+            raise RuntimeError("The gloo trainer engine is not connected: build it with trainer_init.")
+        specs = [spec for group in groups for spec in group]
+        buckets = plan_buckets(groups, self.bucket_size_bytes)
+        segment_ends = plan_segments(specs, buckets, min(self.coalesce_bytes, self.bucket_size_bytes))
+        update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets, segment_ends)
+        receive = BackgroundCall(
+            update or self.client.update_weights, asdict(update_info), what="vLLM workers to load the weights"
+        )
+        self._send_segments(specs, [update_info.segments(specs, bucket) for bucket in buckets], tensors, receive)
+        return receive.result(self.timeout_seconds)
+
+    @property
+    def group(self) -> ProcessGroupGloo | None:
+        """The gloo group (the trainer is rank 0), or ``None`` before ``trainer_init`` and after ``shutdown``."""
+        return self._group
+
+    def _send_segments(
         self,
         specs: Sequence[TensorSpec],
-        buckets: Sequence[Bucket],
+        segments_per_bucket: Sequence[Sequence[Segment]],
         tensors: Iterator[torch.Tensor],
         receive: BackgroundCall[None],
     ) -> None:
-        assert self._group is not None
-        sent = 0
-        with torch.no_grad():
-            for bucket in buckets:
-                bucket_specs = specs[bucket.start : bucket.stop]
-                bucket_tensors = [next(tensors) for _ in bucket_specs]
-                for payload in self._bucket_payloads(bucket, bucket_specs, bucket_tensors):
-                    if receive.done():
-                        receive.result(0)  # the workers failed: say why instead of waiting
-                    try:
-                        broadcast(self._group, payload, self.timeout_seconds)
-                    except RuntimeError as error:
-                        if receive.done():
-                            receive.result(0)
-                        raise WeightSyncError(
-                            f"Sending weights to vLLM failed after {sent} bytes: {error}. The engine may have "
-                            "stopped; re-initialise the updater (init) once it is back."
-                        ) from error
-                    sent += payload.numel()
+        """Post every broadcast without waiting for the previous one, then wait for them all.
 
-    def _bucket_payloads(
-        self, bucket: Bucket, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]
-    ) -> Iterator[torch.Tensor]:
-        """The uint8 tensors to broadcast for one bucket, at most one bucket in size each."""
-        if len(tensors) == 1 and bucket.num_bytes > self.bucket_size_bytes:
-            yield from self._tensor_slices(specs[0], tensors[0])
+        Copies (packed small tensors, dtype conversions) go through the staging ring,
+        which bounds them to one bucket; a ring region is reused only once the
+        broadcast that reads it has finished. The other payloads are the source's own
+        memory, so every broadcast must finish before this returns.
+        """
+        assert self._group is not None
+        if self._staging is None:
+            self._staging = StagingRing(self.bucket_size_bytes)
+        ring = self._staging
+        ring.reset()
+        through_shared_memory = ring.shared
+        in_flight: deque[tuple[Any, int]] = deque()
+        sent = 0
+
+        def wait_oldest() -> None:
+            nonlocal sent
+            work, num_bytes = in_flight.popleft()
+            self._wait(work, receive, sent)
+            sent += num_bytes
+
+        with torch.no_grad():
+            for segments in segments_per_bucket:
+                for segment in segments:
+                    segment_specs = specs[segment.start : segment.stop]
+                    segment_tensors = [next(tensors) for _ in segment_specs]
+                    for spec, tensor in zip(segment_specs, segment_tensors):
+                        _check_shape(spec, tensor)
+                    payloads = self._segment_payloads(
+                        segment_specs, segment_tensors, ring, wait_oldest, copy_all=through_shared_memory
+                    )
+                    for payload, region in payloads:
+                        if receive.done():
+                            receive.result(0)  # the workers failed: say why instead of sending on
+                        if through_shared_memory:
+                            assert region is not None
+                            # Only the notice travels over gloo; the workers copy the region out and acknowledge.
+                            in_flight.append((post_broadcast(self._group, torch.tensor(region, dtype=torch.int64)), 0))
+                            work = post_acknowledgement(self._group)
+                        else:
+                            work = post_broadcast(self._group, payload)
+                        in_flight.append((work, payload.numel()))
+                        if region is not None:
+                            ring.hold(region, work)
+            while in_flight:
+                wait_oldest()
+
+    def _wait(self, work: Any, receive: BackgroundCall[None], sent: int) -> None:
+        """Wait for one broadcast, failing early if the workers' update call fails first."""
+        deadline = time.monotonic() + self.timeout_seconds
+        try:
+            while not work.is_completed():
+                if receive.done():
+                    receive.result(0)
+                if time.monotonic() > deadline:
+                    raise WeightSyncTimeoutError(
+                        f"A broadcast to vLLM did not finish within {self.timeout_seconds:g} s after {sent} bytes. "
+                        "The engine may have stopped; re-initialise the updater (init) once it is back."
+                    )
+                time.sleep(_WORK_POLL_SECONDS)
+            work.wait()
+        except RuntimeError as error:
+            if receive.done():
+                receive.result(0)
+            raise WeightSyncError(
+                f"Sending weights to vLLM failed after {sent} bytes: {error}. The engine may have "
+                "stopped; re-initialise the updater (init) once it is back."
+            ) from error
+
+    def _segment_payloads(
+        self,
+        specs: Sequence[TensorSpec],
+        tensors: Sequence[torch.Tensor],
+        ring: StagingRing,
+        make_room: Callable[[], None],
+        *,
+        copy_all: bool,
+    ) -> Iterator[tuple[torch.Tensor, tuple[int, int] | None]]:
+        """The uint8 tensors to send for one segment, with the ring region each one uses (if any).
+
+        A lone tensor already in the wire dtype is sent from its own memory unless
+        ``copy_all`` (shared memory: every payload must be in the shared buffer).
+        """
+        if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]) and not copy_all:
+            data = tensors[0].reshape(-1).view(torch.uint8)  # sent from the source's memory, no copy
+            for begin in range(0, data.numel(), self.bucket_size_bytes):
+                yield data[begin : begin + self.bucket_size_bytes], None
             return
-        if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]):
-            yield tensors[0].reshape(-1).view(torch.uint8)  # no copy needed
+        if len(tensors) == 1:  # copied slice by slice, so a huge tensor needs one bucket at most
+            spec, flat = specs[0], tensors[0].reshape(-1)
+            per_slice = self.bucket_size_bytes // spec.dtype.itemsize
+            for begin in range(0, flat.numel(), per_slice):
+                part = flat[begin : begin + per_slice]
+                region, staging = ring.take(part.numel() * spec.dtype.itemsize, make_room)
+                staging.view(spec.dtype).copy_(part)  # converts to the wire dtype on the way
+                yield staging, region
             return
-        staging = self._staging_buffer(bucket.num_bytes)[: bucket.num_bytes]
+        region, staging = ring.take(sum(spec.num_bytes for spec in specs), make_room)
         offset = 0
         for spec, tensor in zip(specs, tensors):
-            _check_shape(spec, tensor)
-            view = staging[offset : offset + spec.num_bytes].view(spec.dtype).view(spec.shape)
-            view.copy_(tensor)  # converts to the wire dtype on the way
+            staging[offset : offset + spec.num_bytes].view(spec.dtype).view(spec.shape).copy_(tensor)
             offset += spec.num_bytes
-        yield staging
-
-    def _tensor_slices(self, spec: TensorSpec, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-        """A tensor larger than a bucket, in bucket-sized slices, converted slice by slice."""
-        _check_shape(spec, tensor)
-        flat = tensor.reshape(-1)
-        if _is_wire_ready(tensor, spec):
-            data = flat.view(torch.uint8)
-            for begin in range(0, data.numel(), self.bucket_size_bytes):
-                yield data[begin : begin + self.bucket_size_bytes]
-            return
-        per_slice = self.bucket_size_bytes // spec.dtype.itemsize
-        staging = self._staging_buffer(self.bucket_size_bytes)
-        for begin in range(0, flat.numel(), per_slice):
-            part = flat[begin : begin + per_slice]
-            staging[: part.numel() * spec.dtype.itemsize].view(spec.dtype).copy_(part)
-            yield staging[: part.numel() * spec.dtype.itemsize]
-
-    def _staging_buffer(self, num_bytes: int) -> torch.Tensor:
-        """The reused packing buffer, grown to ``num_bytes`` (never beyond one bucket)."""
-        if self._staging is None or self._staging.numel() < num_bytes:
-            self._staging = None  # free the old buffer before allocating the new one
-            self._staging = torch.empty(min(num_bytes, self.bucket_size_bytes), dtype=torch.uint8)
-        return self._staging
+        yield staging, region
 
     @override
     def shutdown(self) -> None:

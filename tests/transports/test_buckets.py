@@ -1,7 +1,15 @@
 import pytest
 import torch
 
-from lightning_vllm.transports.buckets import Bucket, TensorSpec, plan_buckets, unpack_bucket
+from lightning_vllm.transports.buckets import (
+    Bucket,
+    Segment,
+    TensorSpec,
+    bucket_segments,
+    plan_buckets,
+    plan_segments,
+    unpack_bucket,
+)
 
 
 def spec(name: str, numel: int, dtype: torch.dtype = torch.float32) -> TensorSpec:
@@ -50,3 +58,34 @@ def test_unpack_restores_names_dtypes_and_shapes():
     (name_a, got_a), (name_b, got_b) = unpack_bucket(buffer, specs)
     assert (name_a, name_b) == ("a", "b")
     assert torch.equal(got_a, a) and torch.equal(got_b, b)
+
+
+def test_small_tensors_share_a_segment_and_large_ones_travel_alone():
+    specs = [spec("a", 4), spec("b", 4), spec("big", 40), spec("c", 4), spec("d", 4), spec("e", 4)]  # 16, 16, 160, 16...
+    buckets = plan_buckets([specs], bucket_size_bytes=1024)
+    ends = plan_segments(specs, buckets, coalesce_bytes=40)
+    # a+b pack (32 bytes); big (>= 40) is alone; c+d pack, e would overflow 40 so it starts a new segment.
+    assert ends == [2, 3, 5, 6]
+    assert bucket_segments(specs, buckets[0], ends) == [
+        Segment(0, 2, 0, 32),
+        Segment(2, 3, 32, 160),
+        Segment(3, 5, 192, 32),
+        Segment(5, 6, 224, 16),
+    ]
+
+
+def test_segments_never_cross_a_bucket_and_cover_every_byte():
+    groups = [[spec(f"l.{i}.{j}", (i * 7 + j * 3) % 50 + 1) for j in range(3)] for i in range(20)]
+    specs = [s for group in groups for s in group]
+    buckets = plan_buckets(groups, bucket_size_bytes=256)
+    ends = plan_segments(specs, buckets, coalesce_bytes=64)
+    assert {b.stop for b in buckets} <= set(ends) and ends == sorted(set(ends))
+    for bucket in buckets:
+        segments = bucket_segments(specs, bucket, ends)
+        assert segments[0].start == bucket.start and segments[-1].stop == bucket.stop
+        assert sum(segment.num_bytes for segment in segments) == bucket.num_bytes
+        assert all(s.num_bytes <= 64 or s.stop - s.start == 1 for s in segments)
+
+
+def test_a_huge_segment_is_sliced_at_bucket_size_from_its_offset():
+    assert list(Segment(0, 1, 16, 150).slices(64)) == [(16, 80), (80, 144), (144, 166)]

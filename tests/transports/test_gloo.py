@@ -26,6 +26,7 @@ def test_update_info_round_trips_through_plain_data():
         "dtype_names": ["bfloat16", "float32"],
         "shapes": [[2, 3], [4]],
         "bucket_ends": [1, 2],
+        "segment_ends": [1, 2],
     }
     received = GlooWeightTransferUpdateInfo(**payload)
     assert received.specs() == specs
@@ -34,9 +35,14 @@ def test_update_info_round_trips_through_plain_data():
 
 def test_update_info_rejects_inconsistent_plans():
     with pytest.raises(ValueError, match="one entry per tensor"):
-        GlooWeightTransferUpdateInfo(names=["a"], dtype_names=[], shapes=[[1]], bucket_ends=[1])
+        GlooWeightTransferUpdateInfo(names=["a"], dtype_names=[], shapes=[[1]], bucket_ends=[1], segment_ends=[1])
+    two = dict(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[1]] * 2)
     with pytest.raises(ValueError, match="must rise strictly and end at 2"):
-        GlooWeightTransferUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[1]] * 2, bucket_ends=[1])
+        GlooWeightTransferUpdateInfo(**two, bucket_ends=[1], segment_ends=[1])
+    with pytest.raises(ValueError, match="include every bucket end"):
+        GlooWeightTransferUpdateInfo(**two, bucket_ends=[1, 2], segment_ends=[2])
+    with pytest.raises(ValueError, match="must end at 2"):
+        GlooWeightTransferUpdateInfo(**two, bucket_ends=[], segment_ends=[1])
 
 
 def test_dtype_names_are_never_evaluated_as_arbitrary_attributes():

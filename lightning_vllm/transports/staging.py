@@ -1,0 +1,73 @@
+"""The trainer's staging memory: one buffer of one bucket, handed out as a ring.
+
+Packing small tensors and converting dtypes need a copy; the copy must live until
+the asynchronous broadcast reading it has finished. Regions are taken in order
+around one buffer, and a region is handed out again only after the broadcasts
+that read the bytes it overlaps have finished, so copies for the next segments
+proceed while earlier ones are still on the wire, and staging never exceeds the
+buffer's capacity.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class StagingRing:
+    """Regions of one ``uint8`` buffer of ``capacity`` bytes (``buffer``, or allocated when first needed).
+
+    Example:
+        >>> ring = StagingRing(16)
+        >>> region, tensor = ring.take(8, make_room=lambda: None)
+        >>> region, tensor.numel()
+        ((0, 8), 8)
+    """
+
+    def __init__(self, capacity: int, buffer: torch.Tensor | None = None) -> None:
+        if capacity <= 0:
+            raise ValueError(f"Invalid staging capacity {capacity}; it must be > 0 bytes.")
+        if buffer is not None and buffer.numel() < capacity:
+            raise ValueError(f"The staging buffer holds {buffer.numel()} bytes, fewer than the capacity {capacity}.")
+        self.capacity = capacity
+        # Given (a shared-memory mapping) or allocated at the first take.
+        self.shared = buffer is not None
+        self._buffer = buffer
+        self._head = 0
+        self._held: deque[tuple[int, int, Any]] = deque()
+
+    def reset(self) -> None:
+        """Start again at the buffer's beginning; only call once nothing is in flight.
+
+        Restarting each sync keeps the touched (resident) part of the buffer as small
+        as the largest sync's staging needs.
+        """
+        self._head = 0
+        self._held.clear()
+
+    def take(self, num_bytes: int, make_room: Callable[[], None]) -> tuple[tuple[int, int], torch.Tensor]:
+        """A free region of ``num_bytes``; calls ``make_room`` (which must finish the oldest
+        broadcast in flight) until the region no longer overlaps bytes still being read."""
+        if not 0 < num_bytes <= self.capacity:
+            raise ValueError(f"Cannot stage {num_bytes} bytes in a staging buffer of {self.capacity} bytes.")
+        if self._buffer is None:
+            self._buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        begin = self._head if self._head + num_bytes <= self.capacity else 0
+        end = begin + num_bytes
+        while any(begin < held_end and held_begin < end and not work.is_completed() for held_begin, held_end, work in self._held):
+            make_room()
+            self._drop_finished()
+        self._drop_finished()
+        self._head = end
+        return (begin, end), self._buffer[begin:end]
+
+    def hold(self, region: tuple[int, int], work: Any) -> None:
+        """Keep ``region`` busy until ``work`` (the broadcast reading it) has completed."""
+        self._held.append((*region, work))
+
+    def _drop_finished(self) -> None:
+        while self._held and self._held[0][2].is_completed():
+            self._held.popleft()
