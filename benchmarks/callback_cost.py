@@ -1,0 +1,110 @@
+"""What the callback costs a training run: pushing every step versus never.
+
+The same short ``Trainer.fit`` runs twice per round, alternately: with
+``VLLMWeightSync(every_n_train_steps=1)`` and without the callback. The policy trains
+in float32, as mixed-precision training keeps its weights, and the engine serves
+bfloat16, so each push also converts. The extra time
+per step should be the push itself and nothing more, so the report sets the
+difference against the time spent inside ``push_weights``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_vllm import VLLMUpdater, VLLMWeightSync
+
+
+class PolicyModule(LightningModule):
+    """Next-token loss on random tokens: a stand-in for an RL loss with the same cost shape."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=1e-4)
+
+
+class TimedUpdater(VLLMUpdater):
+    """An updater that records the wall-clock seconds of every push, as the callback sees them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.push_seconds: list[float] = []
+
+    def push_weights(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().push_weights(*args, **kwargs)
+        finally:
+            self.push_seconds.append(time.perf_counter() - start)
+
+
+@dataclass
+class CallbackCost:
+    """Medians over rounds, in seconds per training step."""
+
+    num_steps: int
+    step_never: float
+    step_every: float
+    push: float
+
+    @property
+    def extra(self) -> float:
+        return self.step_every - self.step_never
+
+    @property
+    def overhead(self) -> float:
+        """What pushing every step costs beyond the pushes themselves."""
+        return self.extra - self.push
+
+
+def measure_callback_cost(
+    llm: Any, model: torch.nn.Module, *, vocab_size: int, num_steps: int, num_rounds: int
+) -> CallbackCost:
+    model = copy.deepcopy(model).float()
+    tokens = torch.randint(0, vocab_size, (num_steps * 2, 64), generator=torch.Generator().manual_seed(0))
+    never: list[float] = []
+    every: list[float] = []
+    push: list[float] = []
+    for round_index in range(num_rounds + 1):  # round 0 warms up and is discarded
+        updater = TimedUpdater(engine=llm, timeout_seconds=600)
+        seconds_never = _fit_seconds(model, tokens, num_steps, callbacks=[])
+        seconds_every = _fit_seconds(model, tokens, num_steps, callbacks=[VLLMWeightSync(updater=updater, every_n_train_steps=1)])
+        updater.close()
+        if round_index:
+            never.append(seconds_never / num_steps)
+            every.append(seconds_every / num_steps)
+            push.append(sum(updater.push_seconds) / num_steps)
+    return CallbackCost(num_steps, statistics.median(never), statistics.median(every), statistics.median(push))
+
+
+def _fit_seconds(model: torch.nn.Module, tokens: torch.Tensor, num_steps: int, callbacks: list[Any]) -> float:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=num_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(TensorDataset(tokens), batch_size=2)
+    module = PolicyModule(model.train())
+    start = time.perf_counter()
+    trainer.fit(module, loader)
+    return time.perf_counter() - start

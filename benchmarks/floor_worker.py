@@ -1,0 +1,31 @@
+"""Worker side of the *floor* measurement, added to vLLM's worker with ``worker_extension_cls``.
+
+The floor is what no CPU sync can beat: the bytes of one sync through the raw
+transport, with no packing and no per-bucket loading, followed by vLLM's own
+in-memory ``reload_weights`` of the very tensors received. vLLM adds the methods of
+this class to its worker, so the trainer calls them by name with ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class FloorWorkerExtension:
+    """Methods vLLM mixes into its worker (``self`` is the worker)."""
+
+    weight_transfer_engine: Any
+
+    def benchmark_floor_receive(self, update_info: dict[str, Any]) -> dict[str, float]:
+        """Receive every bucket of ``update_info`` first, then reload them all at once.
+
+        Returns the seconds spent in each part. Uses the gloo group the trainer set up
+        with ``init_weight_transfer_engine``.
+        """
+        engine = self.weight_transfer_engine
+        start = time.perf_counter()
+        received = [tensor for bucket in engine.received_buckets(engine.parse_update_info(update_info)) for tensor in bucket]
+        transported = time.perf_counter()
+        self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return {"transport_seconds": transported - start, "load_seconds": time.perf_counter() - transported}

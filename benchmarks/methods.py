@@ -1,0 +1,173 @@
+"""The four ways to get a trainer's weights into a running vLLM engine, timed side by side.
+
+* ``ours``: ``VLLMUpdater.push_weights``, end to end (checks, gloo buckets, load,
+  prefix-cache reset, version). The engine is on this host, so the bytes go through
+  shared memory; ``ours_tcp`` is the same over loopback TCP, as for a remote engine.
+* ``disk``: what many users do today: ``save_pretrained`` into a folder, then vLLM's
+  ``reload_weights(weights_path=...)``.
+* ``per_tensor``: the design of TorchRL's first updater and classic TRL: one control
+  call and one broadcast per tensor (same gloo transport and worker as ours).
+* ``floor``: the same bytes through the same transport with nothing else to do (the
+  worker only receives), then vLLM's in-memory ``reload_weights`` of the received
+  tensors (see ``floor_worker.py``): what a sync costs if moving and loading the
+  bytes were its only work, done one after the other.
+
+The engine's worker holds one gloo group at a time, so each method (re)connects
+before it runs when another one used the engine last; connecting is not timed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_vllm import VLLMUpdater
+from lightning_vllm.engines import as_engine_target
+from lightning_vllm.transports.buckets import TensorSpec
+from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+from lightning_vllm.weights.sources import weights_from
+
+TIMEOUT_SECONDS = 600.0
+METHODS = ("ours", "ours_tcp", "disk", "per_tensor", "floor")
+
+
+class SyncMethods:
+    """Every method against one engine and one model; call :meth:`run` with a method's name.
+
+    Args:
+        llm: a ``vllm.LLM`` built with the gloo backend and ``FloorWorkerExtension``.
+        model: the trainer's Hugging Face model (its weights are what each method sends).
+        workdir: where the ``disk`` method saves the model.
+        bucket_size_bytes: the bucket size of ours (and of the floor's plan).
+    """
+
+    def __init__(self, llm: Any, model: torch.nn.Module, workdir: Path, bucket_size_bytes: int) -> None:
+        self.llm = llm
+        self.model = model
+        self.workdir = workdir
+        self.bucket_size_bytes = bucket_size_bytes
+        self.updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS)
+        self.tcp_updater = VLLMUpdater(
+            engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS, shared_memory=False
+        )
+        self._raw: GlooTrainerWeightTransferEngine | None = None
+        self._connected: VLLMUpdater | None = None
+        self.floor_parts: list[dict[str, float]] = []
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(parameter.numel() * parameter.element_size() for parameter in self.model.parameters())
+
+    def run(self, method: str) -> float:
+        """Run ``method`` once; returns its wall-clock seconds.
+
+        A method that had to connect first (another one used the engine last) runs
+        once untimed before the timed run: a trainer pushes many times over one
+        connection, and the first push after connecting also touches fresh memory.
+        """
+        action: Callable[[], None]
+        if method in ("ours", "ours_tcp"):
+            updater = self.updater if method == "ours" else self.tcp_updater
+            connected = self._connect(updater)
+            action = lambda: updater.push_weights(self.model)  # noqa: E731
+        elif method == "disk":
+            connected = False
+            action = self.disk
+        elif method in ("per_tensor", "floor"):
+            connected, raw = self._connect_raw()
+            action = lambda: self.per_tensor(raw) if method == "per_tensor" else self.floor(raw)  # noqa: E731
+        else:
+            raise ValueError(f"Unknown method {method!r}; expected one of {METHODS}.")
+        if connected:
+            action()
+        start = time.perf_counter()
+        action()
+        return time.perf_counter() - start
+
+    # -- connecting (not timed) -------------------------------------------------------
+    # The engine's worker has one weight-transfer engine, so one group at a time.
+
+    def _connect(self, updater: VLLMUpdater) -> bool:
+        """Connect ``updater``; returns whether it had to."""
+        if self._connected is updater:
+            return False
+        self._disconnect()
+        updater.init(VLLMUpdater.get_model_metadata(self.model))
+        self._connected = updater
+        return True
+
+    def _connect_raw(self) -> tuple[bool, GlooTrainerWeightTransferEngine]:
+        """The bare trainer engine of the per-tensor and floor methods, and whether it had to connect."""
+        if self._raw is not None:
+            return False, self._raw
+        self._disconnect()
+        self._raw = GlooTrainerWeightTransferEngine.trainer_init(
+            GlooTrainerInitInfo(world_size=2, bucket_size_bytes=self.bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS),
+            client=as_engine_target(self.llm),
+        )
+        return True, self._raw
+
+    def _disconnect(self) -> None:
+        if self._raw is not None:
+            self._raw.shutdown()
+            self._raw.client.shutdown_weight_transfer_engine()
+            self._raw = None
+        if self._connected is not None:
+            self._connected.close()
+            self._connected = None
+
+    def close(self) -> None:
+        self._disconnect()
+
+    # -- the methods --------------------------------------------------------------------
+
+    def disk(self) -> None:
+        folder = self.workdir / "disk"
+        self.model.save_pretrained(folder, safe_serialization=True)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def per_tensor(self, raw: GlooTrainerWeightTransferEngine) -> None:
+        raw.client.start_weight_update()
+        for group, tensors in self._layer_groups():
+            for spec, tensor in zip(group, tensors):
+                raw.send_update([[spec]], iter([tensor]))
+        raw.client.finish_weight_update()
+        self.llm.reset_prefix_cache()
+
+    def floor(self, raw: GlooTrainerWeightTransferEngine) -> None:
+        groups, tensors = zip(*self._layer_groups())
+
+        def receive_then_reload(update_info: dict[str, Any]) -> Any:
+            return self.llm.collective_rpc("benchmark_floor_receive", args=(update_info,))
+
+        parts = raw.send_update(groups, (t for batch in tensors for t in batch), update=receive_then_reload)
+        self.floor_parts.append(parts[0])
+
+    def _layer_groups(self) -> list[tuple[list[TensorSpec], list[torch.Tensor]]]:
+        source = weights_from(self.model)
+        metadata = {meta.name: TensorSpec(meta.name, meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
+        return [([metadata[name] for name in names], list(batch)) for names, batch in source.iter_groups()]
+
+
+def peak_extra_rss_bytes(fn: Callable[[], Any]) -> int:
+    """This process's resident-memory high-water mark during ``fn`` minus its resident memory before.
+
+    Linux only: writing 5 to ``/proc/self/clear_refs`` resets the high-water mark.
+    """
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field} line; the memory figures need Linux.")
+    return int(match.group(1))

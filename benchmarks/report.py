@@ -1,0 +1,146 @@
+"""Turns timings into the figures the benchmark page shows: table, fit, ratios, plot."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+RESULTS_START = "<!-- results:start -->"
+RESULTS_END = "<!-- results:end -->"
+
+
+@dataclass
+class ModelResult:
+    """Every timing of one model: ``seconds[method]`` holds one entry per run."""
+
+    name: str
+    num_parameters: int
+    num_tensors: int
+    num_bytes: int
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    peak_extra_bytes: int | None = None
+    bucket_size_bytes: int = 0
+
+    def median(self, method: str) -> float:
+        return statistics.median(self.seconds[method])
+
+    def ratio(self, slower: str, faster: str = "ours") -> float:
+        """How many times faster ``faster`` is than ``slower`` (medians)."""
+        return self.median(slower) / self.median(faster)
+
+    @property
+    def peak_mem_over_bucket(self) -> float | None:
+        if self.peak_extra_bytes is None:
+            return None
+        return self.peak_extra_bytes / self.bucket_size_bytes
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``seconds = intercept + bytes / bytes_per_second``, least squares over the model sizes."""
+
+    intercept_seconds: float
+    bytes_per_second: float
+    r_squared: float
+
+
+def linear_fit(results: Sequence[ModelResult], method: str) -> LinearFit:
+    x = np.array([result.num_bytes for result in results], dtype=float)
+    y = np.array([result.median(method) for result in results])
+    slope, intercept = np.polyfit(x, y, 1)
+    predicted = intercept + slope * x
+    total = float(((y - y.mean()) ** 2).sum())
+    r_squared = 1.0 - float(((y - predicted) ** 2).sum()) / total if total else 1.0
+    return LinearFit(float(intercept), float(1.0 / slope) if slope > 0 else float("inf"), r_squared)
+
+
+def ratios_line(largest: ModelResult, many_tensors: ModelResult) -> str:
+    """The suite's last line, read by scripts (figures at the largest size; per-tensor on the many-tensor model)."""
+    memory = largest.peak_mem_over_bucket
+    return (
+        f"ratios: floor_over_ours={largest.median('floor') / largest.median('ours'):.3f} "
+        f"disk_over_ours={largest.ratio('disk'):.3f} "
+        f"per_tensor_over_ours={many_tensors.ratio('per_tensor'):.3f} "
+        f"peak_mem_over_bucket={memory if memory is not None else float('nan'):.3f}"
+    )
+
+
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:,.0f}" if num_bytes >= 1e7 else f"{num_bytes / 1e6:.1f}"
+
+
+def timing_table(results: Sequence[ModelResult], methods: Sequence[str]) -> str:
+    lines = [
+        "| model | params | tensors | MB | method | median s | min s | max s | GB/s | vs ours |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        for method in methods:
+            if method not in result.seconds:
+                continue
+            runs = result.seconds[method]
+            median = statistics.median(runs)
+            lines.append(
+                f"| {result.name} | {result.num_parameters / 1e6:.0f}M | {result.num_tensors} | {_mb(result.num_bytes)} "
+                f"| {method} | {median:.3f} | {min(runs):.3f} | {max(runs):.3f} "
+                f"| {result.num_bytes / median / 1e9:.2f} | {median / result.median('ours'):.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def targets_table(results: Sequence[ModelResult], many_tensors: ModelResult) -> str:
+    lines = [
+        "| model | ours / floor (target <= 1.15) | disk / ours (target >= 1.5 at the largest) "
+        "| peak extra memory MB | / bucket (target <= 1.25) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        memory = result.peak_mem_over_bucket
+        lines.append(
+            f"| {result.name} | {result.median('ours') / result.median('floor'):.2f} | {result.ratio('disk'):.2f} "
+            f"| {_mb(result.peak_extra_bytes or 0)} | {memory if memory is not None else float('nan'):.2f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Many-tensor model ({many_tensors.num_tensors} tensors, {_mb(many_tensors.num_bytes)} MB): "
+        f"per-tensor / ours = {many_tensors.ratio('per_tensor'):.1f} (target >= 5)."
+    )
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[ModelResult], methods: Sequence[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    sizes = [result.num_bytes / 1e6 for result in results]
+    for method in methods:
+        medians = [result.median(method) for result in results]
+        lows = [medians[i] - min(result.seconds[method]) for i, result in enumerate(results)]
+        highs = [max(result.seconds[method]) - medians[i] for i, result in enumerate(results)]
+        axis.errorbar(sizes, medians, yerr=[lows, highs], marker="o", capsize=3, label=method)
+    axis.set_xlabel("bytes sent per sync (MB, bfloat16)")
+    axis.set_ylabel("seconds per sync (median, min-max bars)")
+    axis.set_title("Weight sync into a vLLM engine on a 2-core CPU")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def replace_results(page: Path, results_markdown: str) -> None:
+    """Put ``results_markdown`` between the page's result markers, leaving the prose around them alone."""
+    text = page.read_text() if page.exists() else f"# Benchmarks\n\n{RESULTS_START}\n{RESULTS_END}\n"
+    if RESULTS_START not in text or RESULTS_END not in text:
+        raise ValueError(f"{page} has no {RESULTS_START} ... {RESULTS_END} section to fill.")
+    head, rest = text.split(RESULTS_START, 1)
+    _, tail = rest.split(RESULTS_END, 1)
+    page.write_text(f"{head}{RESULTS_START}\n{results_markdown.strip()}\n{RESULTS_END}{tail}")

@@ -1,0 +1,203 @@
+"""The sync benchmark suite (``make bench``): ours against disk, per-tensor and the floor.
+
+For each model size a real vLLM engine (CPU, bfloat16, gloo backend) is started once,
+then every method runs in turn, in a rotating order, ``--runs`` times after one
+untimed warm-up each. Results go to ``docs/benchmarks.md`` (between its result
+markers) and ``docs/images/benchmarks.png``. The last line printed is::
+
+    ratios: floor_over_ours=F disk_over_ours=D per_tensor_over_ours=P peak_mem_over_bucket=M
+
+Run ``python benchmarks/run.py --help`` for the options; ``--quick`` runs the
+smallest size once, writing into a temporary folder (the test suite's smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# vLLM's workers import the floor extension by module name; they inherit this path.
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+
+from callback_cost import CallbackCost, measure_callback_cost  # noqa: E402
+from methods import METHODS, SyncMethods, peak_extra_rss_bytes  # noqa: E402
+from models import MANY_TENSORS, SIZES, ModelSize, build_model, num_parameters, save  # noqa: E402
+from report import (  # noqa: E402
+    ModelResult,
+    linear_fit,
+    plot,
+    ratios_line,
+    replace_results,
+    targets_table,
+    timing_table,
+)
+
+from lightning_vllm import VLLMUpdater  # noqa: E402
+from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES  # noqa: E402
+
+REPOSITORY = BENCHMARKS.parent
+
+
+def start_engine(model_dir: Path) -> object:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=128,
+        seed=0,
+        weight_transfer_config={"backend": "gloo"},
+        worker_extension_cls="floor_worker.FloorWorkerExtension",
+    )
+
+
+def stop_engine(llm: object) -> None:
+    llm.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
+    gc.collect()
+
+
+def measure_model(size: ModelSize, workdir: Path, *, num_runs: int, bucket_size_bytes: int, cost_steps: int) -> tuple[ModelResult, CallbackCost | None]:
+    model = build_model(size)
+    model_dir = save(model, workdir / size.name / "model")
+    result = ModelResult(
+        name=size.name,
+        num_parameters=num_parameters(model),
+        num_tensors=len(list(model.parameters())),
+        num_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        bucket_size_bytes=bucket_size_bytes,
+        seconds={method: [] for method in METHODS},
+    )
+    print(f"\n== {size.name}: {result.num_parameters / 1e6:.1f}M parameters, {result.num_tensors} tensors, "
+          f"{result.num_bytes / 1e6:.1f} MB", flush=True)
+    llm = start_engine(model_dir)
+    cost = None
+    try:
+        result.peak_extra_bytes = first_push_memory(llm, model, bucket_size_bytes)
+        methods = SyncMethods(llm, model, workdir / size.name, bucket_size_bytes)
+        for method in METHODS:  # warm-up: the first calls load code and page memory in
+            methods.run(method)
+        for run in range(num_runs):
+            order = METHODS[run % len(METHODS):] + METHODS[: run % len(METHODS)]
+            for method in order:
+                seconds = methods.run(method)
+                result.seconds[method].append(seconds)
+            print(f"   run {run + 1}/{num_runs}: " + ", ".join(f"{m} {result.seconds[m][-1]:.3f}s" for m in METHODS), flush=True)
+        parts = methods.floor_parts[-num_runs:]
+        print("   floor parts (median): transport {:.3f}s, load {:.3f}s".format(
+            sorted(p["transport_seconds"] for p in parts)[len(parts) // 2],
+            sorted(p["load_seconds"] for p in parts)[len(parts) // 2]))
+        methods.close()
+        if cost_steps:
+            cost = measure_callback_cost(llm, model, vocab_size=size.vocab_size, num_steps=cost_steps, num_rounds=max(1, min(num_runs, 3)))
+    finally:
+        stop_engine(llm)
+    return result, cost
+
+
+def first_push_memory(llm: object, model: torch.nn.Module, bucket_size_bytes: int) -> int:
+    """Peak extra resident memory of the trainer during the first push of a new updater.
+
+    The first push allocates the staging buffer, so it is the worst case.
+    """
+    updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=600)
+    updater.init(VLLMUpdater.get_model_metadata(model))
+    gc.collect()
+    peak = peak_extra_rss_bytes(lambda: updater.push_weights(model))
+    updater.close()
+    return peak
+
+
+def results_markdown(results: list[ModelResult], many: ModelResult, cost: CallbackCost | None, args: argparse.Namespace, image: str) -> str:
+    fit_lines = ["| (needs two sizes or more) | | | |"] if len(results) < 2 else []
+    for method in METHODS if len(results) >= 2 else ():
+        fit = linear_fit(results, method)
+        fit_lines.append(
+            f"| {method} | {fit.intercept_seconds:.3f} | {fit.bytes_per_second / 1e9:.2f} | {fit.r_squared:.4f} |"
+        )
+    cost_text = "Not measured in this run."
+    if cost is not None:
+        cost_text = (
+            f"{cost.num_steps} training steps of the {results[0].name} model, medians over rounds: "
+            f"{cost.step_never * 1e3:.0f} ms per step without the callback, {cost.step_every * 1e3:.0f} ms with a push "
+            f"every step: {cost.extra * 1e3:.0f} ms extra per step, of which {cost.push * 1e3:.0f} ms inside "
+            f"`push_weights` (including the push at fit start) and {cost.overhead * 1e3:+.0f} ms elsewhere."
+        )
+    return f"""
+Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__},
+vLLM {__import__('vllm').__version__}, bucket {args.bucket_mib} MiB, {args.runs} timed runs per method after one warm-up.
+Command: `{' '.join(['python', 'benchmarks/run.py', *sys.argv[1:]])}`.
+
+![sync time versus size]({image})
+
+{timing_table([*results, many], METHODS)}
+
+### Against the targets
+
+{targets_table(results, many)}
+
+### Linear fit: seconds = intercept + bytes / rate
+
+| method | intercept s | rate GB/s | R² |
+|---|---:|---:|---:|
+{chr(10).join(fit_lines)}
+
+### The callback's cost
+
+{cost_text}
+
+```
+{ratios_line(results[-1], many)}
+```
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per method and size (default 5)")
+    parser.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_SIZE_BYTES // 2**20)
+    parser.add_argument("--callback-steps", type=int, default=8, help="training steps per run of the callback cost (0: skip)")
+    parser.add_argument("--page", type=Path, default=REPOSITORY / "docs" / "benchmarks.md")
+    parser.add_argument("--quick", action="store_true", help="smallest size, one run, results in a temporary folder")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.runs, args.callback_steps = [next(iter(SIZES))], 1, 2
+        args.page = Path(tempfile.mkdtemp(prefix="lightning_vllm_bench_")) / "benchmarks.md"
+    bucket_size_bytes = args.bucket_mib * 2**20
+
+    results: list[ModelResult] = []
+    cost = None
+    with tempfile.TemporaryDirectory(prefix="lightning_vllm_bench_") as tmp:
+        for index, name in enumerate(args.sizes):
+            result, size_cost = measure_model(
+                SIZES[name], Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes,
+                cost_steps=args.callback_steps if index == 0 else 0,
+            )
+            results.append(result)
+            cost = cost or size_cost
+        many, _ = measure_model(MANY_TENSORS, Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes, cost_steps=0)
+
+    image = args.page.parent / "images" / "benchmarks.png"
+    plot(results, METHODS, image)
+    markdown = results_markdown(results, many, cost, args, image.relative_to(args.page.parent).as_posix())
+    replace_results(args.page, markdown)
+    print(markdown)
+    print(f"Wrote {args.page} and {image}")
+    print(ratios_line(results[-1], many))
+
+
+if __name__ == "__main__":
+    main()
