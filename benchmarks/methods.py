@@ -1,8 +1,7 @@
 """The four ways to get a trainer's weights into a running vLLM engine, timed side by side.
 
 * ``ours``: ``VLLMUpdater.push_weights``, end to end (checks, gloo buckets, load,
-  prefix-cache reset, version). The engine is on this host, so the bytes go through
-  shared memory; ``ours_tcp`` is the same over loopback TCP, as for a remote engine.
+  prefix-cache reset, version).
 * ``disk``: what many users do today: ``save_pretrained`` into a folder, then vLLM's
   ``reload_weights(weights_path=...)``.
 * ``per_tensor``: the design of TorchRL's first updater and classic TRL: one control
@@ -33,7 +32,7 @@ from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeigh
 from lightning_vllm.weights.sources import weights_from
 
 TIMEOUT_SECONDS = 600.0
-METHODS = ("ours", "ours_tcp", "disk", "per_tensor", "floor")
+METHODS = ("ours", "disk", "per_tensor", "floor")
 
 
 class SyncMethods:
@@ -52,9 +51,6 @@ class SyncMethods:
         self.workdir = workdir
         self.bucket_size_bytes = bucket_size_bytes
         self.updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS)
-        self.tcp_updater = VLLMUpdater(
-            engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS, shared_memory=False
-        )
         self._raw: GlooTrainerWeightTransferEngine | None = None
         self._connected: VLLMUpdater | None = None
         self.floor_parts: list[dict[str, float]] = []
@@ -71,10 +67,9 @@ class SyncMethods:
         connection, and the first push after connecting also touches fresh memory.
         """
         action: Callable[[], None]
-        if method in ("ours", "ours_tcp"):
-            updater = self.updater if method == "ours" else self.tcp_updater
-            connected = self._connect(updater)
-            action = lambda: updater.push_weights(self.model)  # noqa: E731
+        if method == "ours":
+            connected = self._connect(self.updater)
+            action = lambda: self.updater.push_weights(self.model)  # noqa: E731
         elif method == "disk":
             connected = False
             action = self.disk

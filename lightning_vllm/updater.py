@@ -81,9 +81,6 @@ class VLLMUpdater:
         pause_mode: how engines that serve while training (``AsyncLLM``, servers) treat
             requests in flight during a push: ``"keep"`` freezes and resumes them (nothing
             lost), ``"wait"`` finishes them first, ``"abort"`` drops them.
-        shared_memory: gloo only: move the bytes through a ``/dev/shm`` buffer rather than
-            TCP (several times faster; every worker must be on this host and see its
-            ``/dev/shm``). ``None`` uses it when ``master_address`` is a loopback address.
 
     Example::
 
@@ -110,7 +107,6 @@ class VLLMUpdater:
         model_attribute: str | None = None,
         reset_prefix_cache: bool = True,
         pause_mode: PauseMode = "keep",
-        shared_memory: bool | None = None,
     ) -> None:
         if master_port is not None and not 0 <= master_port < 65536:
             raise ValueError(f"Invalid value for master_port={master_port}. Must be in [0, 65535], or None.")
@@ -132,7 +128,6 @@ class VLLMUpdater:
         self.model_attribute = model_attribute
         self.reset_prefix_cache = reset_prefix_cache
         self.pause_mode: PauseMode = pause_mode
-        self.shared_memory = shared_memory
         self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
         self._links: dict[int, _Link] = {}
         self._version = 0
@@ -242,7 +237,6 @@ class VLLMUpdater:
             world_size=world_size,
             bucket_size_bytes=self.bucket_size_bytes,
             timeout_seconds=self.timeout_seconds,
-            shared_memory=self.shared_memory,
         )
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,8 +18,6 @@ from helpers import (
     vllm_prompt_logprobs,
 )
 
-from lightning_vllm.transports import gloo
-from lightning_vllm.transports.shared_memory import create_shared_buffer
 from lightning_vllm import EngineConfigError, VLLMUpdater, WeightSyncTimeoutError, vLLMUpdater
 
 TOLERANCE = 1e-4
@@ -47,34 +44,16 @@ def test_push_replaces_the_served_weights_and_commits_a_version(llm):
     updater.close()
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["tcp", "shared-memory"])
-def test_small_buckets_split_large_tensors_into_slices(llm, shared_memory):
+def test_small_buckets_split_large_tensors_into_slices(llm):
     model = tiny_qwen2(seed=13)
     # The embedding (512 x 128 float32 = 256 KiB) is four times this bucket; tensors of
-    # 64 KiB travel alone (from the model's memory over TCP), smaller ones are packed.
-    updater = VLLMUpdater(engine=llm, bucket_size_bytes=64 * 1024, shared_memory=shared_memory)
+    # 64 KiB travel alone (from the model's memory), smaller ones are packed.
+    updater = VLLMUpdater(engine=llm, bucket_size_bytes=64 * 1024)
     updater.push_weights(model)  # init happens on the first push
     assert_serves(llm, model)
     second = tiny_qwen2(seed=23)
     updater.push_weights(second)  # the staging ring starts again from its beginning
     assert_serves(llm, second)
-    updater.close()
-
-
-def test_the_shared_memory_file_is_gone_once_the_workers_have_mapped_it(llm, monkeypatch):
-    created = []
-
-    def create(num_bytes):
-        created.append(create_shared_buffer(num_bytes))
-        return created[-1]
-
-    monkeypatch.setattr(gloo, "create_shared_buffer", create)
-    model = tiny_qwen2(seed=24)
-    updater = VLLMUpdater(engine=llm)  # loopback: shared memory by default
-    updater.push_weights(model)
-    assert_serves(llm, model)
-    ((path, _),) = created
-    assert path.startswith("/dev/shm/") and not os.path.exists(path)
     updater.close()
 
 

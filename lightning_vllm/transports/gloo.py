@@ -22,9 +22,7 @@ bucket plan) and one ``finish_weight_update`` call, whatever the number of tenso
 from __future__ import annotations
 
 import datetime
-import queue
 import socket
-import threading
 import time
 import uuid
 from collections import deque
@@ -57,13 +55,6 @@ from lightning_vllm.transports.buckets import (
     plan_buckets,
     plan_segments,
     unpack_bucket,
-)
-from lightning_vllm.transports.shared_memory import (
-    create_shared_buffer,
-    is_loopback,
-    open_shared_buffer,
-    remove_shared_buffer,
-    shared_memory_available,
 )
 from lightning_vllm.transports.staging import StagingRing
 
@@ -112,8 +103,6 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     group_name: str
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
-    # Set when the trainer moves bytes through shared memory (workers on its host).
-    shared_memory_path: str | None = None
 
     def __post_init__(self) -> None:
         validate_bucket_size(self.bucket_size_bytes)
@@ -219,11 +208,6 @@ def post_broadcast(group: ProcessGroupGloo, tensor: torch.Tensor) -> Any:
     return group.broadcast(tensor, 0)  # type: ignore[attr-defined]  # torch's stubs omit it
 
 
-def post_acknowledgement(group: ProcessGroupGloo) -> Any:
-    """Start a one-element all-reduce: it completes once every rank has posted it."""
-    return group.allreduce(torch.zeros(1, dtype=torch.int32))  # type: ignore[attr-defined]
-
-
 def broadcast(group: ProcessGroupGloo, tensor: torch.Tensor, timeout_seconds: float) -> None:
     """Broadcast a contiguous CPU tensor from rank 0; blocks until every rank has it."""
     post_broadcast(group, tensor).wait(datetime.timedelta(seconds=timeout_seconds))
@@ -247,7 +231,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self._store: TCPStore | None = None
         self._group: ProcessGroupGloo | None = None
-        self._shared: torch.Tensor | None = None
         self._receive_buffers: list[torch.Tensor] = []
         self._bucket_size_bytes = DEFAULT_BUCKET_SIZE_BYTES
         self._timeout_seconds = DEFAULT_TIMEOUT_SECONDS
@@ -263,9 +246,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._bucket_size_bytes = init_info.bucket_size_bytes
         self._timeout_seconds = init_info.timeout_seconds
         timeout = datetime.timedelta(seconds=init_info.timeout_seconds)
-        if init_info.shared_memory_path is not None:
-            # Mapped before joining: the trainer removes the file once the group is complete.
-            self._shared = open_shared_buffer(init_info.shared_memory_path, init_info.bucket_size_bytes)
         self._store = TCPStore(
             init_info.master_address, init_info.master_port, init_info.world_size, False, timeout
         )
@@ -316,9 +296,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         group = self._group
         if group is None:
             raise RuntimeError("The gloo weight transfer is not initialised: call init_weight_transfer_engine first.")
-        if self._shared is not None:
-            yield from self._received_through_shared_memory(update_info, group, self._shared)
-            return
         specs = update_info.specs()
         buckets = enumerate(update_info.buckets(specs))
         posted: deque[tuple[list[Any], list[tuple[str, torch.Tensor]], bool]] = deque()
@@ -350,55 +327,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 ready += take()  # load what has already landed in one call
             yield self._on_device(ready)
 
-    def _received_through_shared_memory(
-        self, update_info: GlooWeightTransferUpdateInfo, group: ProcessGroupGloo, shared: torch.Tensor
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """For each payload: wait for the trainer's notice, copy the bytes out, acknowledge.
-
-        A thread of its own does this, so the bytes of the next segments are copied
-        while the caller loads the ones yielded (copies and gloo waits release the
-        GIL). The acknowledgement (an all-reduce every rank joins) tells the trainer
-        that every worker has copied the payload, so it may overwrite that region.
-        """
-        specs = update_info.specs()
-        timeout = datetime.timedelta(seconds=self._timeout_seconds)
-        landed: queue.Queue[list[tuple[str, torch.Tensor]] | BaseException | None] = queue.Queue()
-
-        def copy_out() -> None:
-            notice = torch.empty(2, dtype=torch.int64)
-            acknowledgements = []
-            try:
-                for bucket_index, bucket in enumerate(update_info.buckets(specs)):
-                    buffer = self._receive_buffer(bucket_index, bucket.num_bytes)
-                    for segment in update_info.segments(specs, bucket):
-                        for begin, end in segment.slices(self._bucket_size_bytes):
-                            post_broadcast(group, notice).wait(timeout)
-                            start, stop = notice.tolist()
-                            if stop - start != end - begin:
-                                raise RuntimeError(
-                                    f"The trainer announced {stop - start} bytes where the plan has {end - begin}: "
-                                    "the two sides disagree on the plan. Re-initialise the weight transfer."
-                                )
-                            buffer[begin:end].copy_(shared[start:stop])
-                            acknowledgements.append(post_acknowledgement(group))
-                        data = buffer[segment.offset : segment.offset + segment.num_bytes]
-                        landed.put(unpack_bucket(data, specs[segment.start : segment.stop]))
-                for acknowledgement in acknowledgements:
-                    acknowledgement.wait(timeout)
-                landed.put(None)
-            except BaseException as error:  # handed to the caller's thread
-                landed.put(error)
-
-        threading.Thread(target=copy_out, name="lightning-vllm: shared-memory copy", daemon=True).start()
-        while True:
-            # Every wait inside the thread is bounded by the timeout; this one adds a margin.
-            item = landed.get(timeout=self._timeout_seconds * 2)
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield self._on_device(item)
-
     def _receive_buffer(self, bucket_index: int, num_bytes: int) -> torch.Tensor:
         """Where bucket ``bucket_index`` of a sync lands: the same memory at every sync.
 
@@ -428,7 +356,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def shutdown(self) -> None:
         self._group = None
         self._store = None
-        self._shared = None
         self._receive_buffers = []
 
 
@@ -469,9 +396,6 @@ class GlooTrainerInitInfo(TrainerInitInfo):
         world_size: the trainer plus every vLLM worker.
         bucket_size_bytes: the largest packed bucket, and the trainer's staging memory.
         timeout_seconds: the longest any single wait may take.
-        shared_memory: move the bytes through a ``/dev/shm`` buffer instead of TCP,
-            which needs every worker on this host. ``None`` uses it when
-            ``master_address`` is a loopback address and ``/dev/shm`` exists.
     """
 
     backend: ClassVar[str] = "gloo"
@@ -481,17 +405,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     world_size: int = 2
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
-    shared_memory: bool | None = None
     rank: int = field(default=0, kw_only=True)
-
-    def uses_shared_memory(self) -> bool:
-        if self.shared_memory is None:
-            return is_loopback(self.master_address) and shared_memory_available()
-        if self.shared_memory and not shared_memory_available():
-            raise WeightSyncError(
-                "shared_memory=True but this host has no writable /dev/shm; pass shared_memory=False (TCP)."
-            )
-        return self.shared_memory
 
     def __post_init__(self) -> None:
         validate_bucket_size(self.bucket_size_bytes)
@@ -571,10 +485,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             wait_for_workers=False,
             master_listen_fd=listener.detach(),
         )
-        shared_path = None
-        if init_info.uses_shared_memory():
-            shared_path, shared = create_shared_buffer(init_info.bucket_size_bytes)
-            self._staging = StagingRing(init_info.bucket_size_bytes, buffer=shared)
         worker_info = GlooWeightTransferInitInfo(
             master_address=self.address,
             master_port=self.port,
@@ -583,7 +493,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             group_name=f"lightning_vllm/{uuid.uuid4().hex}",
             bucket_size_bytes=init_info.bucket_size_bytes,
             timeout_seconds=timeout,
-            shared_memory_path=shared_path,
         )
         # The workers block inside init_weight_transfer_engine until the group is
         # complete, and so does the trainer's ProcessGroupGloo constructor: both
@@ -610,8 +519,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         except BaseException:
             self.shutdown()
             raise
-        finally:
-            remove_shared_buffer(shared_path)  # every worker has mapped it once the group is complete
 
     @staticmethod
     def _await_group(
@@ -711,7 +618,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._staging = StagingRing(self.bucket_size_bytes)
         ring = self._staging
         ring.reset()
-        through_shared_memory = ring.shared
         in_flight: deque[tuple[Any, int]] = deque()
         sent = 0
 
@@ -728,19 +634,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     segment_tensors = [next(tensors) for _ in segment_specs]
                     for spec, tensor in zip(segment_specs, segment_tensors):
                         _check_shape(spec, tensor)
-                    payloads = self._segment_payloads(
-                        segment_specs, segment_tensors, ring, wait_oldest, copy_all=through_shared_memory
-                    )
-                    for payload, region in payloads:
+                    for payload, region in self._segment_payloads(segment_specs, segment_tensors, ring, wait_oldest):
                         if receive.done():
                             receive.result(0)  # the workers failed: say why instead of sending on
-                        if through_shared_memory:
-                            assert region is not None
-                            # Only the notice travels over gloo; the workers copy the region out and acknowledge.
-                            in_flight.append((post_broadcast(self._group, torch.tensor(region, dtype=torch.int64)), 0))
-                            work = post_acknowledgement(self._group)
-                        else:
-                            work = post_broadcast(self._group, payload)
+                        work = post_broadcast(self._group, payload)
                         in_flight.append((work, payload.numel()))
                         if region is not None:
                             ring.hold(region, work)
@@ -775,20 +672,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         tensors: Sequence[torch.Tensor],
         ring: StagingRing,
         make_room: Callable[[], None],
-        *,
-        copy_all: bool,
     ) -> Iterator[tuple[torch.Tensor, tuple[int, int] | None]]:
         """The uint8 tensors to send for one segment, with the ring region each one uses (if any).
 
-        A lone tensor already in the wire dtype is sent from its own memory unless
-        ``copy_all`` (shared memory: every payload must be in the shared buffer).
+        A lone tensor already in the wire dtype is sent from its own memory.
         """
-        if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]) and not copy_all:
+        if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]):
             data = tensors[0].reshape(-1).view(torch.uint8)  # sent from the source's memory, no copy
             for begin in range(0, data.numel(), self.bucket_size_bytes):
                 yield data[begin : begin + self.bucket_size_bytes], None
             return
-        if len(tensors) == 1:  # copied slice by slice, so a huge tensor needs one bucket at most
+        if len(tensors) == 1:  # converted slice by slice, so a huge tensor needs one bucket at most
             spec, flat = specs[0], tensors[0].reshape(-1)
             per_slice = self.bucket_size_bytes // spec.dtype.itemsize
             for begin in range(0, flat.numel(), per_slice):

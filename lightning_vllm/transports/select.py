@@ -49,7 +49,6 @@ def trainer_init_info(
     world_size: int,
     bucket_size_bytes: int,
     timeout_seconds: float,
-    shared_memory: bool | None = None,
 ) -> TrainerInitInfo:
     """The trainer-side init info of ``backend`` (sender rank 0), ready for
     ``WeightTransferTrainerFactory.trainer_init``."""
@@ -60,7 +59,6 @@ def trainer_init_info(
             world_size=world_size,
             bucket_size_bytes=bucket_size_bytes,
             timeout_seconds=timeout_seconds,
-            shared_memory=shared_memory,
             rank=0,
         )
     if backend == "nccl":

@@ -18,7 +18,7 @@ import torch
 
 
 class StagingRing:
-    """Regions of one ``uint8`` buffer of ``capacity`` bytes (``buffer``, or allocated when first needed).
+    """Regions of one ``uint8`` buffer of ``capacity`` bytes, allocated when first needed.
 
     Example:
         >>> ring = StagingRing(16)
@@ -27,15 +27,11 @@ class StagingRing:
         ((0, 8), 8)
     """
 
-    def __init__(self, capacity: int, buffer: torch.Tensor | None = None) -> None:
+    def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"Invalid staging capacity {capacity}; it must be > 0 bytes.")
-        if buffer is not None and buffer.numel() < capacity:
-            raise ValueError(f"The staging buffer holds {buffer.numel()} bytes, fewer than the capacity {capacity}.")
         self.capacity = capacity
-        # Given (a shared-memory mapping) or allocated at the first take.
-        self.shared = buffer is not None
-        self._buffer = buffer
+        self._buffer: torch.Tensor | None = None  # allocated at the first take
         self._head = 0
         self._held: deque[tuple[int, int, Any]] = deque()
 
