@@ -1,4 +1,4 @@
-# The two commands of the README: `make test` and `make demo`.
+# The commands of the README: `make test`, `make demo` and `make bench`.
 # Both create .venv in the repository root and install what the tests need.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install test demo clean
+.PHONY: install test demo bench clean
 
 install: $(STAMP)
 
@@ -32,6 +32,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/grpo_tiny.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
 
 clean:
 	rm -rf $(VENV)

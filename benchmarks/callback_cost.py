@@ -1,9 +1,15 @@
 """What the callback costs a training run: pushing every step versus never.
 
 The same short ``Trainer.fit`` runs twice per round, alternately: with
-``VLLMWeightSync(every_n_train_steps=1)`` and without the callback. The policy trains
-in float32, as mixed-precision training keeps its weights, and the engine serves
-bfloat16, so each push also converts. The extra time
+``VLLMWeightSync(every_n_train_steps=1)`` and without the callback. As in online RL,
+every training step first samples a short rollout from the engine, in both runs. The
+policy trains in float32, as mixed-precision training keeps its weights, and the
+engine serves bfloat16, so each push also converts.
+
+Why the rollout matters on a small machine: after answering a call, vLLM's worker
+busy-waits for a second for the next one. Without rollouts, only the push wakes
+it, and its spinning then slows the next training step; with rollouts it spins
+after every step either way, and what remains is the push itself. The extra time
 per step should be the push itself and nothing more, so the report sets the
 difference against the time spent inside ``push_weights``.
 """
@@ -24,14 +30,19 @@ from lightning_vllm import VLLMUpdater, VLLMWeightSync
 
 
 class PolicyModule(LightningModule):
-    """Next-token loss on random tokens: a stand-in for an RL loss with the same cost shape."""
+    """A short rollout, then a next-token loss on random tokens: the cost shape of an RL step."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, llm: Any) -> None:
         super().__init__()
         self.model = model
+        self.llm = llm
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        from vllm import SamplingParams, TokensPrompt
+
         (tokens,) = batch
+        prompt = TokensPrompt(prompt_token_ids=tokens[0, :8].tolist())
+        self.llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0), use_tqdm=False)
         return self.model(input_ids=tokens, labels=tokens).loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -82,8 +93,9 @@ def measure_callback_cost(
     push: list[float] = []
     for round_index in range(num_rounds + 1):  # round 0 warms up and is discarded
         updater = TimedUpdater(engine=llm, timeout_seconds=600)
-        seconds_never = _fit_seconds(model, tokens, num_steps, callbacks=[])
-        seconds_every = _fit_seconds(model, tokens, num_steps, callbacks=[VLLMWeightSync(updater=updater, every_n_train_steps=1)])
+        seconds_never = _fit_seconds(model, llm, tokens, num_steps, callbacks=[])
+        sync = VLLMWeightSync(updater=updater, every_n_train_steps=1)
+        seconds_every = _fit_seconds(model, llm, tokens, num_steps, callbacks=[sync])
         updater.close()
         if round_index:
             never.append(seconds_never / num_steps)
@@ -92,7 +104,7 @@ def measure_callback_cost(
     return CallbackCost(num_steps, statistics.median(never), statistics.median(every), statistics.median(push))
 
 
-def _fit_seconds(model: torch.nn.Module, tokens: torch.Tensor, num_steps: int, callbacks: list[Any]) -> float:
+def _fit_seconds(model: torch.nn.Module, llm: Any, tokens: torch.Tensor, num_steps: int, callbacks: list[Any]) -> float:
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -104,7 +116,7 @@ def _fit_seconds(model: torch.nn.Module, tokens: torch.Tensor, num_steps: int, c
         enable_model_summary=False,
     )
     loader = DataLoader(TensorDataset(tokens), batch_size=2)
-    module = PolicyModule(model.train())
+    module = PolicyModule(model.train(), llm)
     start = time.perf_counter()
     trainer.fit(module, loader)
     return time.perf_counter() - start

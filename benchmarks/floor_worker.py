@@ -18,14 +18,15 @@ class FloorWorkerExtension:
     weight_transfer_engine: Any
 
     def benchmark_floor_receive(self, update_info: dict[str, Any]) -> dict[str, float]:
-        """Receive every bucket of ``update_info`` first, then reload them all at once.
+        """Receive every tensor of ``update_info`` first, then reload them all at once.
 
         Returns the seconds spent in each part. Uses the gloo group the trainer set up
         with ``init_weight_transfer_engine``.
         """
         engine = self.weight_transfer_engine
         start = time.perf_counter()
-        received = [tensor for bucket in engine.received_buckets(engine.parse_update_info(update_info)) for tensor in bucket]
+        segments = engine.received_segments(engine.parse_update_info(update_info))
+        received = [tensor for segment in segments for tensor in segment]
         transported = time.perf_counter()
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return {"transport_seconds": transported - start, "load_seconds": time.perf_counter() - transported}

@@ -102,7 +102,9 @@ class SyncMethods:
             return False, self._raw
         self._disconnect()
         self._raw = GlooTrainerWeightTransferEngine.trainer_init(
-            GlooTrainerInitInfo(world_size=2, bucket_size_bytes=self.bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS),
+            GlooTrainerInitInfo(
+                world_size=2, bucket_size_bytes=self.bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS
+            ),
             client=as_engine_target(self.llm),
         )
         return True, self._raw

@@ -69,7 +69,9 @@ def stop_engine(llm: object) -> None:
     gc.collect()
 
 
-def measure_model(size: ModelSize, workdir: Path, *, num_runs: int, bucket_size_bytes: int, cost_steps: int) -> tuple[ModelResult, CallbackCost | None]:
+def measure_model(
+    size: ModelSize, workdir: Path, *, num_runs: int, bucket_size_bytes: int, cost_steps: int
+) -> tuple[ModelResult, CallbackCost | None]:
     model = build_model(size)
     model_dir = save(model, workdir / size.name / "model")
     result = ModelResult(
@@ -80,8 +82,11 @@ def measure_model(size: ModelSize, workdir: Path, *, num_runs: int, bucket_size_
         bucket_size_bytes=bucket_size_bytes,
         seconds={method: [] for method in METHODS},
     )
-    print(f"\n== {size.name}: {result.num_parameters / 1e6:.1f}M parameters, {result.num_tensors} tensors, "
-          f"{result.num_bytes / 1e6:.1f} MB", flush=True)
+    print(
+        f"\n== {size.name}: {result.num_parameters / 1e6:.1f}M parameters, {result.num_tensors} tensors, "
+        f"{result.num_bytes / 1e6:.1f} MB",
+        flush=True,
+    )
     llm = start_engine(model_dir)
     cost = None
     try:
@@ -90,18 +95,26 @@ def measure_model(size: ModelSize, workdir: Path, *, num_runs: int, bucket_size_
         for method in METHODS:  # warm-up: the first calls load code and page memory in
             methods.run(method)
         for run in range(num_runs):
-            order = METHODS[run % len(METHODS):] + METHODS[: run % len(METHODS)]
+            order = METHODS[run % len(METHODS) :] + METHODS[: run % len(METHODS)]
             for method in order:
                 seconds = methods.run(method)
                 result.seconds[method].append(seconds)
-            print(f"   run {run + 1}/{num_runs}: " + ", ".join(f"{m} {result.seconds[m][-1]:.3f}s" for m in METHODS), flush=True)
+            print(
+                f"   run {run + 1}/{num_runs}: " + ", ".join(f"{m} {result.seconds[m][-1]:.3f}s" for m in METHODS),
+                flush=True,
+            )
         parts = methods.floor_parts[-num_runs:]
-        print("   floor parts (median): transport {:.3f}s, load {:.3f}s".format(
-            sorted(p["transport_seconds"] for p in parts)[len(parts) // 2],
-            sorted(p["load_seconds"] for p in parts)[len(parts) // 2]))
+        print(
+            "   floor parts (median): transport {:.3f}s, load {:.3f}s".format(
+                sorted(p["transport_seconds"] for p in parts)[len(parts) // 2],
+                sorted(p["load_seconds"] for p in parts)[len(parts) // 2],
+            )
+        )
         methods.close()
         if cost_steps:
-            cost = measure_callback_cost(llm, model, vocab_size=size.vocab_size, num_steps=cost_steps, num_rounds=max(1, min(num_runs, 3)))
+            cost = measure_callback_cost(
+                llm, model, vocab_size=size.vocab_size, num_steps=cost_steps, num_rounds=max(1, min(num_runs, 3))
+            )
     finally:
         stop_engine(llm)
     return result, cost
@@ -120,7 +133,9 @@ def first_push_memory(llm: object, model: torch.nn.Module, bucket_size_bytes: in
     return peak
 
 
-def results_markdown(results: list[ModelResult], many: ModelResult, cost: CallbackCost | None, args: argparse.Namespace, image: str) -> str:
+def results_markdown(
+    results: list[ModelResult], many: ModelResult, cost: CallbackCost | None, args: argparse.Namespace, image: str
+) -> str:
     fit_lines = ["| (needs two sizes or more) | | | |"] if len(results) < 2 else []
     for method in METHODS if len(results) >= 2 else ():
         fit = linear_fit(results, method)
@@ -130,15 +145,16 @@ def results_markdown(results: list[ModelResult], many: ModelResult, cost: Callba
     cost_text = "Not measured in this run."
     if cost is not None:
         cost_text = (
-            f"{cost.num_steps} training steps of the {results[0].name} model, medians over rounds: "
-            f"{cost.step_never * 1e3:.0f} ms per step without the callback, {cost.step_every * 1e3:.0f} ms with a push "
-            f"every step: {cost.extra * 1e3:.0f} ms extra per step, of which {cost.push * 1e3:.0f} ms inside "
-            f"`push_weights` (including the push at fit start) and {cost.overhead * 1e3:+.0f} ms elsewhere."
+            f"{cost.num_steps} training steps of the {results[0].name} model (float32 policy, a 4-token rollout "
+            f"per step), medians over rounds: {cost.step_never * 1e3:.0f} ms per step without the callback, "
+            f"{cost.step_every * 1e3:.0f} ms with a push every step: {cost.extra * 1e3:.0f} ms extra per step, of "
+            f"which {cost.push * 1e3:.0f} ms inside `push_weights` (including the push at fit start) and "
+            f"{cost.overhead * 1e3:+.0f} ms elsewhere."
         )
     return f"""
-Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__},
-vLLM {__import__('vllm').__version__}, bucket {args.bucket_mib} MiB, {args.runs} timed runs per method after one warm-up.
-Command: `{' '.join(['python', 'benchmarks/run.py', *sys.argv[1:]])}`.
+Measured {time.strftime("%Y-%m-%d")} on {os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__},
+vLLM {__import__("vllm").__version__}, bucket {args.bucket_mib} MiB, {args.runs} timed runs per method after one warm-up.
+Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
 
 ![sync time versus size]({image})
 
@@ -167,15 +183,20 @@ Command: `{' '.join(['python', 'benchmarks/run.py', *sys.argv[1:]])}`.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per method and size (default 5)")
+    parser.add_argument("--runs", type=int, default=7, help="timed runs per method and size (default 7)")
     parser.add_argument("--bucket-mib", type=int, default=DEFAULT_BUCKET_SIZE_BYTES // 2**20)
-    parser.add_argument("--callback-steps", type=int, default=8, help="training steps per run of the callback cost (0: skip)")
-    parser.add_argument("--page", type=Path, default=REPOSITORY / "docs" / "benchmarks.md")
-    parser.add_argument("--quick", action="store_true", help="smallest size, one run, results in a temporary folder")
+    parser.add_argument(
+        "--callback-steps", type=int, default=10, help="training steps per fit of the callback cost (0: skip)"
+    )
+    parser.add_argument("--page", type=Path, help="the page to fill (default: docs/benchmarks.md)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smallest size, one run, the page in a temporary folder unless --page"
+    )
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.runs, args.callback_steps = [next(iter(SIZES))], 1, 2
-        args.page = Path(tempfile.mkdtemp(prefix="lightning_vllm_bench_")) / "benchmarks.md"
+        args.page = args.page or Path(tempfile.mkdtemp(prefix="lightning_vllm_bench_")) / "benchmarks.md"
+    args.page = args.page or REPOSITORY / "docs" / "benchmarks.md"
     bucket_size_bytes = args.bucket_mib * 2**20
 
     results: list[ModelResult] = []
@@ -183,12 +204,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lightning_vllm_bench_") as tmp:
         for index, name in enumerate(args.sizes):
             result, size_cost = measure_model(
-                SIZES[name], Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes,
+                SIZES[name],
+                Path(tmp),
+                num_runs=args.runs,
+                bucket_size_bytes=bucket_size_bytes,
                 cost_steps=args.callback_steps if index == 0 else 0,
             )
             results.append(result)
             cost = cost or size_cost
-        many, _ = measure_model(MANY_TENSORS, Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes, cost_steps=0)
+        many, _ = measure_model(
+            MANY_TENSORS, Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes, cost_steps=0
+        )
 
     image = args.page.parent / "images" / "benchmarks.png"
     plot(results, METHODS, image)

@@ -24,6 +24,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llm(model_dir: Path):
     """A real vLLM engine (multiprocess engine core) with the gloo weight-transfer backend."""
-    engine = build_llm(model_dir, backend="gloo")
+    engine = build_llm(model_dir, backend="gloo", worker_extension_cls="worker_probe.WorkerProbe")
     yield engine
     shutdown(engine)

@@ -57,6 +57,18 @@ def test_small_buckets_split_large_tensors_into_slices(llm):
     updater.close()
 
 
+def test_the_workers_kept_receive_buffers_are_not_part_of_the_served_model(llm):
+    model = tiny_qwen2(seed=25)
+    updater = VLLMUpdater(engine=llm, bucket_size_bytes=64 * 1024)
+    updater.push_weights(model)
+    (num_bytes,) = llm.collective_rpc("scribble_on_receive_buffers")
+    assert num_bytes >= sum(p.numel() * 4 for p in model.parameters())  # one model's worth is kept
+    assert_serves(llm, model)  # vLLM copied everything out of them
+    updater.push_weights(model)  # and the next sync reuses them
+    assert_serves(llm, model)
+    updater.close()
+
+
 def test_a_push_after_close_joins_again(llm):
     model = tiny_qwen2(seed=14)
     updater = VLLMUpdater(engine=llm)

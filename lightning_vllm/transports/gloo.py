@@ -282,10 +282,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
-            for tensors in self.received_buckets(update_info):
+            for tensors in self.received_segments(update_info):
                 self.model.load_weights(tensors)  # type: ignore[operator]  # every vLLM model has it
 
-    def received_buckets(self, update_info: GlooWeightTransferUpdateInfo) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def received_segments(self, update_info: GlooWeightTransferUpdateInfo) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receive the sync's tensors in order; yields named tensors as soon as they have landed.
 
         The receives of the current and the next bucket are posted ahead, so gloo's
@@ -307,9 +307,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             buffer = self._receive_buffer(bucket_index, bucket.num_bytes)
             segments = update_info.segments(specs, bucket)
             for index, segment in enumerate(segments):
-                works = [post_broadcast(group, buffer[begin:end]) for begin, end in segment.slices(self._bucket_size_bytes)]
+                slices = segment.slices(self._bucket_size_bytes)
+                works = [post_broadcast(group, buffer[begin:end]) for begin, end in slices]
                 data = buffer[segment.offset : segment.offset + segment.num_bytes]
-                posted.append((works, unpack_bucket(data, specs[segment.start : segment.stop]), index == len(segments) - 1))
+                tensors = unpack_bucket(data, specs[segment.start : segment.stop])
+                posted.append((works, tensors, index == len(segments) - 1))
 
         def take() -> list[tuple[str, torch.Tensor]]:
             works, tensors, ends_bucket = posted.popleft()

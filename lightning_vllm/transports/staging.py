@@ -53,7 +53,10 @@ class StagingRing:
             self._buffer = torch.empty(self.capacity, dtype=torch.uint8)
         begin = self._head if self._head + num_bytes <= self.capacity else 0
         end = begin + num_bytes
-        while any(begin < held_end and held_begin < end and not work.is_completed() for held_begin, held_end, work in self._held):
+        while any(
+            begin < held_end and held_begin < end and not work.is_completed()
+            for held_begin, held_end, work in self._held
+        ):
             make_room()
             self._drop_finished()
         self._drop_finished()

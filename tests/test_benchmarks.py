@@ -1,0 +1,71 @@
+"""The benchmark suite keeps working: a smoke run at its smallest size, and its report helpers.
+
+Nothing here asserts a time: the figures live in docs/benchmarks.md, made by `make bench`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from report import RESULTS_END, RESULTS_START, ModelResult, linear_fit, ratios_line, replace_results  # noqa: E402
+
+RATIOS = re.compile(
+    r"^ratios: floor_over_ours=\d+\.\d+ disk_over_ours=\d+\.\d+ per_tensor_over_ours=\d+\.\d+ "
+    r"peak_mem_over_bucket=\d+\.\d+$"
+)
+
+
+def test_the_suite_runs_at_its_smallest_size_and_ends_with_the_ratios_line(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--page", str(page)],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert RATIOS.match(completed.stdout.strip().splitlines()[-1]), completed.stdout[-2000:]
+    text = page.read_text()
+    for method in ("ours", "disk", "per_tensor", "floor"):
+        assert f"| 25M | 24M | 74 | 49 | {method} |" in text
+    assert "| many-tensors |" in text and "The callback's cost" in text
+    assert (tmp_path / "images" / "benchmarks.png").stat().st_size > 10_000
+
+
+def result(name: str, num_bytes: int, **seconds: list[float]) -> ModelResult:
+    return ModelResult(
+        name, 0, 0, num_bytes, dict(seconds), peak_extra_bytes=num_bytes // 2, bucket_size_bytes=num_bytes
+    )
+
+
+def test_the_fit_recovers_a_line_and_the_ratios_are_medians():
+    results = [result(str(n), n, ours=[0.1 + n / 2e9] * 3) for n in (10**8, 2 * 10**8, 4 * 10**8)]
+    fit = linear_fit(results, "ours")
+    assert fit.intercept_seconds == pytest.approx(0.1) and fit.bytes_per_second == pytest.approx(2e9)
+    assert fit.r_squared == pytest.approx(1.0)
+    largest = result("L", 100, ours=[1.0, 2.0, 9.0], floor=[1.5], disk=[4.0])
+    many = result("M", 10, ours=[0.5], per_tensor=[5.0])
+    assert ratios_line(largest, many) == (
+        "ratios: floor_over_ours=0.750 disk_over_ours=2.000 per_tensor_over_ours=10.000 peak_mem_over_bucket=0.500"
+    )
+
+
+def test_results_replace_only_their_section_of_the_page(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(f"# Title\n\nprose before\n\n{RESULTS_START}\nold\n{RESULTS_END}\n\nprose after\n")
+    replace_results(page, "new table")
+    assert page.read_text() == f"# Title\n\nprose before\n\n{RESULTS_START}\nnew table\n{RESULTS_END}\n\nprose after\n"
+    (tmp_path / "bare.md").write_text("no markers")
+    with pytest.raises(ValueError, match="no <!-- results:start -->"):
+        replace_results(tmp_path / "bare.md", "x")
