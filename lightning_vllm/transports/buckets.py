@@ -52,11 +52,6 @@ class Bucket:
     stop: int
     num_bytes: int
 
-    def slices(self, bucket_size_bytes: int) -> Iterator[tuple[int, int]]:
-        """Byte ranges of the broadcasts that carry this bucket, each at most ``bucket_size_bytes``."""
-        for begin in range(0, self.num_bytes, bucket_size_bytes):
-            yield begin, min(begin + bucket_size_bytes, self.num_bytes)
-
 
 def plan_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_size_bytes: int) -> list[Bucket]:
     """Split tensors, given as layer groups in send order, into buckets.

@@ -660,6 +660,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     )
                 time.sleep(_WORK_POLL_SECONDS)
             work.wait()
+        except WeightSyncError:
+            raise  # already says what happened (a timeout stays a WeightSyncTimeoutError)
         except RuntimeError as error:
             if receive.done():
                 receive.result(0)

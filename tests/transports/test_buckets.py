@@ -31,10 +31,12 @@ def test_a_layer_larger_than_a_bucket_is_split_between_tensors():
 
 
 def test_a_tensor_larger_than_a_bucket_travels_alone_in_slices():
-    buckets = plan_buckets([[spec("small", 2)], [spec("huge", 100)], [spec("tail", 2)]], bucket_size_bytes=64)
+    specs = [spec("small", 2), spec("huge", 100), spec("tail", 2)]
+    buckets = plan_buckets([[s] for s in specs], bucket_size_bytes=64)
     assert buckets == [Bucket(0, 1, 8), Bucket(1, 2, 400), Bucket(2, 3, 8)]
-    assert list(buckets[1].slices(64))[-1] == (384, 400)
-    assert sum(end - begin for begin, end in buckets[1].slices(64)) == 400
+    (huge,) = bucket_segments(specs, buckets[1], plan_segments(specs, buckets, coalesce_bytes=64))
+    assert list(huge.slices(64))[-1] == (384, 400)
+    assert sum(end - begin for begin, end in huge.slices(64)) == 400
 
 
 def test_every_tensor_is_planned_exactly_once():

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
 
+from lightning_vllm._waits import BackgroundCall
+from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.transports.buckets import Bucket, TensorSpec
 from lightning_vllm.transports.gloo import (
     GlooTrainerInitInfo,
+    GlooTrainerWeightTransferEngine,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
     dtype_from_name,
@@ -64,3 +68,17 @@ def test_bucket_size_must_be_a_positive_multiple_of_eight(size):
 def test_workers_stay_on_loopback_when_the_trainer_is_on_loopback():
     assert local_address_towards("127.0.0.1") == "127.0.0.1"
     assert local_address_towards("localhost") in ("127.0.0.1", "::1")
+
+
+class NeverCompletes:
+    """A broadcast whose peer never takes the bytes (stands in for a gloo Work)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_a_broadcast_that_never_finishes_ends_in_a_timeout_error_that_says_so():
+    engine = GlooTrainerWeightTransferEngine(client=object(), timeout_seconds=0.2)
+    workers_loading = BackgroundCall(time.sleep, 5, what="vLLM workers to load the weights")
+    with pytest.raises(WeightSyncTimeoutError, match="did not finish within 0.2 s after 1024 bytes"):
+        engine._wait(NeverCompletes(), workers_loading, sent=1024)
