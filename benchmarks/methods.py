@@ -28,7 +28,7 @@ import torch
 from lightning_vllm import VLLMUpdater
 from lightning_vllm.engines import as_engine_target
 from lightning_vllm.transports.buckets import TensorSpec
-from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, send_order
 from lightning_vllm.weights.sources import weights_from
 
 TIMEOUT_SECONDS = 600.0
@@ -54,10 +54,6 @@ class SyncMethods:
         self._raw: GlooTrainerWeightTransferEngine | None = None
         self._connected: VLLMUpdater | None = None
         self.floor_parts: list[dict[str, float]] = []
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(parameter.numel() * parameter.element_size() for parameter in self.model.parameters())
 
     def run(self, method: str) -> float:
         """Run ``method`` once; returns its wall-clock seconds.
@@ -147,9 +143,9 @@ class SyncMethods:
         self.floor_parts.append(parts[0])
 
     def _layer_groups(self) -> list[tuple[list[TensorSpec], list[torch.Tensor]]]:
+        """Specs and tensors per layer group, in the order ours sends them."""
         source = weights_from(self.model)
-        metadata = {meta.name: TensorSpec(meta.name, meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
-        return [([metadata[name] for name in names], list(batch)) for names, batch in source.iter_groups()]
+        return [(specs, list(batch)) for specs, (_, batch) in zip(send_order(source), source.iter_groups())]
 
 
 def peak_extra_rss_bytes(fn: Callable[[], Any]) -> int:

@@ -413,7 +413,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
         validate_bucket_size(self.bucket_size_bytes)
 
 
-def _send_order(source: WeightSource) -> list[list[TensorSpec]]:
+def send_order(source: WeightSource) -> list[list[TensorSpec]]:
     """The source's tensors as layer groups, in the order ``iter_groups`` yields them."""
     by_name = {meta.name: TensorSpec(meta.name, meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
     return [[by_name[name] for name in group] for group in source.groups()]
@@ -551,7 +551,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         source = source if source is not None else self.source
         if source is None:
             raise ValueError("No weights to send: pass a WeightSource to trainer_init or send_weights.")
-        groups = _send_order(source)
+        groups = send_order(source)
         tensors = (tensor for _, batch in source.iter_groups() for tensor in batch)
         if not self.is_sender:
             for _ in tensors:  # stay in step with the sender's collective gathers
