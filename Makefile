@@ -1,4 +1,4 @@
-# The commands of the README: `make test`, `make demo` and `make bench`.
+# The commands of the README: `make test`, `make test-fast`, `make demo` and `make bench`.
 # Both create .venv in the repository root and install what the tests need.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-fast lint demo bench clean
 
 install: $(STAMP)
 
@@ -26,9 +26,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import lightning_vllm, vllm, transformers, lightning"
 	touch $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest -p no:cacheprovider
+
+# Everything: lint, the engine-free tier, then the tests that start real vLLM engines.
+test: lint test-fast
+	$(PY) -m pytest -p no:cacheprovider -m engine
+
+# The engine-free tier (under a minute): no test here may start vLLM, which the variable enforces.
+test-fast: $(STAMP)
+	LIGHTNING_VLLM_FAST_TIER=1 $(PY) -m pytest -p no:cacheprovider -m "not engine" --timeout 120
 
 demo: $(STAMP)
 	$(PY) examples/grpo_tiny.py

@@ -25,7 +25,7 @@ class FloorWorkerExtension:
         """
         engine = self.weight_transfer_engine
         start = time.perf_counter()
-        segments = engine.received_segments(engine.parse_update_info(update_info))
+        segments = engine.receiver.received_segments(engine.parse_update_info(update_info))
         received = [tensor for segment in segments for tensor in segment]
         transported = time.perf_counter()
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)  # type: ignore[attr-defined]

@@ -29,7 +29,7 @@ from lightning_vllm import VLLMUpdater
 from lightning_vllm.engines import as_engine_target
 from lightning_vllm.transports.buckets import TensorSpec
 from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, send_order
-from lightning_vllm.weights.sources import weights_from
+from lightning_vllm.weights import weights_from
 
 TIMEOUT_SECONDS = 600.0
 METHODS = ("ours", "disk", "per_tensor", "floor")
@@ -52,8 +52,9 @@ class SyncMethods:
         self.bucket_size_bytes = bucket_size_bytes
         self.updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS)
         self._raw: GlooTrainerWeightTransferEngine | None = None
+        self._raw_method: str | None = None
         self._connected: VLLMUpdater | None = None
-        self.floor_parts: list[dict[str, float]] = []
+        self.floor_client = FloorClient(llm)
 
     def run(self, method: str) -> float:
         """Run ``method`` once; returns its wall-clock seconds.
@@ -70,8 +71,8 @@ class SyncMethods:
             connected = False
             action = self.disk
         elif method in ("per_tensor", "floor"):
-            connected, raw = self._connect_raw()
-            action = lambda: self.per_tensor(raw) if method == "per_tensor" else self.floor(raw)  # noqa: E731
+            connected, raw = self._connect_raw(method)
+            action = lambda: self.per_tensor(raw) if method == "per_tensor" else raw.send_weights()  # noqa: E731
         else:
             raise ValueError(f"Unknown method {method!r}; expected one of {METHODS}.")
         if connected:
@@ -92,24 +93,30 @@ class SyncMethods:
         self._connected = updater
         return True
 
-    def _connect_raw(self) -> tuple[bool, GlooTrainerWeightTransferEngine]:
-        """The bare trainer engine of the per-tensor and floor methods, and whether it had to connect."""
-        if self._raw is not None:
+    def _connect_raw(self, method: str) -> tuple[bool, GlooTrainerWeightTransferEngine]:
+        """The bare trainer engine of the per-tensor or floor method, and whether it had to connect.
+
+        The floor's engine talks to the worker through :class:`FloorClient` and replays the model's weights.
+        """
+        if self._raw is not None and self._raw_method == method:
             return False, self._raw
         self._disconnect()
+        floor = method == "floor"
         self._raw = GlooTrainerWeightTransferEngine.trainer_init(
             GlooTrainerInitInfo(
                 world_size=2, bucket_size_bytes=self.bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS
             ),
-            client=as_engine_target(self.llm),
+            client=self.floor_client if floor else as_engine_target(self.llm),
+            source=weights_from(self.model) if floor else None,
         )
+        self._raw_method = method
         return True, self._raw
 
     def _disconnect(self) -> None:
         if self._raw is not None:
             self._raw.shutdown()
             self._raw.client.shutdown_weight_transfer_engine()
-            self._raw = None
+            self._raw = self._raw_method = None
         if self._connected is not None:
             self._connected.close()
             self._connected = None
@@ -133,15 +140,6 @@ class SyncMethods:
         raw.client.finish_weight_update()
         self.llm.reset_prefix_cache()
 
-    def floor(self, raw: GlooTrainerWeightTransferEngine) -> None:
-        groups, tensors = zip(*self._layer_groups())
-
-        def receive_then_reload(update_info: dict[str, Any]) -> Any:
-            return self.llm.collective_rpc("benchmark_floor_receive", args=(update_info,))
-
-        parts = raw.send_update(groups, (t for batch in tensors for t in batch), update=receive_then_reload)
-        self.floor_parts.append(parts[0])
-
     def _layer_groups(self) -> list[tuple[list[TensorSpec], list[torch.Tensor]]]:
         """Specs and tensors per layer group, in the order ours sends them."""
         source = weights_from(self.model)
@@ -164,3 +162,28 @@ def _status_kib(field: str) -> int:
     if match is None:
         raise RuntimeError(f"/proc/self/status has no {field} line; the memory figures need Linux.")
     return int(match.group(1))
+
+
+class FloorClient:
+    """The weight-sync client of the floor: its update only receives, then reloads the received
+    tensors with vLLM's ``reload_weights`` (``floor_worker.py``), which runs its own layer-wise
+    reload, so starting and finishing an update do nothing."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.parts: list[dict[str, float]] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        as_engine_target(self.llm).init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.parts.append(self.llm.collective_rpc("benchmark_floor_receive", args=(update_info,))[0])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        as_engine_target(self.llm).shutdown_weight_transfer_engine()

@@ -88,7 +88,8 @@ def timing_table(results: Sequence[ModelResult], methods: Sequence[str]) -> str:
             runs = result.seconds[method]
             median = statistics.median(runs)
             lines.append(
-                f"| {result.name} | {result.num_parameters / 1e6:.0f}M | {result.num_tensors} | {_mb(result.num_bytes)} "
+                f"| {result.name} | {result.num_parameters / 1e6:.0f}M | {result.num_tensors} "
+                f"| {_mb(result.num_bytes)} "
                 f"| {method} | {median:.3f} | {min(runs):.3f} | {max(runs):.3f} "
                 f"| {result.num_bytes / median / 1e9:.2f} | {median / result.median('ours'):.2f}x |"
             )

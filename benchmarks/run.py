@@ -30,7 +30,6 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), os.env
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
-
 from callback_cost import CallbackCost, measure_callback_cost  # noqa: E402
 from methods import METHODS, SyncMethods, peak_extra_rss_bytes  # noqa: E402
 from models import MANY_TENSORS, SIZES, ModelSize, build_model, num_parameters, save  # noqa: E402
@@ -45,7 +44,7 @@ from report import (  # noqa: E402
 )
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
-from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES  # noqa: E402
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES  # noqa: E402
 
 REPOSITORY = BENCHMARKS.parent
 
@@ -104,7 +103,7 @@ def measure_model(
                 f"   run {run + 1}/{num_runs}: " + ", ".join(f"{m} {result.seconds[m][-1]:.3f}s" for m in METHODS),
                 flush=True,
             )
-        parts = methods.floor_parts[-num_runs:]
+        parts = methods.floor_client.parts[-num_runs:]
         print(
             "   floor parts (median): transport {:.3f}s, load {:.3f}s".format(
                 sorted(p["transport_seconds"] for p in parts)[len(parts) // 2],
@@ -168,8 +167,9 @@ def results_markdown(
             f"{cost.overhead * 1e3:+.0f} ms elsewhere."
         )
     return f"""
-Measured {time.strftime("%Y-%m-%d")} on {os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__},
-vLLM {__import__("vllm").__version__}, bucket {args.bucket_mib} MiB, {args.runs} timed runs per method after one warm-up.
+Measured {time.strftime("%Y-%m-%d")} on {os.cpu_count()} CPU cores ({platform.machine()}),
+torch {torch.__version__}, vLLM {__import__("vllm").__version__}, bucket {args.bucket_mib} MiB,
+{args.runs} timed runs per method after one warm-up.
 Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
 
 ![sync time versus size]({image})

@@ -131,7 +131,10 @@ class TinyGRPO(LightningModule):
         )
         rollouts = generate(self, prompts, params)  # group_size samples per prompt, prompt by prompt
         rewards = torch.tensor(
-            [echo_reward(letters[i // hparams.group_size], self.tokenizer.decode(r.token_ids)) for i, r in enumerate(rollouts)]
+            [
+                echo_reward(letters[i // hparams.group_size], self.tokenizer.decode(r.token_ids))
+                for i, r in enumerate(rollouts)
+            ]
         )
         groups = rewards.view(len(letters), hparams.group_size)
         advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)

@@ -96,7 +96,9 @@ def main() -> None:
     data = DataLoader(torch.randint(0, 512, (4 * args.steps, 16)), batch_size=4)
     module = CausalLM(model)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=args.every_n_train_steps)
-    trainer = Trainer(max_steps=args.steps, accelerator="cpu", log_every_n_steps=1, enable_checkpointing=False, callbacks=[sync])
+    trainer = Trainer(
+        max_steps=args.steps, accelerator="cpu", log_every_n_steps=1, enable_checkpointing=False, callbacks=[sync]
+    )
     trainer.fit(module, data)
 
     trained = trained_logprobs(module.model)

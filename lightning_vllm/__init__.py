@@ -8,7 +8,15 @@ Example::
 """
 
 from lightning_vllm.callback import VLLMWeightSync
-from lightning_vllm.engines import AsyncLLMEngine, EngineTarget, Generation, HTTPEngine, LocalLLMEngine, RayEngine, VLLMActor
+from lightning_vllm.engines import (
+    AsyncLLMEngine,
+    EngineTarget,
+    Generation,
+    HTTPEngine,
+    LocalLLMEngine,
+    RayEngine,
+    VLLMActor,
+)
 from lightning_vllm.errors import (
     EngineConfigError,
     StaleRolloutsError,

@@ -9,6 +9,7 @@ thread cannot keep the interpreter alive at exit.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -58,7 +59,9 @@ class BackgroundCall(Generic[_T]):
         return self._result  # type: ignore[return-value]
 
 
-def call_with_timeout(fn: Callable[..., _T], *args: Any, timeout: float, what: str, hint: str = "", **kwargs: Any) -> _T:
+def call_with_timeout(
+    fn: Callable[..., _T], *args: Any, timeout: float, what: str, hint: str = "", **kwargs: Any
+) -> _T:
     """Run ``fn(*args, **kwargs)`` and wait for it at most ``timeout`` seconds.
 
     Raises:
@@ -67,20 +70,54 @@ def call_with_timeout(fn: Callable[..., _T], *args: Any, timeout: float, what: s
     return BackgroundCall(fn, *args, what=what, **kwargs).result(timeout, hint)
 
 
+def wait_polling(
+    done: Callable[[], bool],
+    *,
+    timeout: float,
+    interval: float,
+    timeout_error: Callable[[], BaseException],
+    check: Callable[[], None] = lambda: None,
+) -> None:
+    """Poll ``done()`` every ``interval`` seconds until it is true, for at most ``timeout`` seconds.
+
+    ``check()`` runs at every poll and may raise to end the wait early (e.g. the
+    other side of a transfer failed); ``timeout_error()`` builds what is raised
+    when time runs out.
+    """
+    deadline = time.monotonic() + timeout
+    while not done():
+        check()
+        if time.monotonic() > deadline:
+            raise timeout_error()
+        time.sleep(interval)
+
+
 class TimedClient:
     """Wraps a vLLM weight-sync client so that every control call has a timeout.
 
     Any object with vLLM's ``VLLMWeightSyncClient`` methods can be wrapped; the
     wrapper has the same methods, each bounded by ``timeout`` seconds.
+
+    Args:
+        client: the client (an engine adapter, or any object with the four methods).
+        timeout: the longest each call may take.
+        weight_version: what ``finish_weight_update()`` commits when called without a
+            version, as vLLM's own trainer engines call it; see :meth:`committing`.
     """
 
-    def __init__(self, client: Any, timeout: float) -> None:
+    def __init__(self, client: Any, timeout: float, weight_version: str | None = None) -> None:
         self.inner = client
         self.timeout = timeout
-        # vLLM's own trainer engines call finish_weight_update() without a version;
-        # the updater sets the version it is pushing here so the engine commits it
-        # in the same call that finishes the update.
-        self.next_weight_version: str | None = None
+        self.weight_version = weight_version
+
+    def committing(self, weight_version: str) -> TimedClient:
+        """The same client, whose ``finish_weight_update()`` commits ``weight_version``.
+
+        vLLM's trainer engines end an update with ``finish_weight_update()`` and no
+        version; a client made for one push lets the engine commit that push's version
+        in the same call that finishes the update.
+        """
+        return TimedClient(self.inner, self.timeout, weight_version)
 
     def _call(self, method: str, *args: Any, what: str) -> Any:
         return call_with_timeout(getattr(self.inner, method), *args, timeout=self.timeout, what=what)
@@ -96,8 +133,10 @@ class TimedClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is None:
-            weight_version = self.next_weight_version
-        self._call("finish_weight_update", weight_version, what="vLLM to finish the weight update (finish_weight_update)")
+            weight_version = self.weight_version
+        self._call(
+            "finish_weight_update", weight_version, what="vLLM to finish the weight update (finish_weight_update)"
+        )
 
     def shutdown_weight_transfer_engine(self) -> None:
         if hasattr(self.inner, "shutdown_weight_transfer_engine"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,12 +12,49 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_vllm.engines import Generation, PauseMode
-from lightning_vllm.errors import StaleRolloutsError
-from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
-from lightning_vllm.transports.gloo import DEFAULT_TIMEOUT_SECONDS
+from lightning_vllm.engines.local import build_local_engine
+from lightning_vllm.rollouts import RolloutSampler
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.updater import SyncStats, VLLMUpdater
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushSchedule:
+    """When a push is due; ``0`` turns an interval off.
+
+    ``trainer.global_step`` moves only at an optimizer step and stays put for the
+    batches of a gradient-accumulation cycle, so a push is due once per step: never
+    again at the step last pushed (as ``ModelCheckpoint`` remembers the step it saved).
+
+    Example::
+
+        >>> schedule = PushSchedule(every_n_train_steps=2)
+        >>> [step for step in range(1, 7) if schedule.due_after_batch(step, last_pushed_step=-1)]
+        [2, 4, 6]
+        >>> schedule.due_after_batch(4, last_pushed_step=4)
+        False
+    """
+
+    every_n_train_steps: int = 0
+    every_n_epochs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.every_n_train_steps < 0:
+            raise ValueError(f"Invalid value for every_n_train_steps={self.every_n_train_steps}. Must be >= 0.")
+        if self.every_n_epochs < 0:
+            raise ValueError(f"Invalid value for every_n_epochs={self.every_n_epochs}. Must be >= 0.")
+
+    def due_after_batch(self, global_step: int, last_pushed_step: int) -> bool:
+        """Whether to push after a training batch that left the trainer at ``global_step``."""
+        every = self.every_n_train_steps
+        return bool(every) and global_step > 0 and global_step % every == 0 and global_step != last_pushed_step
+
+    def due_after_epoch(self, epochs_done: int, global_step: int, last_pushed_step: int) -> bool:
+        """Whether to push after ``epochs_done`` training epochs, unless this step was just pushed."""
+        every = self.every_n_epochs
+        return bool(every) and epochs_done % every == 0 and global_step != last_pushed_step
 
 
 class VLLMWeightSync(Callback):
@@ -84,16 +122,12 @@ class VLLMWeightSync(Callback):
         max_staleness: int | None = None,
         updater: VLLMUpdater | None = None,
     ) -> None:
-        self._every_n_train_steps = every_n_train_steps or 0
-        self._every_n_epochs = every_n_epochs or 0
-        self._validate(engine, updater)
-        if max_staleness is not None and max_staleness < 0:
-            raise ValueError(f"Invalid value for max_staleness={max_staleness}. Must be >= 0, or None.")
+        self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)
+        if engine is not None and updater is not None:
+            raise ValueError("Pass either engine=... or updater=..., not both: the updater already holds its engine.")
         self.push_on_fit_start = push_on_fit_start
-        self.max_staleness = max_staleness
         # vllm.LLM arguments: the engine is built on global rank 0 in setup.
         self._engine_args = dict(engine) if isinstance(engine, Mapping) else None
-        self._oldest_rollout_version: int | None = None
         self.updater = updater or VLLMUpdater(
             master_address=master_address,
             master_port=master_port,
@@ -104,15 +138,8 @@ class VLLMWeightSync(Callback):
             bucket_size_bytes=bucket_size_bytes,
             model_attribute=model_attribute,
         )
+        self.rollouts = RolloutSampler(self.updater, max_staleness)
         self._last_global_step_pushed = -1
-
-    def _validate(self, engine: Any, updater: VLLMUpdater | None) -> None:
-        if self._every_n_train_steps < 0:
-            raise ValueError(f"Invalid value for every_n_train_steps={self._every_n_train_steps}. Must be >= 0.")
-        if self._every_n_epochs < 0:
-            raise ValueError(f"Invalid value for every_n_epochs={self._every_n_epochs}. Must be >= 0.")
-        if engine is not None and updater is not None:
-            raise ValueError("Pass either engine=... or updater=..., not both: the updater already holds its engine.")
 
     @property
     def weight_version(self) -> int:
@@ -120,23 +147,29 @@ class VLLMWeightSync(Callback):
         return self.updater.weight_version
 
     @property
+    def max_staleness(self) -> int | None:
+        """The most versions a rollout may lag the trainer (``None``: no limit)."""
+        return self.rollouts.max_staleness
+
+    @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(every_n_train_steps=self._every_n_train_steps, every_n_epochs=self._every_n_epochs)
+        return self._generate_state_key(
+            every_n_train_steps=self.schedule.every_n_train_steps, every_n_epochs=self.schedule.every_n_epochs
+        )
 
     # -- hooks ------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and trainer.is_global_zero and self._engine_args is not None and self.updater.engine is None:
-            from vllm import LLM
-
-            self.updater.set_engine(LLM(**self._engine_args))
-        if stage == "fit" and trainer.is_global_zero and self.updater.engine is None:
+        if stage != "fit" or not trainer.is_global_zero or self.updater.engine is not None:
+            return
+        if self._engine_args is None:
             raise ValueError(
                 "VLLMWeightSync on global rank 0 has no vLLM engine: pass engine=... (e.g. a vllm.LLM built with "
                 "weight_transfer_config={'backend': 'gloo'})."
             )
+        self.updater.set_engine(build_local_engine(self._engine_args))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -148,20 +181,15 @@ class VLLMWeightSync(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # global_step moves only at an optimizer step (gradient accumulation), and
-        # stays put for the batches in between: remember the step last pushed.
         self._log_staleness(trainer)
-        step = trainer.global_step
-        if self._every_n_train_steps and step > 0 and step % self._every_n_train_steps == 0:
-            if step != self._last_global_step_pushed:
-                self._push(trainer, pl_module)
+        if self.schedule.due_after_batch(trainer.global_step, self._last_global_step_pushed):
+            self._push(trainer, pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        epoch = trainer.current_epoch + 1
-        if self._every_n_epochs and epoch % self._every_n_epochs == 0:
-            if trainer.global_step != self._last_global_step_pushed:
-                self._push(trainer, pl_module)
+        epochs_done = trainer.current_epoch + 1
+        if self.schedule.due_after_epoch(epochs_done, trainer.global_step, self._last_global_step_pushed):
+            self._push(trainer, pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -199,39 +227,12 @@ class VLLMWeightSync(Callback):
         Raises:
             StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
         """
-        engines = self.updater.engines
-        if not engines:
-            raise RuntimeError(
-                "This rank holds no vLLM engine to generate from (under DDP only global rank 0 has one unless every "
-                "rank is given an engine, e.g. a server URL)."
-            )
-        if sampling_params is None:
-            from vllm import SamplingParams
-
-            sampling_params = SamplingParams()
-        generations = engines[worker_id].generate(prompts, sampling_params)
-        self._record_versions(generations)
-        return generations
-
-    def _record_versions(self, generations: Sequence[Generation]) -> None:
-        versions = [version_number(generation.weight_version) for generation in generations]
-        if not versions:
-            return
-        oldest = min(versions)
-        current = self.updater.weight_version
-        if self.max_staleness is not None and current - oldest > self.max_staleness:
-            raise StaleRolloutsError(
-                f"Rollouts from weight version {oldest} are {current - oldest} versions behind the trainer "
-                f"(version {current}), more than max_staleness={self.max_staleness}. Push more often "
-                "(every_n_train_steps), generate from the engines this callback updates, or raise max_staleness."
-            )
-        self._oldest_rollout_version = oldest if self._oldest_rollout_version is None else min(oldest, self._oldest_rollout_version)
+        return self.rollouts.generate(prompts, sampling_params, worker_id=worker_id)
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:
-        if self._oldest_rollout_version is None:
+        staleness = self.rollouts.take_staleness()
+        if staleness is None:
             return
-        staleness = self.updater.weight_version - self._oldest_rollout_version
-        self._oldest_rollout_version = None
         for logger in trainer.loggers:
             logger.log_metrics({"vllm/staleness": float(staleness)}, step=trainer.global_step)
 
@@ -253,8 +254,3 @@ class VLLMWeightSync(Callback):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-
-
-def version_number(weight_version: str | None) -> int:
-    """A weight version string as a number; vLLM's ``"default"`` (never pushed) is 0."""
-    return int(weight_version) if weight_version is not None and weight_version.isdigit() else 0

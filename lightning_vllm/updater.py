@@ -8,35 +8,28 @@ TorchRL finds the names it knows.
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
+from vllm.distributed.weight_transfer.base import WeightSource
 
-from lightning_vllm._waits import TimedClient, call_with_timeout
+from lightning_vllm._waits import call_with_timeout
+from lightning_vllm.connection import ConnectionSettings, EngineConnection
 from lightning_vllm.engines import EngineTarget, PauseMode, as_engine_targets
-from lightning_vllm.errors import EngineConfigError, WeightsMismatchError
-from lightning_vllm.transports import resolve_backend, trainer_init_info
-from lightning_vllm.transports.buckets import DEFAULT_BUCKET_SIZE_BYTES
-from lightning_vllm.transports.gloo import DEFAULT_TIMEOUT_SECONDS, validate_bucket_size
-from lightning_vllm.transports.plugin import register_backends
-from lightning_vllm.weights import (
-    ModelMetadata,
-    PushSource,
-    check_weights,
-    source_metadata,
-    weights_from,
+from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.settings import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_TIMEOUT_SECONDS,
+    validate_bucket_size,
+    validate_timeout,
 )
-from lightning_vllm.weights.checks import INPUT_EMBEDDING_SUFFIX, TIED_OUTPUT_EMBEDDING
-from lightning_vllm.weights.sources import differs_from_input_embedding
-
-log = logging.getLogger(__name__)
+from lightning_vllm.transports import resolve_backend
+from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
+from lightning_vllm.weights.model import as_metadata
 
 
 @dataclass(frozen=True)
@@ -112,15 +105,14 @@ class VLLMUpdater:
             raise ValueError(f"Invalid value for master_port={master_port}. Must be in [0, 65535], or None.")
         if vllm_tp_size is not None and vllm_tp_size < 1:
             raise ValueError(f"Invalid value for vllm_tp_size={vllm_tp_size}. Must be >= 1.")
-        if timeout_seconds <= 0:
-            raise ValueError(f"Invalid value for timeout_seconds={timeout_seconds}. Must be > 0.")
+        validate_timeout(timeout_seconds)
         validate_bucket_size(bucket_size_bytes)
         resolve_backend(backend, engine_device="cpu")  # checks the name early
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"Invalid value for pause_mode={pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
-        self.model_metadata: ModelMetadata | None = _as_metadata(model_metadata)
+        self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
         self.vllm_tp_size = vllm_tp_size
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
@@ -129,7 +121,7 @@ class VLLMUpdater:
         self.reset_prefix_cache = reset_prefix_cache
         self.pause_mode: PauseMode = pause_mode
         self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
-        self._links: dict[int, _Link] = {}
+        self._connections: dict[int, EngineConnection] = {}
         self._version = 0
         self._post_hooks: list[Callable[[], Any]] = []
         self._collector_ref: weakref.ref[Any] | None = None
@@ -181,7 +173,7 @@ class VLLMUpdater:
     @property
     def initialized(self) -> bool:
         """Whether a group is formed with every engine."""
-        return bool(self._engines) and len(self._links) == len(self._engines)
+        return bool(self._engines) and len(self._connections) == len(self._engines)
 
     def all_worker_ids(self) -> list[int]:
         """Ids of the engines this updater can push to: their positions in ``engine``."""
@@ -190,7 +182,9 @@ class VLLMUpdater:
     def engine_versions(self) -> dict[int, str | None]:
         """The weight version each engine reports, by worker id."""
         return {
-            worker_id: call_with_timeout(engine.get_weight_version, timeout=self.timeout_seconds, what="the engine's version")
+            worker_id: call_with_timeout(
+                engine.get_weight_version, timeout=self.timeout_seconds, what="the engine's version"
+            )
             for worker_id, engine in enumerate(self._engines)
         }
 
@@ -210,91 +204,34 @@ class VLLMUpdater:
             WeightSyncTimeoutError: the workers did not join in time.
         """
         if model_metadata is not None:
-            self.model_metadata = _as_metadata(model_metadata)
+            self.model_metadata = as_metadata(model_metadata)
         if self.model_metadata is None:
             raise ValueError(
                 "init needs the model metadata: pass init(VLLMUpdater.get_model_metadata(model)) or "
                 "model_metadata=... to the constructor."
             )
-        if not self._engines:
-            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
+        self._require_engines()
         self.close()
         for worker_id in self.all_worker_ids():
-            self._connect(worker_id, self.model_metadata)
+            self._connect(worker_id)
 
-    def _connect(self, worker_id: int, metadata: ModelMetadata) -> _Link:
-        engine = self._engines[worker_id]
-        backend = self._check_engine(engine)
-        wire, ties = self._wire_metadata(engine, metadata)
-        register_backends()
-        client = TimedClient(engine, self.timeout_seconds)
-        source = PushSource(wire)
-        world_size = 1 + call_with_timeout(engine.num_workers, timeout=self.timeout_seconds, what="the engine's world size")
-        init_info = trainer_init_info(
-            backend,
-            master_address=self.master_address,
-            master_port=self.master_port,
-            world_size=world_size,
-            bucket_size_bytes=self.bucket_size_bytes,
-            timeout_seconds=self.timeout_seconds,
-        )
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    def _require_engines(self) -> None:
+        if not self._engines:
+            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
 
-        log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
-        transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
-        link = _Link(engine, client, transfer, source, wire, ties)
-        self._links[worker_id] = link
-        return link
-
-    def _wire_metadata(self, engine: EngineTarget, metadata: ModelMetadata) -> tuple[ModelMetadata, bool]:
-        """What goes on the wire: the engine's names and serving dtypes, checked against ``metadata``."""
-        expected = call_with_timeout(engine.expected_weights, timeout=self.timeout_seconds, what="the engine's model facts")
-        if expected is None:
-            log.warning(
-                "Cannot read which weights %s loads (no local safetensors checkpoint); sending the metadata as given "
-                "without checking it against the engine.",
-                engine.description,
-            )
-            return dict(metadata), False
-        offered = _offered(metadata, expected.ties_word_embeddings)
-        check_weights(expected.weights, offered, what="The model metadata")
-        return {name: expected.weights[name] for name in offered}, expected.ties_word_embeddings
-
-    def _check_engine(self, engine: EngineTarget) -> str:
-        configured = call_with_timeout(engine.transfer_backend, timeout=self.timeout_seconds, what=f"{engine.description} to describe itself")
-        backend = resolve_backend(self.backend, engine_device=engine.device_type())
-        if configured is None:
-            raise EngineConfigError(
-                f"The {engine.description} engine was built without a weight-transfer config, so it cannot receive "
-                f"weights. Build it with weight_transfer_config={{'backend': '{backend}'}}."
-            )
-        if configured != backend:
-            raise EngineConfigError(
-                f"The {engine.description} engine expects weight-transfer backend {configured!r} but this updater "
-                f"uses {backend!r}. Build the engine with weight_transfer_config={{'backend': '{backend}'}} or pass "
-                f"backend={configured!r} to the updater."
-            )
-        if self.vllm_tp_size is not None and self.vllm_tp_size != engine.tensor_parallel_size():
-            raise EngineConfigError(
-                f"vllm_tp_size={self.vllm_tp_size} but the engine runs with tensor_parallel_size="
-                f"{engine.tensor_parallel_size()}; pass vllm_tp_size={engine.tensor_parallel_size()} or leave it None."
-            )
-        return backend
+    def _connect(self, worker_id: int) -> EngineConnection:
+        assert self.model_metadata is not None, "set by init or by the first push"
+        # Read at each connection: the settings are public attributes a user may change.
+        settings = ConnectionSettings(**{field.name: getattr(self, field.name) for field in fields(ConnectionSettings)})
+        connection = EngineConnection.open(self._engines[worker_id], self.model_metadata, settings)
+        self._connections[worker_id] = connection
+        return connection
 
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""
-        for worker_id in list(self._links):
-            self._disconnect(worker_id)
-
-    def _disconnect(self, worker_id: int) -> None:
-        link = self._links.pop(worker_id, None)
-        if link is None:
-            return
-        link.transfer.shutdown()
-        try:
-            link.client.shutdown_weight_transfer_engine()
-        except Exception as error:  # the engine may be gone; nothing left to release then
-            log.warning("Could not release the weight-transfer engine of %s: %s", link.engine.description, error)
+        while self._connections:
+            _, connection = self._connections.popitem()
+            connection.close()
 
     # -- versions, hooks and the collector ------------------------------------------
 
@@ -387,22 +324,21 @@ class VLLMUpdater:
         offered = source_metadata(source)
         if self.model_metadata is None:
             self.model_metadata = offered
-        links = [self._links.get(worker_id) or self._connect(worker_id, self.model_metadata) for worker_id in targets]
-        for link in links:  # every check before the first byte moves
-            check_weights(link.wire, _offered(offered, link.ties), what="The weights pushed")
-            if link.ties:
-                _check_tied_output_embedding(source, offered)
+        connections = [self._connections.get(worker_id) or self._connect(worker_id) for worker_id in targets]
+        for connection in connections:  # every check before the first byte moves
+            connection.check(source, offered)
         version = self._version + 1
         start = time.perf_counter()
         num_committed = 0
         try:
-            for worker_id in targets:  # each commits self._version + 1
-                self._sync_weights_with_worker(worker_id=worker_id, server_weights=source)
+            for worker_id in targets:
+                self._sync_weights_with_worker(worker_id=worker_id, server_weights=source, version=version)
                 num_committed += 1
         finally:
             if num_committed:  # the version is used once any engine has committed it
                 self._version = version
-        self.last_sync = SyncStats(version, time.perf_counter() - start, sum(_num_bytes(link.wire) for link in links))
+        num_bytes = sum(connection.num_bytes for connection in connections)
+        self.last_sync = SyncStats(version, time.perf_counter() - start, num_bytes)
         for hook in self._post_hooks:
             hook()
         return self.last_sync
@@ -418,40 +354,30 @@ class VLLMUpdater:
         """Turn a model, a dict or a TensorDict into the named, streamed source the transport reads."""
         return weights_from(server_weights, self.model_attribute)
 
-    def _sync_weights_with_worker(self, *, worker_id: int | torch.device | None = None, server_weights: Any = None) -> None:
-        """Send ``server_weights`` to one engine (``None``: the first) and commit the next version there.
+    def _sync_weights_with_worker(
+        self, *, worker_id: int | torch.device | None = None, server_weights: Any = None, version: int | None = None
+    ) -> None:
+        """Send ``server_weights`` to one engine (``None``: the first) and commit ``version`` there.
 
-        Generation on that engine is paused (``pause_mode``) for the transfer and resumed after it.
+        ``version`` defaults to the next one. Generation on that engine is paused
+        (``pause_mode``) for the transfer and resumed after it. A failed push leaves
+        the group; the next push joins again.
         """
         if server_weights is None:
             server_weights = self._get_server_weights()
         worker_id = 0 if worker_id is None else worker_id
-        if not isinstance(worker_id, int) or worker_id not in self._links:
+        if not isinstance(worker_id, int) or worker_id not in self._connections:
             raise RuntimeError(f"The updater is not connected to engine {worker_id!r}: call init() first.")
-        link = self._links[worker_id]
         source = server_weights if isinstance(server_weights, WeightSource) else self._maybe_map_weights(server_weights)
-        engine = link.engine
-        link.source.current = source
-        link.client.next_weight_version = str(self._version + 1)
-        self._bounded(engine.pause_generation, self.pause_mode, what=f"{engine.description} to pause generation")
         try:
-            link.transfer.send_weights()
-            if self.reset_prefix_cache:
-                self._bounded(engine.reset_prefix_cache, what=f"{engine.description} to reset its prefix cache")
+            self._connections[worker_id].push(source, self._version + 1 if version is None else version)
         except BaseException:
-            self._disconnect(worker_id)
+            del self._connections[worker_id]  # the failed push closed it
             raise
-        finally:
-            link.source.current = None
-            self._bounded(engine.resume_generation, what=f"{engine.description} to resume generation")
-
-    def _bounded(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
-        return call_with_timeout(fn, *args, timeout=self.timeout_seconds, what=what)
 
     def _resolve_worker_ids(self, worker_ids: int | torch.device | Sequence[int | torch.device] | None) -> list[int]:
+        self._require_engines()
         known = self.all_worker_ids()
-        if not known:
-            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
         if worker_ids is None:
             return known
         requested = [worker_ids] if isinstance(worker_ids, (int, torch.device)) else list(worker_ids)
@@ -466,49 +392,6 @@ class VLLMUpdater:
         if not resolved:
             raise ValueError(f"worker_ids={worker_ids!r} selects no engine; this updater's engines are {known}.")
         return sorted(set(resolved))
-
-
-@dataclass
-class _Link:
-    """One engine's connection: its client, the transfer engine and what goes on its wire."""
-
-    engine: EngineTarget
-    client: TimedClient
-    transfer: TrainerWeightTransferEngine[Any]
-    source: PushSource
-    wire: ModelMetadata
-    ties: bool
-
-
-def _offered(metadata: ModelMetadata, ties_word_embeddings: bool) -> ModelMetadata:
-    # A model that ties its output embedding to its input embedding loads only the
-    # input one; a state dict still lists both, and the tied copy is not sent.
-    if ties_word_embeddings:
-        return {name: meta for name, meta in metadata.items() if name != TIED_OUTPUT_EMBEDDING}
-    return metadata
-
-
-def _check_tied_output_embedding(source: WeightSource, offered: ModelMetadata) -> None:
-    if TIED_OUTPUT_EMBEDDING not in offered:
-        return
-    embedding = differs_from_input_embedding(source, TIED_OUTPUT_EMBEDDING, INPUT_EMBEDDING_SUFFIX)
-    if embedding is not None:
-        raise WeightsMismatchError(
-            f"The weights pushed do not fit the engine's model; nothing was sent and vLLM keeps its weights: "
-            f"{TIED_OUTPUT_EMBEDDING!r} differs from {embedding!r}, but the engine's model ties its output "
-            "embedding to its input embedding. Start the engine from a checkpoint saved from this model "
-            "(tie_word_embeddings must agree)."
-        )
-
-
-def _num_bytes(metadata: ModelMetadata) -> int:
-    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in metadata.values())
-
-
-def _as_metadata(metadata: Mapping[str, tuple[torch.dtype, Any]] | None) -> ModelMetadata | None:
-    if metadata is None:
-        return None
-    return {name: (dtype, torch.Size(shape)) for name, (dtype, shape) in metadata.items()}
 
 
 vLLMUpdater = VLLMUpdater

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 VOCAB_SIZE = 512
+TOLERANCE = 1e-4
+"""How close vLLM's float32 prompt logprobs must come to the Hugging Face model's after a sync."""
 PROMPTS = [[1, 5, 9, 33, 7, 2], [100, 200, 300, 400], [7, 7, 7, 8, 9, 10, 11, 12], [42, 13, 250, 500, 3]]
 
 
@@ -41,8 +43,25 @@ def save_model(model: Qwen2ForCausalLM, directory: Path) -> Path:
     return directory
 
 
+FAST_TIER_VARIABLE = "LIGHTNING_VLLM_FAST_TIER"
+
+
+def require_engine_tier() -> None:
+    """Refuse to start a vLLM engine in the engine-free tier (``make test-fast`` sets the variable).
+
+    Catches a test that starts an engine without the ``engine`` mark, which would
+    otherwise slow the fast tier down by ~20 s an engine.
+    """
+    if os.environ.get(FAST_TIER_VARIABLE):
+        raise RuntimeError(
+            f"This test starts a vLLM engine but runs in the engine-free tier ({FAST_TIER_VARIABLE} is set): "
+            "mark it with @pytest.mark.engine."
+        )
+
+
 def engine_kwargs(model_dir: Path, backend: str | None = "gloo", **overrides) -> dict:
     """Arguments of a small CPU vLLM engine on ``model_dir`` (``vllm.LLM``, ``AsyncEngineArgs``, ``VLLMActor``)."""
+    require_engine_tier()
     kwargs = dict(
         model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128, seed=0
     )
@@ -115,6 +134,25 @@ def hf_greedy(model, prompts=PROMPTS, max_tokens: int = 8) -> list[list[int]]:
 
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+def served_logprobs(engine) -> list[list[float]]:
+    """Prompt logprobs from a ``vllm.LLM`` or from any engine adapter (HTTP, AsyncLLM, Ray)."""
+    from vllm import LLM
+
+    return vllm_prompt_logprobs(engine) if isinstance(engine, LLM) else engine_prompt_logprobs(engine)
+
+
+def assert_serves(engine, model) -> None:
+    """``engine`` serves ``model``'s weights: prompt logprobs within ``TOLERANCE`` and, for a
+    ``vllm.LLM``, the same greedy tokens."""
+    from vllm import LLM
+
+    model.eval()
+    gap = max_abs_diff(served_logprobs(engine), hf_prompt_logprobs(model))
+    assert gap < TOLERANCE, f"served logprobs differ from the model's by {gap:.2e}"
+    if isinstance(engine, LLM):
+        assert vllm_greedy(engine) == hf_greedy(model)
 
 
 class TinyCausalLM(LightningModule):
@@ -204,6 +242,7 @@ class VLLMServer:
         import subprocess
         import sys
 
+        require_engine_tier()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0"}
@@ -244,3 +283,104 @@ class VLLMServer:
             self.process.kill()
             self.process.wait(timeout=30)
         self.log.close()
+
+
+class FakeEngine:
+    """A stand-in for a vLLM engine in the engine-free tier: a real gloo receiver, no model.
+
+    It answers what the updater asks before a push from a Hugging Face model's
+    metadata, joins the trainer's gloo group for real (on a thread of this process)
+    and keeps the tensors of the last finished update, so scheduling, checks and
+    versions run in a second instead of the ~20 s a vLLM engine takes to start. It
+    serves no tokens: what vLLM does with the weights is tested against real engines.
+    """
+
+    description = "fake test engine"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from lightning_vllm.weights import ExpectedWeights, ModuleWeights, source_metadata
+
+        self.expected = ExpectedWeights(source_metadata(ModuleWeights(model)), ties_word_embeddings=False)
+        self.receiver = None
+        self.weights: dict[str, torch.Tensor] = {}
+        self.version = "default"
+        self.num_updates = 0
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def transfer_backend(self) -> str:
+        return "gloo"
+
+    def device_type(self) -> str:
+        return "cpu"
+
+    def tensor_parallel_size(self) -> int:
+        return 1
+
+    def num_workers(self) -> int:
+        return 1
+
+    def expected_weights(self):
+        return self.expected
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from lightning_vllm.transports.gloo import GlooWeightTransferInitInfo
+        from lightning_vllm.transports.gloo.receiver import GlooReceiver
+
+        self.receiver = GlooReceiver(GlooWeightTransferInitInfo(**init_info), rank=1)
+
+    def start_weight_update(self) -> None:
+        self._pending = {}
+
+    def update_weights(self, update_info: dict) -> None:
+        from lightning_vllm.transports.gloo import GlooWeightTransferUpdateInfo
+
+        assert self.receiver is not None, "init_weight_transfer_engine first"
+        for segment in self.receiver.received_segments(GlooWeightTransferUpdateInfo(**update_info)):
+            self._pending.update((name, tensor.clone()) for name, tensor in segment)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.weights, self._pending = self._pending, {}
+        self.num_updates += 1
+        if weight_version is not None:
+            self.version = weight_version
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.receiver = None
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def pause_generation(self, mode: str) -> None:
+        pass
+
+    def resume_generation(self) -> None:
+        pass
+
+    def generate(self, prompts, sampling_params):
+        """One empty sample per prompt, labelled with the version the fake holds."""
+        from lightning_vllm import Generation
+
+        return [
+            Generation(prompt_token_ids=list(prompt), token_ids=[], weight_version=self.version) for prompt in prompts
+        ]
+
+    def holds(self, model: torch.nn.Module) -> bool:
+        """Whether the last update carried exactly ``model``'s parameters."""
+        params = dict(model.named_parameters())
+        return self.weights.keys() == params.keys() and all(
+            torch.equal(self.weights[name], param.detach()) for name, param in params.items()
+        )
+
+
+def start_server(model_dir: Path, tmp_path_factory, **kwargs) -> VLLMServer:
+    """A healthy ``VLLMServer`` on ``model_dir`` (stopped again if it never becomes healthy)."""
+    server = VLLMServer(model_dir, tmp_path_factory.mktemp("server") / "server.log", **kwargs)
+    try:
+        server.wait_until_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    return server

@@ -24,6 +24,7 @@ RATIOS = re.compile(
 )
 
 
+@pytest.mark.engine
 def test_the_suite_runs_at_its_smallest_size_and_ends_with_the_ratios_line(tmp_path):
     page = tmp_path / "benchmarks.md"
     completed = subprocess.run(

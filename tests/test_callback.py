@@ -1,29 +1,187 @@
-"""The Lightning callback, end to end: a real Trainer pushes into a real vLLM engine."""
+"""The Lightning callback: when it pushes (without a Trainer, then with one and a fake engine),
+and end to end with a real Trainer and a real vLLM engine."""
 
 from __future__ import annotations
 
 import copy
 
 import pytest
-import torch
 from helpers import (
+    FakeEngine,
     TinyCausalLM,
+    assert_serves,
     cpu_trainer,
-    hf_greedy,
     hf_prompt_logprobs,
     max_abs_diff,
     tensorboard_scalars,
     tiny_qwen2,
     token_batches,
-    vllm_greedy,
     vllm_prompt_logprobs,
 )
 
 from lightning_vllm import VLLMWeightSync
+from lightning_vllm.callback import PushSchedule
 
-TOLERANCE = 1e-4
+# -- the decision alone ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("every", "global_step", "last_pushed", "due"),
+    [
+        (2, 2, -1, True),
+        (2, 3, 2, False),  # not a multiple
+        (2, 4, 2, True),
+        (2, 4, 4, False),  # the same optimizer step, next accumulated batch
+        (2, 0, -1, False),  # no optimizer step yet
+        (1, 1, 0, True),
+        (0, 4, -1, False),  # off
+    ],
+)
+def test_a_push_is_due_once_per_nth_optimizer_step(every, global_step, last_pushed, due):
+    assert PushSchedule(every_n_train_steps=every).due_after_batch(global_step, last_pushed) is due
+
+
+@pytest.mark.parametrize(
+    ("every", "epochs_done", "global_step", "last_pushed", "due"),
+    [
+        (1, 1, 10, 8, True),
+        (2, 1, 10, 8, False),
+        (2, 2, 20, 18, True),
+        (1, 1, 10, 10, False),  # the step-based schedule pushed this step already
+        (0, 3, 30, 0, False),  # off
+    ],
+)
+def test_a_push_is_due_every_nth_epoch_unless_the_step_was_pushed(every, epochs_done, global_step, last_pushed, due):
+    schedule = PushSchedule(every_n_epochs=every)
+    assert schedule.due_after_epoch(epochs_done, global_step, last_pushed) is due
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_train_steps": -1}, "every_n_train_steps=-1"),
+        ({"every_n_epochs": -2}, "every_n_epochs=-2"),
+        ({"backend": "tcp"}, "backend='tcp'"),
+        ({"timeout_seconds": 0}, "timeout_seconds=0"),
+        ({"max_staleness": -1}, "max_staleness=-1"),
+        ({"engine": "http://127.0.0.1:1", "updater": object()}, "either engine=... or updater=..."),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        VLLMWeightSync(**kwargs)
+
+
+def test_none_and_zero_turn_intervals_off():
+    assert VLLMWeightSync(every_n_train_steps=None).schedule == PushSchedule(0, 0)
+    assert VLLMWeightSync(every_n_train_steps=0, every_n_epochs=3).schedule == PushSchedule(0, 3)
+
+
+def test_state_dict_round_trip_reads_old_checkpoints():
+    sync = VLLMWeightSync()
+    sync.load_state_dict({})  # a checkpoint written before these keys existed
+    assert sync.weight_version == 0
+    sync.load_state_dict({"weight_version": 7, "last_global_step_pushed": 14})
+    assert sync.state_dict() == {"weight_version": 7, "last_global_step_pushed": 14}
+
+
+# -- with a Trainer and a fake engine -------------------------------------------------
+
+
+def pushed_steps(trainer) -> list[int]:
+    return [step for step, _ in tensorboard_scalars(trainer.logger.log_dir, "vllm/weight_version")]
+
+
+def test_pushes_follow_optimizer_steps_under_gradient_accumulation(tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
+    engine = FakeEngine(module.hf)
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, push_on_fit_start=False)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=4, accumulate_grad_batches=3)
+
+    trainer.fit(module, token_batches(num_batches=12))
+
+    # 12 batches, 4 optimizer steps: pushes at steps 2 and 4 only, once each.
+    assert sync.weight_version == 2 and engine.num_updates == 2
+    assert pushed_steps(trainer) == [2, 4]
+    assert engine.holds(module.hf) and engine.version == "2"
+
+
+def test_epoch_pushes_do_not_repeat_a_step_push(tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
+    engine = FakeEngine(module.hf)
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, every_n_epochs=1, push_on_fit_start=False)
+    trainer = cpu_trainer(tmp_path, [sync], max_epochs=2)
+
+    trainer.fit(module, token_batches(num_batches=3))
+
+    # Steps 2 and 4 by the step schedule; the ends of epoch 1 (step 3) and epoch 2
+    # (step 6) by the epoch schedule, of which step 6 was also a step push: once.
+    assert pushed_steps(trainer) == [2, 3, 4, 6]
+    assert engine.num_updates == 4 and engine.holds(module.hf)
+
+
+def test_only_epochs(tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
+    sync = VLLMWeightSync(engine=FakeEngine(module.hf), every_n_train_steps=None, every_n_epochs=2)
+    trainer = cpu_trainer(tmp_path, [sync], max_epochs=4)
+    trainer.fit(module, token_batches(num_batches=2))
+    assert pushed_steps(trainer) == [0, 4, 8]  # fit start, then the ends of epochs 2 and 4
+
+
+def test_a_resumed_run_continues_counting_versions(tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
+    engine = FakeEngine(module.hf)
+    first = VLLMWeightSync(engine=engine, every_n_train_steps=2)
+    trainer = cpu_trainer(tmp_path, [first], max_steps=2)
+    trainer.fit(module, token_batches(num_batches=4))
+    checkpoint = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    assert first.weight_version == 2
+
+    resumed = VLLMWeightSync(engine=engine, every_n_train_steps=2)
+    trainer = cpu_trainer(tmp_path, [resumed], max_steps=4)
+    trainer.fit(copy.deepcopy(module), token_batches(num_batches=4), ckpt_path=checkpoint)
+
+    # Restored version 2, then a push at fit start (3) and at step 4 (4), not again at step 2.
+    assert resumed.weight_version == 4 and engine.version == "4"
+
+
+def test_the_hf_model_can_live_under_any_attribute(tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=3), attribute="policy")
+    engine = FakeEngine(module.hf)
+    cpu_trainer(tmp_path, [VLLMWeightSync(engine=engine)], max_steps=1).fit(module, token_batches(num_batches=1))
+    assert engine.holds(module.hf)
+
+
+def test_rank_zero_without_an_engine_fails_at_setup(tmp_path):
+    sync = VLLMWeightSync(engine=None)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=1)
+    with pytest.raises(ValueError, match="no vLLM engine"):
+        trainer.fit(TinyCausalLM(tiny_qwen2()), token_batches(num_batches=1))
+
+
+class FailingCausalLM(TinyCausalLM):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_in_training_releases_the_group(tmp_path):
+    module = FailingCausalLM(tiny_qwen2(seed=0))
+    engine = FakeEngine(module.hf)
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=1)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=4)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(module, token_batches(num_batches=4))
+    assert sync.weight_version == 2  # fit start and step 1
+    assert not sync.updater.initialized and engine.receiver is None
+
+
+# -- with a real vLLM engine ----------------------------------------------------------
+
+
+@pytest.mark.engine
 def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     served_before = vllm_prompt_logprobs(llm)
@@ -32,13 +190,10 @@ def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
 
     trainer.fit(module, token_batches(num_batches=6))
 
-    module.hf.eval()
-    trained = hf_prompt_logprobs(module.hf)
     # The test can fail: training moved the weights away from what vLLM served before.
-    assert max_abs_diff(served_before, trained) > 1e-2
-    served_after = vllm_prompt_logprobs(llm)
-    assert max_abs_diff(served_after, trained) < TOLERANCE
-    assert vllm_greedy(llm) == hf_greedy(module.hf)
+    module.hf.eval()
+    assert max_abs_diff(served_before, hf_prompt_logprobs(module.hf)) > 1e-2
+    assert_serves(llm, module.hf)
     # Fit start, then steps 2, 4 and 6.
     assert sync.weight_version == 4
     assert llm.get_weight_version() == "4"
@@ -49,89 +204,3 @@ def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
     assert len(sync_seconds) == 4 and all(seconds > 0 for _, seconds in sync_seconds)
     num_bytes = sum(p.numel() * p.element_size() for p in module.hf.parameters())
     assert [value for _, value in sync_bytes] == [float(num_bytes)] * 4
-
-
-def test_pushes_follow_optimizer_steps_under_gradient_accumulation(llm, tmp_path):
-    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
-    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, push_on_fit_start=False)
-    trainer = cpu_trainer(tmp_path, [sync], max_steps=4, accumulate_grad_batches=3)
-
-    trainer.fit(module, token_batches(num_batches=12))
-
-    # 12 batches, 4 optimizer steps: pushes at steps 2 and 4 only, once each.
-    assert sync.weight_version == 2
-    assert [step for step, _ in tensorboard_scalars(trainer.logger.log_dir, "vllm/weight_version")] == [2, 4]
-    module.hf.eval()
-    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(module.hf)) < TOLERANCE
-
-
-def test_a_resumed_run_continues_counting_versions(llm, tmp_path):
-    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
-    first = VLLMWeightSync(engine=llm, every_n_train_steps=2)
-    trainer = cpu_trainer(tmp_path, [first], max_steps=2)
-    trainer.fit(module, token_batches(num_batches=4))
-    checkpoint = tmp_path / "run.ckpt"
-    trainer.save_checkpoint(checkpoint)
-    assert first.weight_version == 2
-
-    resumed = VLLMWeightSync(engine=llm, every_n_train_steps=2)
-    trainer = cpu_trainer(tmp_path, [resumed], max_steps=4)
-    trainer.fit(copy.deepcopy(module), token_batches(num_batches=4), ckpt_path=checkpoint)
-
-    # Restored version 2, then a push at fit start (3) and at step 4 (4).
-    assert resumed.weight_version == 4
-    assert llm.get_weight_version() == "4"
-
-
-def test_the_hf_model_can_live_under_any_attribute(llm, tmp_path):
-    module = TinyCausalLM(tiny_qwen2(seed=3), attribute="policy")
-    sync = VLLMWeightSync(engine=llm, every_n_train_steps=1)
-    cpu_trainer(tmp_path, [sync], max_steps=1).fit(module, token_batches(num_batches=1))
-    module.hf.eval()
-    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(module.hf)) < TOLERANCE
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"every_n_train_steps": -1}, "every_n_train_steps=-1"),
-        ({"every_n_epochs": -2}, "every_n_epochs=-2"),
-        ({"backend": "tcp"}, "backend='tcp'"),
-        ({"timeout_seconds": 0}, "timeout_seconds=0"),
-    ],
-)
-def test_bad_arguments_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        VLLMWeightSync(**kwargs)
-
-
-def test_rank_zero_without_an_engine_fails_at_setup(tmp_path):
-    sync = VLLMWeightSync(engine=None)
-    trainer = cpu_trainer(tmp_path, [sync], max_steps=1)
-    with pytest.raises(ValueError, match="no vLLM engine"):
-        trainer.fit(TinyCausalLM(tiny_qwen2()), token_batches(num_batches=1))
-
-
-def test_state_dict_round_trip_reads_old_checkpoints():
-    sync = VLLMWeightSync()
-    sync.load_state_dict({})  # a checkpoint written before these keys existed
-    assert sync.weight_version == 0
-    sync.load_state_dict({"weight_version": 7, "last_global_step_pushed": 14})
-    assert sync.state_dict() == {"weight_version": 7, "last_global_step_pushed": 14}
-    assert isinstance(torch.tensor(sync.weight_version), torch.Tensor)
-
-
-class FailingCausalLM(TinyCausalLM):
-    def training_step(self, batch, batch_idx):
-        if batch_idx == 1:
-            raise RuntimeError("boom")
-        return super().training_step(batch, batch_idx)
-
-
-def test_an_exception_in_training_releases_the_group(llm, tmp_path):
-    sync = VLLMWeightSync(engine=llm, every_n_train_steps=1)
-    trainer = cpu_trainer(tmp_path, [sync], max_steps=4)
-    with pytest.raises(RuntimeError, match="boom"):
-        trainer.fit(FailingCausalLM(tiny_qwen2(seed=0)), token_batches(num_batches=4))
-    assert sync.weight_version == 2  # fit start and step 1
-    assert not sync.updater.initialized

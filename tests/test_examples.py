@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import tensorboard_scalars
+
+pytestmark = pytest.mark.engine
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -32,7 +35,14 @@ def test_grpo_tiny_logs_and_plots(tmp_path):
 
 def test_grpo_tiny_from_the_lightning_cli_yaml(tmp_path):
     run(
-        [str(EXAMPLES / "grpo_tiny.py"), "fit", "--config", str(EXAMPLES / "grpo_tiny.yaml"), "--trainer.max_steps", "2"],
+        [
+            str(EXAMPLES / "grpo_tiny.py"),
+            "fit",
+            "--config",
+            str(EXAMPLES / "grpo_tiny.yaml"),
+            "--trainer.max_steps",
+            "2",
+        ],
         tmp_path,
     )
     log_dir = tmp_path / "lightning_logs" / "grpo_tiny_cli" / "version_0"

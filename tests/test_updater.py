@@ -7,27 +7,12 @@ import time
 
 import pytest
 import torch
-from helpers import (
-    build_llm,
-    hf_greedy,
-    hf_prompt_logprobs,
-    max_abs_diff,
-    shutdown,
-    tiny_qwen2,
-    vllm_greedy,
-    vllm_prompt_logprobs,
-)
+from helpers import FakeEngine, assert_serves, build_llm, shutdown, tiny_qwen2, vllm_prompt_logprobs
 
 from lightning_vllm import EngineConfigError, VLLMUpdater, WeightSyncTimeoutError, vLLMUpdater
 
-TOLERANCE = 1e-4
 
-
-def assert_serves(llm, model) -> None:
-    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)) < TOLERANCE
-    assert vllm_greedy(llm) == hf_greedy(model)
-
-
+@pytest.mark.engine
 def test_push_replaces_the_served_weights_and_commits_a_version(llm):
     first, second = tiny_qwen2(seed=11), tiny_qwen2(seed=12)
     updater = VLLMUpdater(engine=llm, timeout_seconds=60)
@@ -44,6 +29,7 @@ def test_push_replaces_the_served_weights_and_commits_a_version(llm):
     updater.close()
 
 
+@pytest.mark.engine
 def test_small_buckets_split_large_tensors_into_slices(llm):
     model = tiny_qwen2(seed=13)
     # The embedding (512 x 128 float32 = 256 KiB) is four times this bucket; tensors of
@@ -57,6 +43,7 @@ def test_small_buckets_split_large_tensors_into_slices(llm):
     updater.close()
 
 
+@pytest.mark.engine
 def test_the_workers_kept_receive_buffers_are_not_part_of_the_served_model(llm):
     model = tiny_qwen2(seed=25)
     updater = VLLMUpdater(engine=llm, bucket_size_bytes=64 * 1024)
@@ -69,6 +56,7 @@ def test_the_workers_kept_receive_buffers_are_not_part_of_the_served_model(llm):
     updater.close()
 
 
+@pytest.mark.engine
 def test_a_push_after_close_joins_again(llm):
     model = tiny_qwen2(seed=14)
     updater = VLLMUpdater(engine=llm)
@@ -81,9 +69,9 @@ def test_a_push_after_close_joins_again(llm):
     updater.close()
 
 
-def test_post_hooks_run_in_order_after_each_push(llm):
+def test_post_hooks_run_in_order_after_each_push():
     calls = []
-    updater = VLLMUpdater(engine=llm)
+    updater = VLLMUpdater(engine=FakeEngine(tiny_qwen2()))
     updater.register_post_hook(lambda: calls.append(("first", updater.weight_version)))
     updater.register_post_hook(lambda: calls.append(("second", updater.weight_version)))
     updater.push_weights(tiny_qwen2(seed=16))
@@ -93,6 +81,7 @@ def test_post_hooks_run_in_order_after_each_push(llm):
     updater.close()
 
 
+@pytest.mark.engine
 def test_backend_mismatch_is_refused_before_any_byte_moves(llm):
     model = tiny_qwen2(seed=18)
     VLLMUpdater(engine=llm).push_weights(model)
@@ -105,6 +94,7 @@ def test_backend_mismatch_is_refused_before_any_byte_moves(llm):
     assert_serves(llm, model)
 
 
+@pytest.mark.engine
 def test_weights_that_do_not_match_the_metadata_are_refused(llm):
     model = tiny_qwen2(seed=19)
     updater = VLLMUpdater(engine=llm)
@@ -132,28 +122,13 @@ def test_torchrl_spelling_is_the_same_class():
     assert vLLMUpdater is VLLMUpdater
 
 
-class SilentEngine:
+class SilentEngine(FakeEngine):
     """An engine behind a network that never answers: every control call blocks."""
 
-    description = "silent test engine"
-
     def __init__(self) -> None:
+        super().__init__(tiny_qwen2())
+        self.expected = None  # nothing to check against: the engine cannot be asked
         self.never = threading.Event()
-
-    def transfer_backend(self) -> str:
-        return "gloo"
-
-    def device_type(self) -> str:
-        return "cpu"
-
-    def tensor_parallel_size(self) -> int:
-        return 1
-
-    def num_workers(self) -> int:
-        return 1
-
-    def expected_weights(self):
-        return None
 
     def init_weight_transfer_engine(self, init_info):
         self.never.wait()
@@ -170,9 +145,6 @@ class SilentEngine:
     def shutdown_weight_transfer_engine(self):
         self.never.wait()
 
-    def get_weight_version(self):
-        return None
-
     def reset_prefix_cache(self):
         self.never.wait()
 
@@ -182,14 +154,13 @@ class SilentEngine:
     def resume_generation(self):
         self.never.wait()
 
-    def generate(self, prompts, sampling_params):
-        self.never.wait()
-
 
 def test_an_engine_that_never_answers_fails_within_the_timeout():
     updater = VLLMUpdater(engine=SilentEngine(), timeout_seconds=2)
     start = time.monotonic()
-    with pytest.raises(WeightSyncTimeoutError, match="Timed out after 2 s waiting for vLLM to initialise its weight-transfer engine"):
+    with pytest.raises(
+        WeightSyncTimeoutError, match="Timed out after 2 s waiting for vLLM to initialise its weight-transfer engine"
+    ):
         updater.push_weights(tiny_qwen2())
     assert time.monotonic() - start < 10
     assert not updater.initialized
@@ -217,10 +188,13 @@ def llm_without_transfer(model_dir):
     shutdown(engine)
 
 
+@pytest.mark.engine
 def test_engine_without_weight_transfer_config_gets_a_clear_error(llm_without_transfer):
     model = tiny_qwen2(seed=21)
     before = vllm_prompt_logprobs(llm_without_transfer)
-    with pytest.raises(EngineConfigError, match=r"without a weight-transfer config.*weight_transfer_config=\{'backend': 'gloo'\}"):
+    with pytest.raises(
+        EngineConfigError, match=r"without a weight-transfer config.*weight_transfer_config=\{'backend': 'gloo'\}"
+    ):
         VLLMUpdater(engine=llm_without_transfer, timeout_seconds=10).push_weights(model)
     assert vllm_prompt_logprobs(llm_without_transfer) == before
 
@@ -234,29 +208,31 @@ def listening_addresses() -> set[tuple[str, int]]:
     return {(c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
 
 
-def test_the_trainer_listens_on_loopback_only_by_default(llm):
+def test_the_trainer_listens_on_loopback_only_by_default():
+    model = tiny_qwen2()
     before = listening_addresses()
-    updater = VLLMUpdater(engine=llm)
-    updater.init(VLLMUpdater.get_model_metadata(tiny_qwen2()))
+    updater = VLLMUpdater(engine=FakeEngine(model))
+    updater.init(VLLMUpdater.get_model_metadata(model))
     opened = listening_addresses() - before
     assert opened, "the rendezvous store should be listening"
     assert {ip for ip, _ in opened} == {"127.0.0.1"}
     updater.close()
 
 
-def test_worker_ids_select_engines_by_id_or_device(llm):
+def test_worker_ids_select_engines_by_id_or_device():
     model = tiny_qwen2(seed=22)
-    updater = VLLMUpdater(engine=llm)
+    engine = FakeEngine(model)
+    updater = VLLMUpdater(engine=engine)
     assert updater.all_worker_ids() == [0]
     updater.push_weights(model, worker_ids=0)
     updater.push_weights(model, worker_ids=[0])
     updater.push_weights(model, worker_ids=torch.device("cpu"))
-    assert llm.get_weight_version() == "3"
+    assert engine.get_weight_version() == "3"
     with pytest.raises(ValueError, match=r"Unknown worker id 1; this updater's engines are \[0\]"):
         updater.push_weights(model, worker_ids=[1])
     with pytest.raises(ValueError, match="selects no engine"):
         updater.push_weights(model, worker_ids=torch.device("cuda"))
-    assert llm.get_weight_version() == "3"
+    assert engine.get_weight_version() == "3"
     updater.close()
 
 
@@ -275,6 +251,7 @@ def bad_inputs(model):
     }
 
 
+@pytest.mark.engine
 def test_each_kind_of_bad_input_is_refused_and_vllm_keeps_serving(llm):
     from lightning_vllm import WeightsMismatchError
 

@@ -15,7 +15,7 @@ class WorkerProbe:
 
         If vLLM still referred to any of them after a sync, the engine's outputs would change.
         """
-        buffers = self.weight_transfer_engine._receive_buffers
+        buffers = self.weight_transfer_engine.receiver.kept_buffers
         for buffer in buffers:
             buffer.fill_(255)
         return sum(buffer.numel() for buffer in buffers)

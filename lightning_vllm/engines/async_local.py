@@ -14,10 +14,14 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest, WeightTransferUpdatePayload
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitRequest,
+    WeightTransferUpdatePayload,
+    WeightTransferUpdateRequest,
+)
 
 from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
-from lightning_vllm.engines.local import EngineConfigFacts
+from lightning_vllm.engines.config_facts import EngineConfigFacts
 
 _T = TypeVar("_T")
 
@@ -92,7 +96,9 @@ class AsyncLLMEngine(EngineConfigFacts):
 
         async def one(prompt: list[int] | str) -> Any:
             final = None
-            async for output in self.async_llm.generate(as_prompt(prompt), sampling_params, request_id=uuid.uuid4().hex):
+            async for output in self.async_llm.generate(
+                as_prompt(prompt), sampling_params, request_id=uuid.uuid4().hex
+            ):
                 final = output
             return final
 

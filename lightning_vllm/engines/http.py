@@ -28,9 +28,7 @@ from lightning_vllm.engines.base import Generation, PauseMode
 from lightning_vllm.errors import EngineConfigError, WeightSyncError
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
-SERVER_COMMAND = (
-    "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{\"backend\": \"gloo\"}'"
-)
+SERVER_COMMAND = 'VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config \'{"backend": "gloo"}\''
 
 
 class HTTPEngine:
@@ -70,13 +68,17 @@ class HTTPEngine:
                 f"server is running, e.g. {SERVER_COMMAND}"
             ) from error
         except requests.Timeout as error:
-            raise WeightSyncError(f"The vLLM server at {self.base_url} did not answer {path} within {self.timeout_seconds:g} s.") from error
+            raise WeightSyncError(
+                f"The vLLM server at {self.base_url} did not answer {path} within {self.timeout_seconds:g} s."
+            ) from error
         if response.status_code == 404:
             raise EngineConfigError(
                 f"{url} does not exist: the server is not a vLLM server in dev mode. Start it with {SERVER_COMMAND}"
             )
         if not response.ok:
-            raise WeightSyncError(f"The vLLM server at {self.base_url} answered {path} with {response.status_code}: {response.text[:500]}")
+            raise WeightSyncError(
+                f"The vLLM server at {self.base_url} answered {path} with {response.status_code}: {response.text[:500]}"
+            )
         return response.json() if response.content else None
 
     @cached_property

@@ -8,40 +8,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
-from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
-
-
-def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
-    """What a vLLM engine with this ``VllmConfig`` loads, read from its local checkpoint."""
-    model_config = vllm_config.model_config
-    return checkpoint_weights(
-        model_config.model,
-        serving_dtype=model_config.dtype,
-        ties_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
-    )
-
-
-class EngineConfigFacts:
-    """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``)."""
-
-    _config: Any
-
-    def transfer_backend(self) -> str | None:
-        config = self._config.weight_transfer_config
-        return None if config is None else str(config.backend)
-
-    def device_type(self) -> str:
-        return str(self._config.device_config.device_type)
-
-    def tensor_parallel_size(self) -> int:
-        return int(self._config.parallel_config.tensor_parallel_size)
-
-    def num_workers(self) -> int:
-        parallel = self._config.parallel_config
-        return int(parallel.world_size * parallel.data_parallel_size)
-
-    def expected_weights(self) -> ExpectedWeights | None:
-        return expected_from_config(self._config)
+from lightning_vllm.engines.config_facts import EngineConfigFacts
 
 
 class LocalLLMEngine(EngineConfigFacts):
@@ -96,3 +63,14 @@ class LocalLLMEngine(EngineConfigFacts):
     def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         outputs = self.llm.generate([as_prompt(p) for p in prompts], sampling_params, use_tqdm=False)
         return generations_from_outputs(outputs, self.get_weight_version())
+
+
+def build_local_engine(llm_kwargs: dict[str, Any]) -> LocalLLMEngine:
+    """Start a ``vllm.LLM`` from its arguments (about 20 s for a tiny model on 2 CPU cores).
+
+    This is how an engine given as a dict of ``vllm.LLM`` arguments (e.g. from a
+    LightningCLI YAML file) comes to life on the rank that pushes.
+    """
+    from vllm import LLM
+
+    return LocalLLMEngine(LLM(**llm_kwargs))

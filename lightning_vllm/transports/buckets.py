@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUCKET_SIZE_BYTES = 256 * 1024 * 1024
 # Below this, a broadcast's fixed cost outweighs the copy that packing costs.
 DEFAULT_COALESCE_BYTES = 4 * 1024 * 1024
 

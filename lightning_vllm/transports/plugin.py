@@ -12,7 +12,8 @@ from __future__ import annotations
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 GLOO = "gloo"
-_MODULE = "lightning_vllm.transports.gloo"
+_WORKER_MODULE = "lightning_vllm.transports.gloo.worker"
+_TRAINER_MODULE = "lightning_vllm.transports.gloo.trainer"
 
 
 def register_backends() -> None:
@@ -21,6 +22,6 @@ def register_backends() -> None:
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
     """
     if GLOO not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(GLOO, _MODULE, "GlooWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(GLOO, _WORKER_MODULE, "GlooWeightTransferEngine")
     if GLOO not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(GLOO, _MODULE, "GlooTrainerWeightTransferEngine")
+        WeightTransferTrainerFactory.register_engine(GLOO, _TRAINER_MODULE, "GlooTrainerWeightTransferEngine")

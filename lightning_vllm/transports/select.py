@@ -7,7 +7,7 @@ import socket
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.transports.gloo import GlooTrainerInitInfo
+from lightning_vllm.transports.gloo.messages import GlooTrainerInitInfo
 
 BACKENDS = ("auto", "gloo", "nccl", "ipc")
 

@@ -6,7 +6,7 @@ from lightning_vllm.weights.sources import (
     LoraMergedWeights,
     MappingWeights,
     ModuleWeights,
-    PushSource,
+    WireWeights,
     source_metadata,
     weights_from,
 )
@@ -17,7 +17,6 @@ __all__ = [
     "MappingWeights",
     "ModelMetadata",
     "ModuleWeights",
-    "PushSource",
     "canonical_name",
     "check_weights",
     "checkpoint_weights",
@@ -25,5 +24,6 @@ __all__ = [
     "metadata_problems",
     "source_metadata",
     "unwrap",
+    "WireWeights",
     "weights_from",
 ]

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm.errors import WeightsMismatchError
 from lightning_vllm.weights.model import ModelMetadata
+from lightning_vllm.weights.sources import differs_from_input_embedding
 
 MAX_LISTED_PROBLEMS = 10
 TIED_OUTPUT_EMBEDDING = "lm_head.weight"
@@ -63,9 +65,13 @@ def checkpoint_weights(
     return ExpectedWeights(weights, ties_word_embeddings)
 
 
-def metadata_problems(expected: Mapping[str, tuple[torch.dtype, Any]], actual: Mapping[str, tuple[torch.dtype, Any]]) -> list[str]:
+def metadata_problems(
+    expected: Mapping[str, tuple[torch.dtype, Any]], actual: Mapping[str, tuple[torch.dtype, Any]]
+) -> list[str]:
     """Every difference between the weights an engine loads and the weights offered, one line each."""
-    problems = [f"unknown tensor {name!r} (the engine's model has no such weight)" for name in actual if name not in expected]
+    problems = [
+        f"unknown tensor {name!r} (the engine's model has no such weight)" for name in actual if name not in expected
+    ]
     problems += [f"missing tensor {name!r}" for name in expected if name not in actual]
     for name, (wire_dtype, shape) in expected.items():
         if name not in actual:
@@ -88,10 +94,14 @@ def _hint(problems: list[str], expected: Mapping[str, Any], actual: Mapping[str,
                 "The model ties its input and output embeddings but the engine's does not: start the engine "
                 "from a checkpoint saved from this model (tie_word_embeddings must agree)."
             )
-    return "Push the architecture the engine serves (same checkpoint, same config), or restart the engine on this model."
+    return (
+        "Push the architecture the engine serves (same checkpoint, same config), or restart the engine on this model."
+    )
 
 
-def check_weights(expected: Mapping[str, tuple[torch.dtype, Any]], actual: Mapping[str, tuple[torch.dtype, Any]], *, what: str) -> None:
+def check_weights(
+    expected: Mapping[str, tuple[torch.dtype, Any]], actual: Mapping[str, tuple[torch.dtype, Any]], *, what: str
+) -> None:
     """Raise one error listing up to 10 problems, or nothing if ``actual`` fits ``expected``.
 
     Raises:
@@ -106,3 +116,32 @@ def check_weights(expected: Mapping[str, tuple[torch.dtype, Any]], actual: Mappi
         f"{what} do not fit the engine's model ({len(problems)} problem(s)); nothing was sent and vLLM keeps its "
         f"weights:\n  - {listed}{more}\n{_hint(problems, expected, actual)}"
     )
+
+
+def loaded_by_engine(metadata: ModelMetadata, ties_word_embeddings: bool) -> ModelMetadata:
+    """The part of ``metadata`` an engine loads.
+
+    A model that ties its output embedding to its input embedding loads only the
+    input one; a state dict still lists both, and the tied copy is not sent.
+    """
+    if ties_word_embeddings:
+        return {name: meta for name, meta in metadata.items() if name != TIED_OUTPUT_EMBEDDING}
+    return metadata
+
+
+def check_tied_output_embedding(source: WeightSource, offered: Mapping[str, Any]) -> None:
+    """Refuse an output embedding that is not a copy of the input one, for an engine that ties them.
+
+    Raises:
+        WeightsMismatchError: the two differ, so the engine could not serve these weights.
+    """
+    if TIED_OUTPUT_EMBEDDING not in offered:
+        return
+    embedding = differs_from_input_embedding(source, TIED_OUTPUT_EMBEDDING, INPUT_EMBEDDING_SUFFIX)
+    if embedding is not None:
+        raise WeightsMismatchError(
+            f"The weights pushed do not fit the engine's model; nothing was sent and vLLM keeps its weights: "
+            f"{TIED_OUTPUT_EMBEDDING!r} differs from {embedding!r}, but the engine's model ties its output "
+            "embedding to its input embedding. Start the engine from a checkpoint saved from this model "
+            "(tie_word_embeddings must agree)."
+        )

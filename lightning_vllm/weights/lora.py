@@ -16,7 +16,14 @@ from vllm.distributed.weight_transfer.base import materialize_full_tensor
 
 # Parameters that belong to adapters, or to the frozen copy PEFT keeps beside a
 # trained module (modules_to_save): never sent.
-_ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.", ".original_module.")
+_ADAPTER_MARKERS = (
+    ".lora_A.",
+    ".lora_B.",
+    ".lora_embedding_A.",
+    ".lora_embedding_B.",
+    ".lora_magnitude_vector.",
+    ".original_module.",
+)
 _BASE_SUFFIX = ".base_layer.weight"
 _SAVED_MODULE = ".modules_to_save."
 

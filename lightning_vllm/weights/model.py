@@ -9,6 +9,8 @@ DDP, ``base_model.model.`` and ``.base_layer`` from PEFT. They are removed here.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -16,6 +18,14 @@ from transformers import PreTrainedModel
 
 ModelMetadata = dict[str, tuple[torch.dtype, torch.Size]]
 """``{parameter name: (dtype, shape)}``, the form TorchRL's ``vLLMUpdater`` uses."""
+
+
+def as_metadata(metadata: Mapping[str, tuple[torch.dtype, Any]] | None) -> ModelMetadata | None:
+    """``{name: (dtype, shape)}`` with every shape a ``torch.Size`` (``None`` stays ``None``)."""
+    if metadata is None:
+        return None
+    return {name: (dtype, torch.Size(shape)) for name, (dtype, shape) in metadata.items()}
+
 
 # Segments that wrappers insert into parameter names; none is part of a checkpoint name.
 _WRAPPER_SEGMENT = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module|base_layer)(?=\.)")

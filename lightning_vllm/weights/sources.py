@@ -27,47 +27,50 @@ def _check_unique(names: list[str], origin: str) -> None:
         )
 
 
-class ModuleWeights(WeightSource):
+class _ParameterWeights(WeightSource):
+    """The parameters of a module under their checkpoint names; subclasses say which and how read."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._names = [canonical_name(name) for name, _ in self._parameters()]
+        _check_unique(self._names, type(module).__name__)
+
+    def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name as in the module, parameter)`` of every tensor sent, in send order."""
+        return iter(self.module.named_parameters())
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors sent, in the order of :meth:`_parameters`."""
+        for _, param in self._parameters():
+            yield materialize_full_tensor(param.detach())
+
+    def metadata(self) -> list[ParamMeta]:
+        # A DTensor (FSDP2) reports its global shape here, so nothing is gathered.
+        return [
+            ParamMeta(name, param.dtype, tuple(param.shape))
+            for name, (_, param) in zip(self._names, self._parameters())
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return zip(self._names, self._tensors())
+
+
+class ModuleWeights(_ParameterWeights):
     """The parameters of a Hugging Face model, under their checkpoint names.
 
     Dense parameters are yielded as they are (no copy); FSDP shards are gathered
     with ``full_tensor()`` one parameter at a time.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self._names = [canonical_name(name) for name, _ in self.module.named_parameters()]
-        _check_unique(self._names, type(module).__name__)
 
-    def metadata(self) -> list[ParamMeta]:
-        # A DTensor (FSDP2) reports its global shape here, so nothing is gathered.
-        return [
-            ParamMeta(name, param.dtype, tuple(param.shape))
-            for name, (_, param) in zip(self._names, self.module.named_parameters())
-        ]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, (_, param) in zip(self._names, self.module.named_parameters()):
-            yield name, materialize_full_tensor(param.detach())
-
-
-class LoraMergedWeights(WeightSource):
+class LoraMergedWeights(_ParameterWeights):
     """A PEFT LoRA model's merged weights under the base model's names; the module is left untouched."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self._names = [canonical_name(name) for name, _ in lora_parameters(module)]
-        _check_unique(self._names, type(module).__name__)
+    def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return lora_parameters(self.module)
 
-    def metadata(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(name, param.dtype, tuple(param.shape))
-            for name, (_, param) in zip(self._names, lora_parameters(self.module))
-        ]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, (_, tensor) in zip(self._names, merged_lora_weights(self.module)):
-            yield name, tensor
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        return (tensor for _, tensor in merged_lora_weights(self.module))
 
 
 class MappingWeights(WeightSource):
@@ -152,30 +155,28 @@ def source_metadata(source: WeightSource) -> ModelMetadata:
     return {meta.name: (meta.dtype, torch.Size(meta.shape)) for meta in source.metadata()}
 
 
-class PushSource(WeightSource):
-    """The weights of the push under way, in the wire dtypes and names fixed at ``init``.
+class WireWeights(WeightSource):
+    """A source seen through an engine's wire: its names and serving dtypes only.
 
-    vLLM's trainer engines take one ``WeightSource`` when they connect and replay it
-    at every push; the updater swaps the weights behind it (``current``) before each
-    push, after checking them. Tensors the engine does not load (the output
-    embedding of a model that ties it to the input embedding) are left out.
+    Tensors the engine does not load (the output embedding of a model that ties it
+    to the input embedding) are left out; the others are declared in the engine's
+    serving dtype, which the transport converts to on the way.
+
+    Args:
+        source: the weights of one push.
+        wire: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
     """
 
-    def __init__(self, wire: Mapping[str, tuple[torch.dtype, Any]]) -> None:
+    def __init__(self, source: WeightSource, wire: Mapping[str, tuple[torch.dtype, Any]]) -> None:
+        self.source = source
         self.wire_dtypes = {name: dtype for name, (dtype, _) in wire.items()}
-        self.current: WeightSource | None = None
-
-    def _current(self) -> WeightSource:
-        if self.current is None:
-            raise RuntimeError("No weights are being pushed: set PushSource.current first.")
-        return self.current
 
     def metadata(self) -> list[ParamMeta]:
         return [
             ParamMeta(meta.name, self.wire_dtypes[meta.name], meta.shape)
-            for meta in self._current().metadata()
+            for meta in self.source.metadata()
             if meta.name in self.wire_dtypes
         ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((name, tensor) for name, tensor in self._current() if name in self.wire_dtypes)
+        return ((name, tensor) for name, tensor in self.source if name in self.wire_dtypes)

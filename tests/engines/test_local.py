@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from helpers import build_llm, hf_prompt_logprobs, max_abs_diff, shutdown, tiny_qwen2, vllm_prompt_logprobs
+from helpers import assert_serves, build_llm, shutdown, tiny_qwen2
 
 from lightning_vllm import EngineTarget, LocalLLMEngine, VLLMUpdater
 from lightning_vllm.engines import as_engine_target
 
 
+@pytest.mark.engine
 def test_local_llm_adapter_reports_what_the_updater_checks(llm):
     engine = as_engine_target(llm)
     assert isinstance(engine, LocalLLMEngine) and isinstance(engine, EngineTarget)
@@ -34,6 +35,7 @@ def llm_single_process(model_dir):
     shutdown(engine)
 
 
+@pytest.mark.engine
 def test_engine_in_the_training_process_receives_pushes(llm_single_process):
     from vllm.v1.engine.core_client import InprocClient
 
@@ -42,6 +44,6 @@ def test_engine_in_the_training_process_receives_pushes(llm_single_process):
     updater = VLLMUpdater(engine=llm_single_process, timeout_seconds=60)
     updater.push_weights(model)
     updater.push_weights(model)
-    assert max_abs_diff(vllm_prompt_logprobs(llm_single_process), hf_prompt_logprobs(model)) < 1e-4
+    assert_serves(llm_single_process, model)
     assert llm_single_process.get_weight_version() == "2"
     updater.close()

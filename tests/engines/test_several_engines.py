@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from helpers import (
-    TinyCausalLM,
-    build_llm,
-    cpu_trainer,
-    hf_prompt_logprobs,
-    max_abs_diff,
-    shutdown,
-    tiny_qwen2,
-    token_batches,
-    vllm_prompt_logprobs,
-)
+from helpers import TinyCausalLM, assert_serves, build_llm, cpu_trainer, shutdown, tiny_qwen2, token_batches
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +17,12 @@ def second_llm(model_dir):
     shutdown(engine)
 
 
-def serves(llm, model) -> bool:
-    return max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)) < 1e-4
-
-
 def test_training_keeps_two_engines_in_sync(llm, second_llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=[llm, second_llm], every_n_train_steps=2)
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
-    module.hf.eval()
-    assert serves(llm, module.hf) and serves(second_llm, module.hf)
+    assert_serves(llm, module.hf)
+    assert_serves(second_llm, module.hf)
     assert sync.updater.all_worker_ids() == [0, 1]
     assert sync.updater.engine_versions() == {0: "2", 1: "2"}
 
@@ -45,10 +33,11 @@ def test_worker_ids_update_only_the_engines_named(llm, second_llm):
     updater.push_weights(first)
     versions = updater.engine_versions()
     updater.push_weights(second, worker_ids=[1])
-    assert serves(llm, first) and serves(second_llm, second)
+    assert_serves(llm, first)
+    assert_serves(second_llm, second)
     assert updater.engine_versions() == {0: versions[0], 1: "2"}
     updater.push_weights(second, worker_ids=0)
-    assert serves(llm, second)
+    assert_serves(llm, second)
     assert updater.engine_versions() == {0: "3", 1: "2"}
     updater.close()
 
@@ -69,6 +58,6 @@ def test_tensor_parallel_workers_all_join_the_group(tp2_llm):
     updater = VLLMUpdater(engine=tp2_llm, vllm_tp_size=2)
     assert updater.engine.num_workers() == 2  # the group holds the trainer and both workers
     updater.push_weights(model)
-    assert serves(tp2_llm, model)
+    assert_serves(tp2_llm, model)
     assert tp2_llm.get_weight_version() == "1"
     updater.close()

@@ -63,7 +63,14 @@ def test_unpack_restores_names_dtypes_and_shapes():
 
 
 def test_small_tensors_share_a_segment_and_large_ones_travel_alone():
-    specs = [spec("a", 4), spec("b", 4), spec("big", 40), spec("c", 4), spec("d", 4), spec("e", 4)]  # 16, 16, 160, 16...
+    specs = [
+        spec("a", 4),
+        spec("b", 4),
+        spec("big", 40),
+        spec("c", 4),
+        spec("d", 4),
+        spec("e", 4),
+    ]  # 16, 16, 160, 16...
     buckets = plan_buckets([specs], bucket_size_bytes=1024)
     ends = plan_segments(specs, buckets, coalesce_bytes=40)
     # a+b pack (32 bytes); big (>= 40) is alone; c+d pack, e would overflow 40 so it starts a new segment.

@@ -16,9 +16,9 @@ from lightning_vllm.transports.gloo import (
     GlooTrainerWeightTransferEngine,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
-    dtype_from_name,
-    local_address_towards,
 )
+from lightning_vllm.transports.gloo.group import local_address_towards
+from lightning_vllm.transports.gloo.messages import dtype_from_name
 
 
 def test_update_info_round_trips_through_plain_data():
@@ -61,7 +61,12 @@ def test_bucket_size_must_be_a_positive_multiple_of_eight(size):
         GlooTrainerInitInfo(bucket_size_bytes=size)
     with pytest.raises(ValueError, match=f"bucket_size_bytes={size}"):
         GlooWeightTransferInitInfo(
-            master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, group_name="g", bucket_size_bytes=size
+            master_address="127.0.0.1",
+            master_port=1,
+            rank_offset=1,
+            world_size=2,
+            group_name="g",
+            bucket_size_bytes=size,
         )
 
 
@@ -82,3 +87,25 @@ def test_a_broadcast_that_never_finishes_ends_in_a_timeout_error_that_says_so():
     workers_loading = BackgroundCall(time.sleep, 5, what="vLLM workers to load the weights")
     with pytest.raises(WeightSyncTimeoutError, match="did not finish within 0.2 s after 1024 bytes"):
         engine._wait(NeverCompletes(), workers_loading, sent=1024)
+
+
+class RecordingClient:
+    """A weight-sync client that records the calls it gets."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append(name)
+
+
+def test_an_engine_that_is_not_connected_never_starts_an_update():
+    from helpers import tiny_qwen2
+
+    from lightning_vllm.weights import weights_from
+
+    client = RecordingClient()
+    engine = GlooTrainerWeightTransferEngine(client=client, source=weights_from(tiny_qwen2()))
+    with pytest.raises(RuntimeError, match="not connected: build it with trainer_init"):
+        engine.send_weights()
+    assert client.calls == []

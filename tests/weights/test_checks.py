@@ -37,7 +37,10 @@ EXPECTED = {"a": (BF16, torch.Size([2, 2])), "b": (BF16, torch.Size([3]))}
         ({"a": (F32, (2, 2)), "b": (F32, (3,)), "c": (F32, (1,))}, "unknown tensor 'c'"),
         ({"a": (F32, (2, 2))}, "missing tensor 'b'"),
         ({"a": (F32, (2, 3)), "b": (F32, (3,))}, "tensor 'a' has shape (2, 3), the engine's has (2, 2)"),
-        ({"a": (torch.int64, (2, 2)), "b": (F32, (3,))}, "tensor 'a' has dtype torch.int64, which cannot be sent as torch.bfloat16"),
+        (
+            {"a": (torch.int64, (2, 2)), "b": (F32, (3,))},
+            "tensor 'a' has dtype torch.int64, which cannot be sent as torch.bfloat16",
+        ),
     ],
 )
 def test_each_kind_of_problem_is_named(actual, problem):

@@ -13,7 +13,10 @@ from lightning_vllm.weights import canonical_name, find_hf_model
         ("_orig_mod.lm_head.weight", "lm_head.weight"),
         ("model._orig_mod.layers.0.input_layernorm.weight", "model.layers.0.input_layernorm.weight"),
         ("module._orig_mod.model.norm.weight", "model.norm.weight"),
-        ("base_model.model.model.layers.1.self_attn.v_proj.base_layer.weight", "model.layers.1.self_attn.v_proj.weight"),
+        (
+            "base_model.model.model.layers.1.self_attn.v_proj.base_layer.weight",
+            "model.layers.1.self_attn.v_proj.weight",
+        ),
         ("model.layers.0._fsdp_wrapped_module.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
     ],
 )

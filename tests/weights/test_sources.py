@@ -72,7 +72,10 @@ def test_lora_weights_are_merged_under_base_names_without_touching_the_model():
     assert merged.keys() == expected.keys()
     for name, tensor in merged.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
-    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"],
+        before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"],
+    )
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name])  # bit-identical
 

@@ -5,30 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
+    TOLERANCE,
     TinyCausalLM,
+    assert_serves,
     build_llm,
     cpu_trainer,
-    hf_greedy,
     hf_prompt_logprobs,
     max_abs_diff,
     save_model,
     shutdown,
     tiny_qwen2,
     token_batches,
-    vllm_greedy,
     vllm_prompt_logprobs,
 )
 from tensordict import TensorDict
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightsMismatchError
 
-FLOAT32_TOLERANCE = 1e-4
-
-
-def assert_serves(llm, model, tolerance: float = FLOAT32_TOLERANCE) -> None:
-    model.eval()
-    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)) < tolerance
-    assert vllm_greedy(llm) == hf_greedy(model)
+pytestmark = pytest.mark.engine
 
 
 def test_compiled_model_under_a_custom_attribute(llm, tmp_path):
@@ -67,7 +61,9 @@ def test_lora_policy_sends_merged_weights_and_leaves_the_module_untouched(llm, t
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(44)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
     policy = get_peft_model(tiny_qwen2(seed=0), config)
     module = TinyCausalLM(policy, lr=1e-2)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=2)
@@ -80,7 +76,7 @@ def test_lora_policy_sends_merged_weights_and_leaves_the_module_untouched(llm, t
         assert torch.equal(param, before[name]), name  # bit-identical: nothing merged into the live module
     assert any(layer.merged is False for layer in policy.modules() if hasattr(layer, "merged"))
     policy.eval()
-    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(policy)) < FLOAT32_TOLERANCE
+    assert max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(policy)) < TOLERANCE
     sync.updater.close()
 
 

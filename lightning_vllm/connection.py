@@ -1,0 +1,195 @@
+"""One engine's connection: the checks before any byte moves, the transfer group, and a push.
+
+The updater holds one :class:`EngineConnection` per engine. Opening it checks the
+engine (weight-transfer backend, tensor-parallel size) and the metadata against
+the engine's model, fixes what goes on the wire (the engine's names and serving
+dtypes), then joins a collective group with the engine's workers through vLLM's
+trainer-side factory. A push pauses generation, sends the weights, commits the
+version in the same call that finishes the update, resets the prefix cache, and
+resumes generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
+
+from lightning_vllm._waits import TimedClient, call_with_timeout
+from lightning_vllm.engines import EngineTarget, PauseMode
+from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.transports import resolve_backend, trainer_init_info
+from lightning_vllm.transports.plugin import register_backends
+from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
+from lightning_vllm.weights.checks import check_tied_output_embedding, loaded_by_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """How the updater connects to and pushes into every engine: ``VLLMUpdater``'s attributes of the same names."""
+
+    backend: str
+    master_address: str
+    master_port: int | None
+    vllm_tp_size: int | None
+    bucket_size_bytes: int
+    timeout_seconds: float
+    pause_mode: PauseMode
+    reset_prefix_cache: bool
+
+
+class EngineConnection:
+    """A formed transfer group with one engine, and what goes on its wire.
+
+    Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`.
+    Every call to the engine is bounded by the settings' ``timeout_seconds``.
+    """
+
+    def __init__(
+        self,
+        engine: EngineTarget,
+        settings: ConnectionSettings,
+        client: TimedClient,
+        transfer: TrainerWeightTransferEngine[Any],
+        wire: ModelMetadata,
+        ties_word_embeddings: bool,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.client = client
+        self.transfer = transfer
+        self.wire = wire
+        self.ties_word_embeddings = ties_word_embeddings
+
+    @classmethod
+    def open(cls, engine: EngineTarget, metadata: ModelMetadata, settings: ConnectionSettings) -> EngineConnection:
+        """Check ``engine`` and ``metadata``, then join a group with the engine's workers.
+
+        Blocks until every worker has joined, at most ``timeout_seconds``.
+
+        Raises:
+            EngineConfigError: the engine is not set up for this backend or tensor-parallel size.
+            WeightsMismatchError: the metadata does not fit the engine's model.
+            WeightSyncTimeoutError: the engine or its workers did not answer in time.
+        """
+
+        def bounded(fn: Callable[..., Any], what: str) -> Any:
+            return call_with_timeout(fn, timeout=settings.timeout_seconds, what=what)
+
+        backend = _checked_backend(engine, settings, bounded)
+        wire, ties = _wire_metadata(engine, metadata, bounded)
+        register_backends()
+        client = TimedClient(engine, settings.timeout_seconds)
+        world_size = 1 + bounded(engine.num_workers, "the engine's world size")
+        init_info = trainer_init_info(
+            backend,
+            master_address=settings.master_address,
+            master_port=settings.master_port,
+            world_size=world_size,
+            bucket_size_bytes=settings.bucket_size_bytes,
+            timeout_seconds=settings.timeout_seconds,
+        )
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
+        transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=client)
+        return cls(engine, settings, client, transfer, wire, ties)
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes one push moves to this engine."""
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.wire.values())
+
+    def check(self, source: WeightSource, offered: ModelMetadata) -> None:
+        """Check that ``source`` (whose metadata is ``offered``) fits this engine; nothing is sent.
+
+        Raises:
+            WeightsMismatchError: names, shapes, dtypes or tied embeddings do not fit.
+        """
+        offered_here = loaded_by_engine(offered, self.ties_word_embeddings)
+        check_weights(self.wire, offered_here, what="The weights pushed")
+        if self.ties_word_embeddings:
+            check_tied_output_embedding(source, offered)
+
+    def push(self, source: WeightSource, version: int) -> None:
+        """Send ``source`` and commit it as ``version``; generation is paused around the transfer.
+
+        A push that fails closes the connection (the next push opens a new one), and
+        the engine resumes generation either way.
+        """
+        engine = self.engine
+        self._call(engine.pause_generation, self.settings.pause_mode, what=f"{engine.description} to pause generation")
+        # vLLM's trainer engines replay their `source` and end the update with
+        # `client.finish_weight_update()`: both are set for this push only.
+        self.transfer.source = WireWeights(source, self.wire)
+        self.transfer.client = self.client.committing(str(version))
+        try:
+            self.transfer.send_weights()
+            if self.settings.reset_prefix_cache:
+                self._call(engine.reset_prefix_cache, what=f"{engine.description} to reset its prefix cache")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self.transfer.source = None
+            self.transfer.client = self.client
+            self._call(engine.resume_generation, what=f"{engine.description} to resume generation")
+
+    def close(self) -> None:
+        """Leave the group and release the engine's side of it; the engine keeps serving."""
+        self.transfer.shutdown()
+        try:
+            self.client.shutdown_weight_transfer_engine()
+        except Exception as error:  # the engine may be gone; nothing left to release then
+            log.warning("Could not release the weight-transfer engine of %s: %s", self.engine.description, error)
+
+    def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        return call_with_timeout(fn, *args, timeout=self.settings.timeout_seconds, what=what)
+
+
+def _checked_backend(engine: EngineTarget, settings: ConnectionSettings, bounded: Callable[..., Any]) -> str:
+    """The backend to use with ``engine``, after checking the engine is built for it."""
+    configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
+    backend = resolve_backend(settings.backend, engine_device=engine.device_type())
+    if configured is None:
+        raise EngineConfigError(
+            f"The {engine.description} engine was built without a weight-transfer config, so it cannot receive "
+            f"weights. Build it with weight_transfer_config={{'backend': '{backend}'}}."
+        )
+    if configured != backend:
+        raise EngineConfigError(
+            f"The {engine.description} engine expects weight-transfer backend {configured!r} but this updater "
+            f"uses {backend!r}. Build the engine with weight_transfer_config={{'backend': '{backend}'}} or pass "
+            f"backend={configured!r} to the updater."
+        )
+    tp_size = engine.tensor_parallel_size()
+    if settings.vllm_tp_size is not None and settings.vllm_tp_size != tp_size:
+        raise EngineConfigError(
+            f"vllm_tp_size={settings.vllm_tp_size} but the engine runs with tensor_parallel_size={tp_size}; "
+            f"pass vllm_tp_size={tp_size} or leave it None."
+        )
+    return backend
+
+
+def _wire_metadata(
+    engine: EngineTarget, metadata: ModelMetadata, bounded: Callable[..., Any]
+) -> tuple[ModelMetadata, bool]:
+    """What goes on the wire (the engine's names and serving dtypes, checked against
+    ``metadata``), and whether the engine's model ties its embeddings."""
+    expected = bounded(engine.expected_weights, "the engine's model facts")
+    if expected is None:
+        log.warning(
+            "Cannot read which weights %s loads (no local safetensors checkpoint); sending the metadata as given "
+            "without checking it against the engine.",
+            engine.description,
+        )
+        return dict(metadata), False
+    offered = loaded_by_engine(metadata, expected.ties_word_embeddings)
+    check_weights(expected.weights, offered, what="The model metadata")
+    return {name: expected.weights[name] for name in offered}, expected.ties_word_embeddings

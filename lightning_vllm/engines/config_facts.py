@@ -1,0 +1,40 @@
+"""The facts the updater checks, read from an in-process engine's ``VllmConfig``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
+
+
+def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
+    """What a vLLM engine with this ``VllmConfig`` loads, read from its local checkpoint."""
+    model_config = vllm_config.model_config
+    return checkpoint_weights(
+        model_config.model,
+        serving_dtype=model_config.dtype,
+        ties_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
+    )
+
+
+class EngineConfigFacts:
+    """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``)."""
+
+    _config: Any
+
+    def transfer_backend(self) -> str | None:
+        config = self._config.weight_transfer_config
+        return None if config is None else str(config.backend)
+
+    def device_type(self) -> str:
+        return str(self._config.device_config.device_type)
+
+    def tensor_parallel_size(self) -> int:
+        return int(self._config.parallel_config.tensor_parallel_size)
+
+    def num_workers(self) -> int:
+        parallel = self._config.parallel_config
+        return int(parallel.world_size * parallel.data_parallel_size)
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        return expected_from_config(self._config)

@@ -1,0 +1,152 @@
+"""What crosses the process boundary in the ``gloo`` backend: plain dataclasses, no pickles.
+
+The worker-side messages travel through vLLM's control plane (a Python call, an
+HTTP body or a Ray call) as ``dataclasses.asdict`` output: lists, strings and
+numbers. Dtypes travel by name and are checked against ``torch``'s dtypes, never
+evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from typing_extensions import Self
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS, validate_bucket_size
+from lightning_vllm.transports.buckets import Bucket, Segment, TensorSpec, bucket_segments
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error for anything that is not a dtype.
+
+    Example::
+
+        >>> dtype_from_name("bfloat16")
+        torch.bfloat16
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unknown dtype name {name!r} in a weight update; expected e.g. 'float32' or 'bfloat16'.")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """What a vLLM worker needs to join the trainer's gloo group (sent once, at init)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+
+    def __post_init__(self) -> None:
+        validate_bucket_size(self.bucket_size_bytes)
+        if self.world_size < 2:
+            raise ValueError(f"world_size={self.world_size} must count the trainer and at least one worker.")
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One sync's metadata and bucket plan (sent once per sync, before the bytes).
+
+    ``bucket_ends[i]`` is the index one past the last tensor of bucket ``i``, and
+    ``segment_ends`` the same for the segments (one broadcast each) inside the
+    buckets; every bucket end is also a segment end.
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    bucket_ends: list[int]
+    segment_ends: list[int]
+
+    def __post_init__(self) -> None:
+        num_tensors = len(self.names)
+        if len(self.dtype_names) != num_tensors or len(self.shapes) != num_tensors:
+            raise ValueError(
+                f"names, dtype_names and shapes must have one entry per tensor: got "
+                f"{num_tensors}, {len(self.dtype_names)} and {len(self.shapes)}."
+            )
+        if self.bucket_ends != sorted(set(self.bucket_ends)) or (
+            self.bucket_ends and self.bucket_ends[-1] != num_tensors
+        ):
+            raise ValueError(f"bucket_ends={self.bucket_ends} must rise strictly and end at {num_tensors}.")
+        if self.segment_ends != sorted(set(self.segment_ends)) or not set(self.bucket_ends) <= set(self.segment_ends):
+            raise ValueError(
+                f"segment_ends={self.segment_ends} must rise strictly and include every bucket end {self.bucket_ends}."
+            )
+        if self.segment_ends and self.segment_ends[-1] != num_tensors:
+            raise ValueError(f"segment_ends={self.segment_ends} must end at {num_tensors}.")
+
+    def specs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(name, dtype_from_name(dtype), tuple(shape))
+            for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes)
+        ]
+
+    def buckets(self, specs: Sequence[TensorSpec]) -> list[Bucket]:
+        starts = [0, *self.bucket_ends[:-1]]
+        return [
+            Bucket(start, stop, sum(spec.num_bytes for spec in specs[start:stop]))
+            for start, stop in zip(starts, self.bucket_ends)
+        ]
+
+    def segments(self, specs: Sequence[TensorSpec], bucket: Bucket) -> list[Segment]:
+        return bucket_segments(specs, bucket, self.segment_ends)
+
+    @classmethod
+    def from_plan(
+        cls, specs: Sequence[TensorSpec], buckets: Sequence[Bucket], segment_ends: Sequence[int] | None = None
+    ) -> Self:
+        """The message for a plan; without ``segment_ends``, each bucket is one segment."""
+        bucket_ends = [bucket.stop for bucket in buckets]
+        return cls(
+            names=[spec.name for spec in specs],
+            dtype_names=[dtype_name(spec.dtype) for spec in specs],
+            shapes=[list(spec.shape) for spec in specs],
+            bucket_ends=bucket_ends,
+            segment_ends=list(segment_ends) if segment_ends is not None else bucket_ends,
+        )
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side settings of the ``gloo`` backend.
+
+    Args:
+        master_address: address the trainer listens on; workers must reach it there.
+        master_port: port to listen on; 0 lets the operating system pick a free one
+            while the socket is held, so no other process can take it in between.
+        world_size: the trainer plus every vLLM worker.
+        bucket_size_bytes: the largest packed bucket, and the trainer's staging memory.
+        timeout_seconds: the longest any single wait may take.
+
+    Example::
+
+        >>> GlooTrainerInitInfo(world_size=3).backend
+        'gloo'
+    """
+
+    backend: ClassVar[str] = "gloo"
+
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    world_size: int = 2
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    rank: int = field(default=0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        validate_bucket_size(self.bucket_size_bytes)

@@ -1,0 +1,331 @@
+"""Trainer half of the ``gloo`` backend: the rendezvous, the plan and the broadcasts of a sync."""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch.distributed import DistStoreError, ProcessGroupGloo, TCPStore
+from typing_extensions import Self, override
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
+
+from lightning_vllm._waits import BackgroundCall, TimedClient, wait_polling
+from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
+from lightning_vllm.transports.buckets import DEFAULT_COALESCE_BYTES, Segment, TensorSpec, plan_buckets, plan_segments
+from lightning_vllm.transports.gloo.group import host_store, new_gloo_group, post_broadcast
+from lightning_vllm.transports.gloo.messages import (
+    GlooTrainerInitInfo,
+    GlooWeightTransferInitInfo,
+    GlooWeightTransferUpdateInfo,
+)
+from lightning_vllm.transports.staging import StagingRing
+
+_POLL_SECONDS = 0.05
+# Waiting on a broadcast polls, so a failure of the workers' update call ends it early.
+_WORK_POLL_SECONDS = 0.0005
+
+
+def send_order(source: WeightSource) -> list[list[TensorSpec]]:
+    """The source's tensors as layer groups, in the order ``iter_groups`` yields them."""
+    by_name = {meta.name: TensorSpec(meta.name, meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
+    return [[by_name[name] for name in group] for group in source.groups()]
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Drives a sync from the trainer: vLLM's four-phase handshake plus the gloo broadcasts.
+
+    Built with :meth:`trainer_init` (which returns once every worker has joined)
+    and used with :meth:`send_weights`, which replays the ``source`` attribute (as
+    vLLM's own trainer engines do). Non-sender trainer ranks (rank > 0) hold no
+    group and only iterate the source, so that collective gathers inside it (FSDP
+    ``full_tensor()``) stay aligned across ranks.
+
+    Example::
+
+        >>> engine = GlooTrainerWeightTransferEngine.trainer_init(  # doctest: +SKIP
+        ...     GlooTrainerInitInfo(world_size=2), client=LocalLLMEngine(llm), source=weights_from(model))
+        >>> engine.send_weights()  # doctest: +SKIP
+    """
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        timed = client if isinstance(client, TimedClient) else TimedClient(client, timeout_seconds)
+        super().__init__(client=timed, source=source, is_sender=is_sender)
+        self.bucket_size_bytes = bucket_size_bytes
+        self.timeout_seconds = timeout_seconds
+        self.coalesce_bytes = DEFAULT_COALESCE_BYTES
+        self.address: str | None = None
+        self.port: int | None = None
+        self._store: TCPStore | None = None
+        self._group: ProcessGroupGloo | None = None
+        self._staging: StagingRing | None = None
+
+    @classmethod
+    @override
+    def trainer_init(
+        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            bucket_size_bytes=init_info.bucket_size_bytes,
+            timeout_seconds=init_info.timeout_seconds,
+        )
+        if engine.is_sender:
+            engine._rendezvous(init_info)
+        return engine
+
+    def _rendezvous(self, init_info: GlooTrainerInitInfo) -> None:
+        timeout = init_info.timeout_seconds
+        self._store, self.port = host_store(
+            init_info.master_address, init_info.master_port, init_info.world_size, timeout
+        )
+        self.address = init_info.master_address
+        worker_info = GlooWeightTransferInitInfo(
+            master_address=self.address,
+            master_port=self.port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            group_name=f"lightning_vllm/{uuid.uuid4().hex}",
+            bucket_size_bytes=init_info.bucket_size_bytes,
+            timeout_seconds=timeout,
+        )
+        # The workers block inside init_weight_transfer_engine until the group is
+        # complete, and so does the trainer's ProcessGroupGloo constructor: both
+        # must run at once. Whichever fails first ends the wait.
+        workers = BackgroundCall(
+            self.client.init_weight_transfer_engine, asdict(worker_info), what="vLLM workers to join"
+        )
+        trainer = BackgroundCall(
+            new_gloo_group,
+            self._store,
+            worker_info.group_name,
+            rank=0,
+            world_size=init_info.world_size,
+            address=self.address,
+            timeout_seconds=timeout,
+            what="the gloo group to form",
+        )
+        hint = (
+            f"Waited for {init_info.world_size - 1} vLLM worker(s) to join the gloo group at "
+            f"{self.address}:{self.port}. Check that the engine was built with "
+            "weight_transfer_config={'backend': 'gloo'}, that its workers can reach this address, "
+            "and that vllm_tp_size matches the engine."
+        )
+        try:
+            self._group = self._await_group(workers, trainer, timeout, hint)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @staticmethod
+    def _await_group(
+        workers: BackgroundCall[None], trainer: BackgroundCall[ProcessGroupGloo], timeout: float, hint: str
+    ) -> ProcessGroupGloo:
+        def workers_failed() -> None:
+            if workers.done():
+                workers.result(0)  # raises the engine's error, if it failed
+
+        wait_polling(
+            lambda: workers.done() and trainer.done(),
+            timeout=timeout,
+            interval=_POLL_SECONDS,
+            check=workers_failed,
+            timeout_error=lambda: WeightSyncTimeoutError(f"Timed out after {timeout:g} s. {hint}"),
+        )
+        workers.result(0)
+        try:
+            return trainer.result(0)
+        except DistStoreError as error:  # the store's own timeout: nobody came
+            raise WeightSyncTimeoutError(f"Timed out after {timeout:g} s ({error}). {hint}") from error
+        except RuntimeError as error:
+            raise WeightSyncError(f"The gloo group did not form: {error}. {hint}") from error
+
+    @override
+    def send_weights(self) -> None:
+        """Send every tensor of ``self.source`` and load it in vLLM, between start and finish.
+
+        Blocks until the workers have loaded the weights and finished the update,
+        each wait bounded by ``timeout_seconds``.
+        """
+        if self.source is None:
+            raise ValueError("No weights to send: pass a WeightSource to trainer_init.")
+        groups = send_order(self.source)
+        tensors = (tensor for _, batch in self.source.iter_groups() for tensor in batch)
+        if not self.is_sender:
+            for _ in tensors:  # stay in step with the sender's collective gathers
+                pass
+            return
+        self._connected_group()  # before the engine starts an update it could not finish
+        self.client.start_weight_update()
+        self.send_update(groups, tensors)
+        self.client.finish_weight_update()
+
+    def send_update(self, groups: Sequence[Sequence[TensorSpec]], tensors: Iterator[torch.Tensor]) -> None:
+        """One ``update_weights`` call and the broadcasts that carry its tensors.
+
+        Must run between the client's ``start_weight_update`` and
+        ``finish_weight_update`` (:meth:`send_weights` does all three); callers
+        that drive the phases themselves may send a sync in several updates.
+        Blocks until the workers have loaded the tensors (``timeout_seconds``).
+
+        Args:
+            groups: the tensor specs, one list per layer group, in send order.
+            tensors: the tensors of ``groups``, in the same order.
+        """
+        process_group = self._connected_group()
+        specs = [spec for group in groups for spec in group]
+        buckets = plan_buckets(groups, self.bucket_size_bytes)
+        segment_ends = plan_segments(specs, buckets, min(self.coalesce_bytes, self.bucket_size_bytes))
+        update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets, segment_ends)
+        receive = BackgroundCall(
+            self.client.update_weights, asdict(update_info), what="vLLM workers to load the weights"
+        )
+        segments = [update_info.segments(specs, bucket) for bucket in buckets]
+        self._send_segments(process_group, specs, segments, tensors, receive)
+        receive.result(self.timeout_seconds)
+
+    def _connected_group(self) -> ProcessGroupGloo:
+        if self._group is None:
+            raise RuntimeError("The gloo trainer engine is not connected: build it with trainer_init.")
+        return self._group
+
+    def _send_segments(
+        self,
+        group: ProcessGroupGloo,
+        specs: Sequence[TensorSpec],
+        segments_per_bucket: Sequence[Sequence[Segment]],
+        tensors: Iterator[torch.Tensor],
+        receive: BackgroundCall[None],
+    ) -> None:
+        """Post every broadcast without waiting for the previous one, then wait for them all.
+
+        Copies (packed small tensors, dtype conversions) go through the staging ring,
+        which bounds them to one bucket; a ring region is reused only once the
+        broadcast that reads it has finished. The other payloads are the source's own
+        memory, so every broadcast must finish before this returns.
+        """
+        if self._staging is None:
+            self._staging = StagingRing(self.bucket_size_bytes)
+        ring = self._staging
+        ring.reset()
+        in_flight: deque[tuple[Any, int]] = deque()
+        sent = 0
+
+        def wait_oldest() -> None:
+            nonlocal sent
+            work, num_bytes = in_flight.popleft()
+            self._wait(work, receive, sent)
+            sent += num_bytes
+
+        with torch.no_grad():
+            for segments in segments_per_bucket:
+                for segment in segments:
+                    segment_specs = specs[segment.start : segment.stop]
+                    segment_tensors = [next(tensors) for _ in segment_specs]
+                    for spec, tensor in zip(segment_specs, segment_tensors):
+                        _check_shape(spec, tensor)
+                    for payload, region in self._segment_payloads(segment_specs, segment_tensors, ring, wait_oldest):
+                        if receive.done():
+                            receive.result(0)  # the workers failed: say why instead of sending on
+                        work = post_broadcast(group, payload)
+                        in_flight.append((work, payload.numel()))
+                        if region is not None:
+                            ring.hold(region, work)
+            while in_flight:
+                wait_oldest()
+
+    def _wait(self, work: Any, receive: BackgroundCall[None], sent: int) -> None:
+        """Wait for one broadcast, failing early if the workers' update call fails first."""
+
+        def workers_failed() -> None:
+            if receive.done():
+                receive.result(0)
+
+        try:
+            wait_polling(
+                work.is_completed,
+                timeout=self.timeout_seconds,
+                interval=_WORK_POLL_SECONDS,
+                check=workers_failed,
+                timeout_error=lambda: WeightSyncTimeoutError(
+                    f"A broadcast to vLLM did not finish within {self.timeout_seconds:g} s after {sent} bytes. "
+                    "The engine may have stopped; re-initialise the updater (init) once it is back."
+                ),
+            )
+            work.wait()
+        except WeightSyncError:
+            raise  # already says what happened (a timeout stays a WeightSyncTimeoutError)
+        except RuntimeError as error:
+            workers_failed()
+            raise WeightSyncError(
+                f"Sending weights to vLLM failed after {sent} bytes: {error}. The engine may have "
+                "stopped; re-initialise the updater (init) once it is back."
+            ) from error
+
+    def _segment_payloads(
+        self,
+        specs: Sequence[TensorSpec],
+        tensors: Sequence[torch.Tensor],
+        ring: StagingRing,
+        make_room: Callable[[], None],
+    ) -> Iterator[tuple[torch.Tensor, tuple[int, int] | None]]:
+        """The uint8 tensors to send for one segment, with the ring region each one uses (if any).
+
+        A lone tensor already in the wire dtype is sent from its own memory.
+        """
+        if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]):
+            data = tensors[0].reshape(-1).view(torch.uint8)  # sent from the source's memory, no copy
+            for begin in range(0, data.numel(), self.bucket_size_bytes):
+                yield data[begin : begin + self.bucket_size_bytes], None
+            return
+        if len(tensors) == 1:  # converted slice by slice, so a huge tensor needs one bucket at most
+            spec, flat = specs[0], tensors[0].reshape(-1)
+            per_slice = self.bucket_size_bytes // spec.dtype.itemsize
+            for begin in range(0, flat.numel(), per_slice):
+                part = flat[begin : begin + per_slice]
+                region, staging = ring.take(part.numel() * spec.dtype.itemsize, make_room)
+                staging.view(spec.dtype).copy_(part)  # converts to the wire dtype on the way
+                yield staging, region
+            return
+        region, staging = ring.take(sum(spec.num_bytes for spec in specs), make_room)
+        offset = 0
+        for spec, tensor in zip(specs, tensors):
+            staging[offset : offset + spec.num_bytes].view(spec.dtype).view(spec.shape).copy_(tensor)
+            offset += spec.num_bytes
+        yield staging, region
+
+    @override
+    def shutdown(self) -> None:
+        """Leave the group; the workers' side is released by the client's
+        ``shutdown_weight_transfer_engine`` (the updater calls it)."""
+        self._group = None
+        self._store = None
+        self._staging = None
+
+
+def _is_wire_ready(tensor: torch.Tensor, spec: TensorSpec) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == spec.dtype and tensor.is_contiguous()
+
+
+def _check_shape(spec: TensorSpec, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != spec.shape:
+        raise ValueError(
+            f"Tensor {spec.name!r} has shape {tuple(tensor.shape)} but the sync was planned for {spec.shape}; "
+            "the weights changed shape since the metadata was taken."
+        )

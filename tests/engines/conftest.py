@@ -1,0 +1,53 @@
+"""Engines of every kind, shared by the tests of this package (each takes ~20 s to start).
+
+Package scope: they live while tests/engines runs, and are stopped before the
+rest of the suite.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import engine_kwargs, save_model, save_tokenizer, start_server, tiny_qwen2
+
+from lightning_vllm import AsyncLLMEngine
+
+
+@pytest.fixture(scope="package")
+def async_engine(model_dir):
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(**engine_kwargs(model_dir, max_model_len=256))
+    engine = AsyncLLMEngine(AsyncLLM.from_engine_args(args))
+    yield engine
+    engine.async_llm.shutdown()
+
+
+@pytest.fixture(scope="package")
+def served_model_dir(tmp_path_factory):
+    """The tiny model with a tokenizer beside it: vLLM's server needs one for /v1/completions."""
+    directory = tmp_path_factory.mktemp("served")
+    save_model(tiny_qwen2(seed=0), directory)
+    return save_tokenizer(directory)
+
+
+@pytest.fixture(scope="package")
+def server(served_model_dir, tmp_path_factory):
+    """``vllm serve`` in dev mode with the gloo backend, as a real subprocess."""
+    server = start_server(served_model_dir, tmp_path_factory)
+    yield server
+    server.stop()  # also runs when a test failed
+
+
+@pytest.fixture(scope="package")
+def actor(model_dir):
+    """A VLLMActor on a local Ray cluster started here."""
+    import ray
+
+    from lightning_vllm import VLLMActor
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    handle = ray.remote(num_cpus=1)(VLLMActor).remote(**engine_kwargs(model_dir))
+    yield handle
+    ray.kill(handle)
+    ray.shutdown()
