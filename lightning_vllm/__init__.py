@@ -19,6 +19,7 @@ from lightning_vllm.engines import (
 )
 from lightning_vllm.errors import (
     EngineConfigError,
+    EngineDeadError,
     StaleRolloutsError,
     WeightsMismatchError,
     WeightSyncError,
@@ -36,6 +37,7 @@ __all__ = [
     "RayEngine",
     "VLLMActor",
     "EngineConfigError",
+    "EngineDeadError",
     "EngineTarget",
     "LocalLLMEngine",
     "SyncStats",

@@ -43,6 +43,10 @@ class BackgroundCall(Generic[_T]):
         """Whether the call has returned or raised."""
         return self._done.is_set()
 
+    def wait(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the call to end; whether it did (its outcome is not raised)."""
+        return self._done.wait(timeout)
+
     def result(self, timeout: float, hint: str = "") -> _T:
         """Wait at most ``timeout`` seconds and return the call's result or raise its error.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_vllm.engines import Generation, PauseMode
 from lightning_vllm.engines.local import build_local_engine
 from lightning_vllm.rollouts import RolloutSampler
-from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.updater import SyncStats, VLLMUpdater
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ class VLLMWeightSync(Callback):
         pause_mode: what engines serving during a push do with requests in flight
             (``"keep"``, ``"wait"``, ``"abort"``; see ``VLLMUpdater``).
         max_staleness: the most versions a rollout may lag the trainer; ``None`` for no limit.
+        generate_timeout_seconds: the longest one :meth:`generate` may take (10 minutes by
+            default: long rollouts are legitimate, a frozen engine is not).
         updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above.
 
     Raises:
@@ -120,6 +122,7 @@ class VLLMWeightSync(Callback):
         bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
         pause_mode: PauseMode = "keep",
         max_staleness: int | None = None,
+        generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
         updater: VLLMUpdater | None = None,
     ) -> None:
         self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)
@@ -138,7 +141,7 @@ class VLLMWeightSync(Callback):
             bucket_size_bytes=bucket_size_bytes,
             model_attribute=model_attribute,
         )
-        self.rollouts = RolloutSampler(self.updater, max_staleness)
+        self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self._last_global_step_pushed = -1
 
     @property
@@ -211,23 +214,37 @@ class VLLMWeightSync(Callback):
     # -- rollouts -----------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence[list[int] | str], sampling_params: Any = None, *, worker_id: int = 0
+        self,
+        prompts: Any,
+        sampling_params: Any = None,
+        *,
+        worker_id: int = 0,
+        timeout_seconds: float | None = None,
+        pad_token_id: int | None = None,
     ) -> list[Generation]:
         """Sample from the engine this callback keeps in sync, one entry per sample.
 
         Args:
-            prompts: token-id lists, or texts when the engine has a tokenizer.
+            prompts: token-id lists (batch them with ``DataLoader(..., collate_fn=list)``), texts
+                when the engine has a tokenizer, or a 2-D integer tensor with one row per prompt.
             sampling_params: vLLM ``SamplingParams`` (``n`` samples per prompt, logprobs, ...).
             worker_id: which engine, when the callback updates several.
+            timeout_seconds: the longest this call may take (default: ``generate_timeout_seconds``).
+            pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
 
         Returns:
             Per sample: generated token ids, their logprobs (if asked), text (if the engine
             has a tokenizer) and the weight version that produced it.
 
         Raises:
+            TypeError, ValueError: prompts vLLM cannot take; nothing reached the engine.
+            WeightSyncTimeoutError: the engine did not answer in time.
+            EngineDeadError: the engine died.
             StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
         """
-        return self.rollouts.generate(prompts, sampling_params, worker_id=worker_id)
+        return self.rollouts.generate(
+            prompts, sampling_params, worker_id=worker_id, timeout_seconds=timeout_seconds, pad_token_id=pad_token_id
+        )
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:
         staleness = self.rollouts.take_staleness()

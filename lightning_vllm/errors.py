@@ -27,3 +27,7 @@ class WeightsMismatchError(WeightSyncError, ValueError):
 
 class StaleRolloutsError(WeightSyncError, ValueError):
     """Rollouts came from weights older than the callback's ``max_staleness`` allows."""
+
+
+class EngineDeadError(WeightSyncError):
+    """The vLLM engine (its process, server or actor) died; it must be restarted."""

@@ -1,19 +1,27 @@
 """Rollouts from inside ``training_step``: sampling from the engines kept in sync, and staleness.
 
-Each sample carries the weight version that produced it. A :class:`RolloutSampler`
-remembers the oldest version sampled since the trainer last asked, so the callback
-can log ``vllm/staleness`` and refuse rollouts older than ``max_staleness``.
+Every prompt is checked before it reaches vLLM (``prompts.py``), and every generate
+is bounded by a timeout: a mistake or a frozen engine ends in a clear error, never
+in a training step that waits forever. Each sample carries the weight version that
+produced it. A :class:`RolloutSampler` remembers the oldest version sampled since
+the trainer last asked, so the callback can log ``vllm/staleness`` and refuse
+rollouts older than ``max_staleness``.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
-from lightning_vllm.engines import Generation
-from lightning_vllm.errors import StaleRolloutsError
+from lightning_vllm._waits import BackgroundCall, call_with_timeout
+from lightning_vllm.engines import EngineTarget, Generation
+from lightning_vllm.errors import EngineDeadError, StaleRolloutsError, WeightSyncTimeoutError
+from lightning_vllm.prompts import checked_prompts
+from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 
 if TYPE_CHECKING:
     from lightning_vllm.updater import VLLMUpdater
@@ -36,37 +44,106 @@ class RolloutSampler:
     Args:
         updater: the updater whose engines are sampled and whose version is the trainer's.
         max_staleness: the most versions a sample may lag the trainer; ``None`` for no limit.
+        timeout_seconds: the longest one :meth:`generate` may take unless the call says otherwise.
     """
 
-    def __init__(self, updater: VLLMUpdater, max_staleness: int | None = None) -> None:
+    def __init__(
+        self,
+        updater: VLLMUpdater,
+        max_staleness: int | None = None,
+        timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
+    ) -> None:
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"Invalid value for max_staleness={max_staleness}. Must be >= 0, or None.")
+        validate_timeout(timeout_seconds)
         self.updater = updater
         self.max_staleness = max_staleness
+        self.timeout_seconds = timeout_seconds
         self._oldest_version: int | None = None
+        # A generate that timed out keeps running on its thread; the next one on the
+        # same engine waits for it, so two never drive one engine at once.
+        self._timed_out: dict[int, BackgroundCall[list[Generation]]] = {}
 
     def generate(
-        self, prompts: Sequence[list[int] | str], sampling_params: Any = None, *, worker_id: int = 0
+        self,
+        prompts: Any,
+        sampling_params: Any = None,
+        *,
+        worker_id: int = 0,
+        timeout_seconds: float | None = None,
+        pad_token_id: int | None = None,
     ) -> list[Generation]:
         """Sample from engine ``worker_id``; one entry per sample, each with its weight version.
 
+        Args:
+            prompts: token-id lists, strings (engines with a tokenizer) or a 2-D integer
+                tensor, one row per prompt (see ``lightning_vllm.prompts``).
+            sampling_params: vLLM ``SamplingParams``; vLLM's defaults when ``None``.
+            worker_id: which engine, when the updater has several.
+            timeout_seconds: the longest this call may take (default: ``self.timeout_seconds``).
+            pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
+
         Raises:
-            RuntimeError: this rank holds no engine.
+            TypeError, ValueError: prompts vLLM cannot take; nothing reached the engine.
+            WeightSyncTimeoutError: the engine did not answer within the timeout.
+            EngineDeadError: the engine died.
             StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
         """
+        engine = self._engine(worker_id)
+        timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
+        validate_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        limits = call_with_timeout(engine.prompt_limits, timeout=timeout, what=f"{engine.description}'s limits")
+        checked = checked_prompts(prompts, limits, pad_token_id=pad_token_id)
+        if not checked:
+            return []
+        if sampling_params is None:
+            from vllm import SamplingParams
+
+            sampling_params = SamplingParams()
+        self._await_timed_out(worker_id, engine, deadline)
+        call = BackgroundCall(
+            engine.generate, checked, sampling_params, what=f"{engine.description} to generate {len(checked)} prompt(s)"
+        )
+        if not call.wait(max(deadline - time.monotonic(), 0.0)):
+            self._timed_out[worker_id] = call
+            raise WeightSyncTimeoutError(
+                f"Timed out after {timeout:g} s waiting for {call.what}. The engine may be frozen or overloaded; "
+                "for longer rollouts raise timeout_seconds (generate_timeout_seconds of VLLMWeightSync)."
+            )
+        try:
+            generations = call.result(0)
+        except Exception as error:
+            if _is_engine_death(error):
+                raise EngineDeadError(
+                    f"{engine.description} died while generating ({type(error).__name__}: {error}). Restart it; "
+                    "the next push re-joins an engine that is back."
+                ) from error
+            raise
+        self.record([generation.weight_version for generation in generations])
+        return generations
+
+    def _engine(self, worker_id: int) -> EngineTarget:
         engines = self.updater.engines
         if not engines:
             raise RuntimeError(
                 "This rank holds no vLLM engine to generate from (under DDP only global rank 0 has one unless every "
                 "rank is given an engine, e.g. a server URL)."
             )
-        if sampling_params is None:
-            from vllm import SamplingParams
+        if not 0 <= worker_id < len(engines):
+            raise ValueError(f"Unknown worker id {worker_id!r}; the engines are {list(range(len(engines)))}.")
+        return engines[worker_id]
 
-            sampling_params = SamplingParams()
-        generations = engines[worker_id].generate(prompts, sampling_params)
-        self.record([generation.weight_version for generation in generations])
-        return generations
+    def _await_timed_out(self, worker_id: int, engine: EngineTarget, deadline: float) -> None:
+        timed_out = self._timed_out.get(worker_id)
+        if timed_out is None:
+            return
+        if not timed_out.wait(max(deadline - time.monotonic(), 0.0)):
+            raise WeightSyncTimeoutError(
+                f"{engine.description} has still not finished an earlier generate that timed out: it is frozen "
+                "or dead. Restart it (or wait for it) and generate again."
+            )
+        del self._timed_out[worker_id]
 
     def record(self, weight_versions: Sequence[str | None]) -> None:
         """Note the versions of samples about to be used; refuse them if too stale.
@@ -96,6 +173,19 @@ class RolloutSampler:
         return staleness
 
 
+def _is_engine_death(error: BaseException) -> bool:
+    """Whether ``error`` says the engine itself is gone (vLLM's engine core, a Ray actor)."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+
+    if isinstance(error, VLLMEngineDeadError):
+        return True
+    if "ray" in sys.modules:
+        from ray.exceptions import RayActorError
+
+        return isinstance(error, RayActorError)
+    return False
+
+
 def sampler_of(module: pl.LightningModule) -> RolloutSampler:
     """The rollout sampler of the ``VLLMWeightSync`` callback of the trainer running ``module``.
 
@@ -120,21 +210,33 @@ def sampler_of(module: pl.LightningModule) -> RolloutSampler:
 
 def generate(
     module: pl.LightningModule,
-    prompts: Sequence[list[int] | str],
+    prompts: Any,
     sampling_params: Any = None,
     *,
     worker_id: int = 0,
+    timeout_seconds: float | None = None,
+    pad_token_id: int | None = None,
 ) -> list[Generation]:
     """Sample rollouts from inside ``training_step`` with the engine the callback keeps in sync.
 
     Args:
         module: the LightningModule (``self`` in ``training_step``).
-        prompts: token-id lists, or texts when the engine has a tokenizer.
+        prompts: token-id lists (batch them with ``DataLoader(..., collate_fn=list)``), texts when
+            the engine has a tokenizer, or a 2-D integer tensor with one row per prompt.
         sampling_params: vLLM ``SamplingParams``.
         worker_id: which engine, when the callback updates several.
+        timeout_seconds: the longest this call may take (default: the callback's
+            ``generate_timeout_seconds``).
+        pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
 
     Returns:
         One :class:`Generation` per sample: token ids, logprobs, text, weight version.
+
+    Raises:
+        TypeError, ValueError: prompts vLLM cannot take (the message names the accepted forms);
+            nothing reached the engine.
+        WeightSyncTimeoutError: the engine did not answer in time.
+        EngineDeadError: the engine died.
 
     Example::
 
@@ -142,4 +244,6 @@ def generate(
         >>> def training_step(self, batch, batch_idx):  # doctest: +SKIP
         ...     rollouts = generate(self, batch["prompt_ids"], SamplingParams(n=8, logprobs=0))
     """
-    return sampler_of(module).generate(prompts, sampling_params, worker_id=worker_id)
+    return sampler_of(module).generate(
+        prompts, sampling_params, worker_id=worker_id, timeout_seconds=timeout_seconds, pad_token_id=pad_token_id
+    )

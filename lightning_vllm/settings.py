@@ -9,6 +9,9 @@ from __future__ import annotations
 DEFAULT_TIMEOUT_SECONDS = 120.0
 """The longest any single wait of a sync may take (rendezvous, transfer, control call)."""
 
+DEFAULT_GENERATE_TIMEOUT_SECONDS = 600.0
+"""The longest one ``generate`` of rollouts may take: long rollouts are legitimate, a hang is not."""
+
 DEFAULT_BUCKET_SIZE_BYTES = 256 * 1024 * 1024
 """The largest packed bucket on the wire, which bounds the trainer's staging memory."""
 

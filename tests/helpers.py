@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 VOCAB_SIZE = 512
+MAX_MODEL_LEN = 128
 TOLERANCE = 1e-4
 """How close vLLM's float32 prompt logprobs must come to the Hugging Face model's after a sync."""
 PROMPTS = [[1, 5, 9, 33, 7, 2], [100, 200, 300, 400], [7, 7, 7, 8, 9, 10, 11, 12], [42, 13, 250, 500, 3]]
@@ -63,7 +64,12 @@ def engine_kwargs(model_dir: Path, backend: str | None = "gloo", **overrides) ->
     """Arguments of a small CPU vLLM engine on ``model_dir`` (``vllm.LLM``, ``AsyncEngineArgs``, ``VLLMActor``)."""
     require_engine_tier()
     kwargs = dict(
-        model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128, seed=0
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
     )
     if backend is not None:
         kwargs["weight_transfer_config"] = {"backend": backend}
@@ -321,6 +327,11 @@ class FakeEngine:
 
     def expected_weights(self):
         return self.expected
+
+    def prompt_limits(self):
+        from lightning_vllm.prompts import PromptLimits
+
+        return PromptLimits(vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, accepts_text=False)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         from lightning_vllm.transports.gloo import GlooWeightTransferInitInfo

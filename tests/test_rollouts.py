@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
-from helpers import FakeEngine, TinyCausalLM, cpu_trainer, tensorboard_scalars, tiny_qwen2, token_batches
+import torch
+from helpers import (
+    MAX_MODEL_LEN,
+    VOCAB_SIZE,
+    FakeEngine,
+    TinyCausalLM,
+    cpu_trainer,
+    tensorboard_scalars,
+    tiny_qwen2,
+    token_batches,
+)
+from torch.utils.data import DataLoader
 from vllm import SamplingParams
 
-from lightning_vllm import StaleRolloutsError, VLLMUpdater, VLLMWeightSync, generate
+from lightning_vllm import (
+    EngineDeadError,
+    StaleRolloutsError,
+    VLLMUpdater,
+    VLLMWeightSync,
+    WeightSyncTimeoutError,
+    generate,
+)
 from lightning_vllm.rollouts import RolloutSampler, sampler_of, version_number
 
 
@@ -87,3 +108,91 @@ def test_generate_needs_the_callback(tmp_path):
 def test_a_rank_without_an_engine_cannot_generate():
     with pytest.raises(RuntimeError, match="holds no vLLM engine"):
         VLLMWeightSync().generate([[1, 2]])
+
+
+class GatedEngine(FakeEngine):
+    """A fake engine whose generate blocks until the test opens the gate (a frozen engine)."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.gate = threading.Event()
+        self.num_generates = 0
+
+    def generate(self, prompts, sampling_params):
+        self.num_generates += 1
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().generate(prompts, sampling_params)
+
+
+def test_a_generate_that_never_returns_times_out_and_the_engine_is_usable_once_it_answers():
+    engine = GatedEngine(tiny_qwen2())
+    sampler = RolloutSampler(VLLMUpdater(engine=engine), timeout_seconds=0.3)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError, match=r"Timed out after 0.3 s waiting for fake test engine to generate"):
+        sampler.generate([[1, 2]])
+    assert time.monotonic() - start < 2
+    # Still frozen: the next generate waits for the one that timed out, then says so.
+    with pytest.raises(WeightSyncTimeoutError, match="still not finished an earlier generate that timed out"):
+        sampler.generate([[1, 2]], timeout_seconds=0.2)
+    assert engine.num_generates == 1  # never two generates on one engine at once
+    engine.gate.set()
+    (generation,) = sampler.generate([[3, 4]])
+    assert generation.prompt_token_ids == [3, 4]
+
+
+def test_bad_prompts_never_reach_the_engine():
+    engine = GatedEngine(tiny_qwen2())
+    engine.gate.set()
+    sampler = RolloutSampler(VLLMUpdater(engine=engine))
+    with pytest.raises(TypeError, match="collate_fn=list"):
+        sampler.generate(next(iter(DataLoader([[1, 2], [3, 4]], batch_size=2))))
+    with pytest.raises(ValueError, match=r"token id 512, outside the engine's vocabulary \[0, 512\)"):
+        sampler.generate([[1, 512]])
+    assert engine.num_generates == 0
+    assert sampler.generate([]) == []
+
+
+class DeadEngine(FakeEngine):
+    def generate(self, prompts, sampling_params):
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+
+        raise VLLMEngineDeadError()
+
+
+def test_an_engine_that_died_is_named():
+    sampler = RolloutSampler(VLLMUpdater(engine=DeadEngine(tiny_qwen2())))
+    with pytest.raises(EngineDeadError, match="fake test engine died while generating.*Restart it"):
+        sampler.generate([[1, 2]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"generate_timeout_seconds": 0}, "timeout_seconds=0"), ({"max_staleness": -1}, "max_staleness=-1")],
+)
+def test_bad_rollout_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        VLLMWeightSync(**kwargs)
+
+
+BAD_PROMPTS = {
+    "a default-collated batch": (lambda: next(iter(DataLoader([[1, 2, 3], [4, 5, 6]], batch_size=2))), TypeError),
+    "a float tensor": (lambda: torch.tensor([[1.0, 2.0]]), TypeError),
+    "nested lists": (lambda: [[[1, 2], [3, 4]]], TypeError),
+    "a token id outside the vocabulary": (lambda: [[1, 2, VOCAB_SIZE]], ValueError),
+    "a prompt longer than max_model_len": (lambda: [[1] * MAX_MODEL_LEN], ValueError),
+    "text for an engine without a tokenizer": (lambda: ["hello"], ValueError),
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mistake", BAD_PROMPTS)
+def test_a_prompt_mistake_is_refused_and_the_engine_keeps_serving(mistake, llm):
+    prompts, error = BAD_PROMPTS[mistake]
+    sync = VLLMWeightSync(engine=llm, generate_timeout_seconds=60)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    start = time.monotonic()
+    with pytest.raises(error, match="Prompt|prompts"):
+        sync.generate(prompts(), params)
+    assert time.monotonic() - start < 5
+    (generation,) = sync.generate([[1, 2, 3]], params)
+    assert len(generation.token_ids) == 4

@@ -8,6 +8,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
+from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -71,6 +72,10 @@ class EngineTarget(Protocol):
         """What the engine's model loads (names, serving dtypes, shapes), ``None`` if unknown."""
         ...
 
+    def prompt_limits(self) -> PromptLimits:
+        """What the engine accepts as prompts (vocabulary, length, text); checked before each generate."""
+        ...
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
     def start_weight_update(self) -> None: ...
@@ -94,7 +99,8 @@ class EngineTarget(Protocol):
     def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         """Sample completions with vLLM ``SamplingParams``; one entry per sample, prompt by prompt.
 
-        Prompts are token ids, or text when the engine has a tokenizer.
+        Prompts are token-id lists, or text when the engine has a tokenizer, already
+        checked against :meth:`prompt_limits`. The caller bounds the wait.
         """
         ...
 

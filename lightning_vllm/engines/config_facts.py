@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 
@@ -38,3 +39,11 @@ class EngineConfigFacts:
 
     def expected_weights(self) -> ExpectedWeights | None:
         return expected_from_config(self._config)
+
+    def prompt_limits(self) -> PromptLimits:
+        model_config = self._config.model_config
+        return PromptLimits(
+            vocab_size=int(model_config.get_vocab_size()),
+            max_model_len=int(model_config.max_model_len),
+            accepts_text=not model_config.skip_tokenizer_init,
+        )

@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from lightning_vllm.engines.base import Generation, PauseMode
 from lightning_vllm.errors import EngineConfigError, WeightSyncError
+from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 SERVER_COMMAND = 'VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config \'{"backend": "gloo"}\''
@@ -100,16 +101,29 @@ class HTTPEngine:
     def num_workers(self) -> int:
         return int(self._request("GET", "get_world_size", params={"include_dp": True})["world_size"])
 
+    @cached_property
+    def _model_dir_config(self) -> dict[str, Any] | None:
+        """The served model's ``config.json``, readable when the server runs on this machine
+        (or shares its file system); ``None`` otherwise."""
+        config_file = Path(str(self._config["model_config"]["model"])) / "config.json"
+        return dict(json.loads(config_file.read_text())) if config_file.is_file() else None
+
     def expected_weights(self) -> ExpectedWeights | None:
-        # Readable when the server runs on this machine (or shares its file system).
-        model_config = self._config["model_config"]
-        model_dir = Path(str(model_config["model"]))
-        config_file = model_dir / "config.json"
-        if not config_file.is_file():
+        model_config, hf_config = self._config["model_config"], self._model_dir_config
+        if hf_config is None:
             return None
-        ties = bool(json.loads(config_file.read_text()).get("tie_word_embeddings", False))
+        ties = bool(hf_config.get("tie_word_embeddings", False))
         dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
-        return checkpoint_weights(model_dir, serving_dtype=dtype, ties_word_embeddings=ties)
+        return checkpoint_weights(model_config["model"], serving_dtype=dtype, ties_word_embeddings=ties)
+
+    def prompt_limits(self) -> PromptLimits:
+        model_config, hf_config = self._config["model_config"], self._model_dir_config
+        vocab_size = (hf_config or {}).get("vocab_size")
+        return PromptLimits(
+            vocab_size=int(vocab_size) if vocab_size is not None else None,
+            max_model_len=int(model_config["max_model_len"]),
+            accepts_text=not model_config.get("skip_tokenizer_init", False),
+        )
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._sync.init_weight_transfer_engine(init_info)

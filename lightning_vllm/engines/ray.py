@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import Generation, PauseMode
 from lightning_vllm.engines.local import LocalLLMEngine
+from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights
 
 
@@ -45,6 +46,7 @@ class VLLMActor(LocalLLMEngine):
             "tensor_parallel_size": self.tensor_parallel_size(),
             "num_workers": self.num_workers(),
             "expected_weights": self.expected_weights(),
+            "prompt_limits": self.prompt_limits(),
         }
 
 
@@ -95,6 +97,9 @@ class RayEngine:
 
     def expected_weights(self) -> ExpectedWeights | None:
         return self.facts["expected_weights"]
+
+    def prompt_limits(self) -> PromptLimits:
+        return self.facts["prompt_limits"]
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("init_weight_transfer_engine", init_info)
