@@ -17,14 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
-from lightning_vllm._waits import BackgroundCall, call_with_timeout
+from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.engines import EngineTarget, Generation
-from lightning_vllm.errors import EngineDeadError, StaleRolloutsError, WeightSyncTimeoutError
+from lightning_vllm.errors import EngineDeadError, StaleRolloutsError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import checked_prompts
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 
 if TYPE_CHECKING:
     from lightning_vllm.updater import VLLMUpdater
+
+# How often a waiting generate asks whether the engine died (a cheap flag read).
+_DEATH_POLL_SECONDS = 0.2
 
 
 def version_number(weight_version: str | None) -> int:
@@ -90,6 +93,7 @@ class RolloutSampler:
             StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
         """
         engine = self._engine(worker_id)
+        _raise_if_dead(engine)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
         validate_timeout(timeout)
         deadline = time.monotonic() + timeout
@@ -105,12 +109,21 @@ class RolloutSampler:
         call = BackgroundCall(
             engine.generate, checked, sampling_params, what=f"{engine.description} to generate {len(checked)} prompt(s)"
         )
-        if not call.wait(max(deadline - time.monotonic(), 0.0)):
-            self._timed_out[worker_id] = call
-            raise WeightSyncTimeoutError(
-                f"Timed out after {timeout:g} s waiting for {call.what}. The engine may be frozen or overloaded; "
-                "for longer rollouts raise timeout_seconds (generate_timeout_seconds of VLLMWeightSync)."
+        try:
+            wait_polling(
+                call.done,
+                timeout=max(deadline - time.monotonic(), 0.0),
+                interval=_DEATH_POLL_SECONDS,
+                check=lambda: _raise_if_dead(engine),
+                timeout_error=lambda: WeightSyncTimeoutError(
+                    f"Timed out after {timeout:g} s waiting for {call.what}. The engine may be frozen or "
+                    "overloaded; for longer rollouts raise timeout_seconds (generate_timeout_seconds of "
+                    "VLLMWeightSync)."
+                ),
             )
+        except WeightSyncError:
+            self._timed_out[worker_id] = call
+            raise
         try:
             generations = call.result(0)
         except Exception as error:
@@ -171,6 +184,14 @@ class RolloutSampler:
         staleness = self.updater.weight_version - self._oldest_version
         self._oldest_version = None
         return staleness
+
+
+def _raise_if_dead(engine: EngineTarget) -> None:
+    if engine.is_dead():
+        raise EngineDeadError(
+            f"{engine.description} has died (its engine-core process exited). Restart it; the next push "
+            "re-joins an engine that is back."
+        )
 
 
 def _is_engine_death(error: BaseException) -> bool:

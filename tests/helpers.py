@@ -328,6 +328,9 @@ class FakeEngine:
     def expected_weights(self):
         return self.expected
 
+    def is_dead(self) -> bool:
+        return False
+
     def prompt_limits(self):
         from lightning_vllm.prompts import PromptLimits
 

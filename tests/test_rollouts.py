@@ -159,6 +159,21 @@ class DeadEngine(FakeEngine):
         raise VLLMEngineDeadError()
 
 
+class EngineThatDiesWhileGenerating(GatedEngine):
+    def is_dead(self) -> bool:
+        return self.num_generates > 0
+
+
+def test_an_engine_that_dies_during_a_generate_ends_it_early():
+    engine = EngineThatDiesWhileGenerating(tiny_qwen2())
+    sampler = RolloutSampler(VLLMUpdater(engine=engine), timeout_seconds=30)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="fake test engine has died"):
+        sampler.generate([[1, 2]])
+    assert time.monotonic() - start < 5
+    engine.gate.set()  # let the abandoned call end
+
+
 def test_an_engine_that_died_is_named():
     sampler = RolloutSampler(VLLMUpdater(engine=DeadEngine(tiny_qwen2())))
     with pytest.raises(EngineDeadError, match="fake test engine died while generating.*Restart it"):
@@ -196,3 +211,27 @@ def test_a_prompt_mistake_is_refused_and_the_engine_keeps_serving(mistake, llm):
     assert time.monotonic() - start < 5
     (generation,) = sync.generate([[1, 2, 3]], params)
     assert len(generation.token_ids) == 4
+
+
+@pytest.mark.engine
+def test_an_engine_core_killed_mid_run_is_named_in_time(model_dir):
+    import os
+    import signal
+
+    from helpers import build_llm, shutdown
+
+    doomed = build_llm(model_dir)
+    try:
+        sync = VLLMWeightSync(engine=doomed, generate_timeout_seconds=30)
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        sync.generate([[1, 2, 3]], params)
+        os.kill(doomed.llm_engine.engine_core.resources.engine_manager.processes[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        # vLLM notices the exit but leaves a waiting generate blocked: the sampler asks while it waits.
+        with pytest.raises(EngineDeadError, match="in-process vllm.LLM has died.*Restart it"):
+            sync.generate([[1, 2, 3]], params)
+        assert time.monotonic() - start < 10
+        with pytest.raises(EngineDeadError):  # and at once for the next call
+            sync.generate([[1, 2, 3]], params, timeout_seconds=1)
+    finally:
+        shutdown(doomed)

@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
-from lightning_vllm.engines.config_facts import EngineConfigFacts
+from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 
 _T = TypeVar("_T")
 
@@ -62,6 +62,9 @@ class AsyncLLMEngine(EngineConfigFacts):
     @property
     def description(self) -> str:
         return "in-process AsyncLLM"
+
+    def is_dead(self) -> bool:
+        return engine_core_died(self.async_llm.engine_core)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

@@ -72,6 +72,12 @@ class EngineTarget(Protocol):
         """What the engine's model loads (names, serving dtypes, shapes), ``None`` if unknown."""
         ...
 
+    def is_dead(self) -> bool:
+        """Whether the engine is known to have died; ``False`` when the adapter cannot tell.
+
+        Must answer at once (it is asked while a generate is waiting)."""
+        ...
+
     def prompt_limits(self) -> PromptLimits:
         """What the engine accepts as prompts (vocabulary, length, text); checked before each generate."""
         ...

@@ -47,3 +47,13 @@ class EngineConfigFacts:
             max_model_len=int(model_config.max_model_len),
             accepts_text=not model_config.skip_tokenizer_init,
         )
+
+
+def engine_core_died(engine_core: Any) -> bool:
+    """Whether vLLM's client has seen its engine-core process exit.
+
+    vLLM's monitor thread sets the flag, but a call already waiting for the core's
+    output is not woken up: it would wait forever, so callers ask here while they wait.
+    An in-process core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no process to lose.
+    """
+    return bool(getattr(getattr(engine_core, "resources", None), "engine_dead", False))

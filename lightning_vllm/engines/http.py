@@ -116,6 +116,10 @@ class HTTPEngine:
         dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
         return checkpoint_weights(model_config["model"], serving_dtype=dtype, ties_word_embeddings=ties)
 
+    def is_dead(self) -> bool:
+        """A server that is gone refuses connections, which each request reports at once."""
+        return False
+
     def prompt_limits(self) -> PromptLimits:
         model_config, hf_config = self._config["model_config"], self._model_dir_config
         vocab_size = (hf_config or {}).get("vocab_size")

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
-from lightning_vllm.engines.config_facts import EngineConfigFacts
+from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 
 
 class LocalLLMEngine(EngineConfigFacts):
@@ -32,6 +32,9 @@ class LocalLLMEngine(EngineConfigFacts):
     @property
     def description(self) -> str:
         return "in-process vllm.LLM"
+
+    def is_dead(self) -> bool:
+        return engine_core_died(self.llm.llm_engine.engine_core)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

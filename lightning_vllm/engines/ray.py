@@ -101,6 +101,10 @@ class RayEngine:
     def prompt_limits(self) -> PromptLimits:
         return self.facts["prompt_limits"]
 
+    def is_dead(self) -> bool:
+        """A dead actor fails its calls with ``RayActorError``; a busy one cannot be asked."""
+        return False
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("init_weight_transfer_engine", init_info)
 
