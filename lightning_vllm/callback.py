@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_vllm.engines import Generation, PauseMode
 from lightning_vllm.engines.local import build_local_engine
+from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.rollouts import RolloutSampler
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.updater import SyncStats, VLLMUpdater
@@ -143,6 +144,8 @@ class VLLMWeightSync(Callback):
         )
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self._last_global_step_pushed = -1
+        self._ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
+        self._sharded = False
 
     @property
     def weight_version(self) -> int:
@@ -176,7 +179,10 @@ class VLLMWeightSync(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # After the strategy has set up the model, so the weights are the ones trained.
+        # After the strategy has set up the model, so the weights are the ones trained
+        # and sharded parameters are visible.
+        if trainer.world_size > 1:
+            self._join_ranks(pl_module)
         if self.push_on_fit_start:
             self._push(trainer, pl_module)
 
@@ -196,11 +202,25 @@ class VLLMWeightSync(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.updater.close()
+        self._release()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._release()
+
+    def _join_ranks(self, pl_module: pl.LightningModule) -> None:
+        """Every rank: a status group of the trainer's ranks; whether all take part in pushes
+        (a sharded policy), and whether rank 0 generates for ranks that hold no engine."""
+        self._ranks = TrainerRanks(self.updater.timeout_seconds, self.rollouts.timeout_seconds)
+        self._sharded = is_sharded(pl_module)
+        every_rank_has_an_engine = self._ranks.every_rank(bool(self.updater.engines))
+        self.rollouts.ranks = None if every_rank_has_an_engine else self._ranks
+
+    def _release(self) -> None:
         self.updater.close()
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = self.rollouts.ranks = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -257,11 +277,17 @@ class VLLMWeightSync(Callback):
 
     def _push(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_global_step_pushed = trainer.global_step
-        if not trainer.is_global_zero or trainer.sanity_checking:
+        if trainer.sanity_checking:
             return
-        stats = self.updater.push_weights(pl_module)
-        log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
-        self._log(trainer, stats)
+        if self._ranks is not None and self._sharded:  # every rank gathers, rank 0 sends
+            stats = push_from_every_rank(self.updater, pl_module, self._ranks)
+        elif trainer.is_global_zero:  # every rank holds the full weights (DDP): rank 0 alone
+            stats = self.updater.push_weights(pl_module)
+        else:
+            return
+        if stats is not None:
+            log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
+            self._log(trainer, stats)
 
     def _log(self, trainer: pl.Trainer, stats: SyncStats) -> None:
         metrics = {

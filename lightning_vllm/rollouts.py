@@ -10,6 +10,8 @@ rollouts older than ``max_staleness``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -20,7 +22,8 @@ import lightning.pytorch as pl
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.engines import EngineTarget, Generation
 from lightning_vllm.errors import EngineDeadError, StaleRolloutsError, WeightSyncError, WeightSyncTimeoutError
-from lightning_vllm.prompts import checked_prompts
+from lightning_vllm.prompts import PromptLimits, checked_prompts
+from lightning_vllm.ranks import TrainerRanks
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 
 if TYPE_CHECKING:
@@ -63,6 +66,8 @@ class RolloutSampler:
         self.max_staleness = max_staleness
         self.timeout_seconds = timeout_seconds
         self._oldest_version: int | None = None
+        # Set when this rank holds no engine and rank 0 generates for every rank.
+        self.ranks: TrainerRanks | None = None
         # A generate that timed out keeps running on its thread; the next one on the
         # same engine waits for it, so two never drive one engine at once.
         self._timed_out: dict[int, BackgroundCall[list[Generation]]] = {}
@@ -92,6 +97,70 @@ class RolloutSampler:
             EngineDeadError: the engine died.
             StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
         """
+        if self.ranks is not None:
+            generations = self._generate_on_rank_zero(
+                prompts, sampling_params, worker_id, timeout_seconds, pad_token_id
+            )
+        else:
+            generations = self._generate_here(prompts, sampling_params, worker_id, timeout_seconds, pad_token_id)
+        self.record([generation.weight_version for generation in generations])
+        return generations
+
+    def _generate_on_rank_zero(
+        self,
+        prompts: Any,
+        sampling_params: Any,
+        worker_id: int,
+        timeout_seconds: float | None,
+        pad_token_id: int | None,
+    ) -> list[Generation]:
+        """Every rank's prompts generated in one batch by rank 0's engine; each rank gets its own back.
+
+        A collective: every rank calls it at the same point. Prompts and results travel
+        as JSON, never pickled. A rank whose prompts are refused makes every rank raise.
+        """
+        assert self.ranks is not None
+        try:
+            request: dict[str, Any] = {"prompts": checked_prompts(prompts, PromptLimits(), pad_token_id=pad_token_id)}
+        except (TypeError, ValueError) as error:  # still take part, so no rank waits for this one
+            request = {"error": _error_record(error)}
+        requests = [json.loads(payload) for payload in self.ranks.gather_to_rank_zero(json.dumps(request).encode())]
+        reply: dict[str, Any] = {}
+        if self.ranks.rank == 0:
+            reply = self._serve_ranks(requests, sampling_params, worker_id, timeout_seconds)
+        reply = json.loads(self.ranks.broadcast_from_rank_zero(json.dumps(reply).encode()))
+        if "error" in reply:
+            raise _error_from_record(reply["error"])
+        return [_generation_from_record(record) for record in reply["generations"][self.ranks.rank]]
+
+    def _serve_ranks(
+        self, requests: list[dict[str, Any]], sampling_params: Any, worker_id: int, timeout_seconds: float | None
+    ) -> dict[str, Any]:
+        refused = [(rank, request["error"]) for rank, request in enumerate(requests) if "error" in request]
+        if refused:
+            rank, record = refused[0]
+            return {"error": {**record, "message": f"Trainer rank {rank}: {record['message']}"}}
+        prompts = [prompt for request in requests for prompt in request["prompts"]]
+        try:
+            generations = self._generate_here(prompts, sampling_params, worker_id, timeout_seconds, None)
+        except Exception as error:  # noqa: BLE001  # every rank raises it
+            return {"error": _error_record(error)}
+        per_prompt = len(generations) // len(prompts) if prompts else 0  # vLLM returns n samples per prompt
+        by_rank, start = [], 0
+        for request in requests:
+            stop = start + per_prompt * len(request["prompts"])
+            by_rank.append([dataclasses.asdict(generation) for generation in generations[start:stop]])
+            start = stop
+        return {"generations": by_rank}
+
+    def _generate_here(
+        self,
+        prompts: Any,
+        sampling_params: Any,
+        worker_id: int,
+        timeout_seconds: float | None,
+        pad_token_id: int | None,
+    ) -> list[Generation]:
         engine = self._engine(worker_id)
         _raise_if_dead(engine)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
@@ -133,7 +202,6 @@ class RolloutSampler:
                     "the next push re-joins an engine that is back."
                 ) from error
             raise
-        self.record([generation.weight_version for generation in generations])
         return generations
 
     def _engine(self, worker_id: int) -> EngineTarget:
@@ -184,6 +252,26 @@ class RolloutSampler:
         staleness = self.updater.weight_version - self._oldest_version
         self._oldest_version = None
         return staleness
+
+
+# Errors that cross ranks as JSON, raised again under the same type on every rank.
+_RAISABLE: dict[str, type[Exception]] = {
+    error.__name__: error
+    for error in (TypeError, ValueError, WeightSyncTimeoutError, EngineDeadError, StaleRolloutsError, WeightSyncError)
+}
+
+
+def _error_record(error: BaseException) -> dict[str, str]:
+    return {"type": type(error).__name__, "message": str(error)}
+
+
+def _error_from_record(record: dict[str, str]) -> Exception:
+    return _RAISABLE.get(record["type"], WeightSyncError)(record["message"])
+
+
+def _generation_from_record(record: dict[str, Any]) -> Generation:
+    record["weight_versions"] = [tuple(span) for span in record["weight_versions"]]
+    return Generation(**record)
 
 
 def _raise_if_dead(engine: EngineTarget) -> None:

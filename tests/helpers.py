@@ -398,3 +398,36 @@ def start_server(model_dir: Path, tmp_path_factory, **kwargs) -> VLLMServer:
         server.stop()
         raise
     return server
+
+
+class RolloutCausalLM(TinyCausalLM):
+    """Samples from vLLM in every training step, prompts that differ by rank, and records
+    ``(global step, prompt ids of each sample, tokens per sample, versions)``."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-2) -> None:
+        super().__init__(model, lr)
+        self.seen: list = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        from vllm import SamplingParams
+
+        from lightning_vllm import generate
+
+        prompts = [[1 + self.global_rank, 2, 3], [4, 5 + self.global_rank]]
+        rollouts = generate(self, prompts, SamplingParams(n=2, max_tokens=3, logprobs=0, seed=0))
+        self.seen.append(
+            (
+                self.global_step,
+                [r.prompt_token_ids for r in rollouts],
+                [len(r.token_ids) for r in rollouts],
+                [len(r.logprobs) for r in rollouts],
+                [r.weight_version for r in rollouts],
+            )
+        )
+        return super().training_step(batch, batch_idx)
+
+
+def expected_rollouts(rank: int, versions: list[str]) -> list:
+    """What ``RolloutCausalLM`` records on ``rank`` for steps 0, 1, ... sampled from ``versions``."""
+    prompts = [[1 + rank, 2, 3], [1 + rank, 2, 3], [4, 5 + rank], [4, 5 + rank]]
+    return [[step, prompts, [3] * 4, [3] * 4, [version] * 4] for step, version in enumerate(versions)]

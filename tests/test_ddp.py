@@ -1,4 +1,4 @@
-"""Under DDP only global rank 0 sends, and no rank waits for it."""
+"""Under DDP only global rank 0 sends, no rank waits for it, and every rank samples rollouts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TOLERANCE
+from helpers import TOLERANCE, expected_rollouts
 
 pytestmark = pytest.mark.engine
 
@@ -31,3 +31,6 @@ def test_ddp_rank_zero_pushes_and_no_rank_hangs(model_dir, tmp_path):
     assert rank0["weight_version"] == 3 and rank0["engine_version"] == "3"
     assert rank1["weight_version"] == 0
     assert rank0["max_logprob_diff"] < TOLERANCE
+    # Rank 1 holds no engine: its rollouts came from rank 0's, its own prompts back.
+    for rank, seen in enumerate((rank0, rank1)):
+        assert seen["rollouts"] == expected_rollouts(rank, ["1", "1", "2", "2"])

@@ -213,25 +213,28 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         tensors: Iterator[torch.Tensor],
         receive: BackgroundCall[None],
     ) -> None:
-        """Post every broadcast without waiting for the previous one, then wait for them all.
+        """Post broadcasts ahead of their completion, then wait for them all.
 
         Copies (packed small tensors, dtype conversions) go through the staging ring,
         which bounds them to one bucket; a ring region is reused only once the
         broadcast that reads it has finished. The other payloads are the source's own
-        memory, so every broadcast must finish before this returns.
+        memory, which a broadcast keeps alive until it ends: at most one bucket is in
+        flight, so a source that gathers (a sharded policy) holds one layer group
+        plus one bucket beyond its shard. Every broadcast ends before this returns.
         """
         if self._staging is None:
             self._staging = StagingRing(self.bucket_size_bytes)
         ring = self._staging
         ring.reset()
         in_flight: deque[tuple[Any, int]] = deque()
-        sent = 0
+        sent = in_flight_bytes = 0
 
         def wait_oldest() -> None:
-            nonlocal sent
+            nonlocal sent, in_flight_bytes
             work, num_bytes = in_flight.popleft()
             self._wait(work, receive, sent)
             sent += num_bytes
+            in_flight_bytes -= num_bytes
 
         with torch.no_grad():
             for segments in segments_per_bucket:
@@ -243,8 +246,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     for payload, region in self._segment_payloads(segment_specs, segment_tensors, ring, wait_oldest):
                         if receive.done():
                             receive.result(0)  # the workers failed: say why instead of sending on
+                        while in_flight and in_flight_bytes + payload.numel() > self.bucket_size_bytes:
+                            wait_oldest()
                         work = post_broadcast(group, payload)
                         in_flight.append((work, payload.numel()))
+                        in_flight_bytes += payload.numel()
                         if region is not None:
                             ring.hold(region, work)
             while in_flight:

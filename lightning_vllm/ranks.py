@@ -1,0 +1,259 @@
+"""Pushes every trainer rank takes part in: policies sharded across ranks (FSDP2, FSDP, ZeRO-3).
+
+A sharded parameter is gathered with a collective, so every rank must walk the
+weights in the same order at the same time; only global rank 0 sends to vLLM.
+Each rank iterates a :class:`LockstepWeights` over its own view of the model. Before
+each layer group is gathered, the ranks check in on a gloo group of their own
+(bounded by ``RANK_WAIT_FACTOR`` times ``timeout_seconds``), each saying whether it can go on:
+
+* every rank checks in once before anything else, so a rank that cannot even build
+  its view of the weights stops the push before vLLM is touched;
+* rank 0 says ``PROCEED`` before each group (for every engine it pushes to, one pass
+  each), then ``DONE`` with the version it committed;
+* a rank that failed says ``FAILED`` at its next check-in. Rank 0, whose failures come
+  from the transfer (a send error, an engine gone), first finishes the gathers of the
+  group under way, as its peers are doing. Every rank then stops at the same group
+  boundary, outside any gather, and raises the same error, whose text comes from the
+  lowest failing rank.
+
+So no rank waits in a gather for a rank that stopped, and the status group never
+waits on the trainer's collectives: each check-in happens between gathers. What
+this cannot cover: an exception raised by the gather itself on one rank (its peers
+then wait in that gather until the trainer's process-group timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+
+if TYPE_CHECKING:
+    from lightning_vllm.updater import SyncStats, VLLMUpdater
+
+PROCEED, DONE, FAILED = 0, 1, 2
+
+RANK_WAIT_FACTOR = 4
+"""How many ``timeout_seconds`` a rank waits for the others at a check-in. Between two
+check-ins rank 0 may spend up to one timeout in each of several bounded calls to vLLM
+(pause, start the update, and after a failure release the group and resume), so a
+peer must wait longer than any one of them before it calls rank 0 stuck."""
+
+
+class PushAborted(WeightSyncError):
+    """Another rank failed during a push every rank takes part in; the message is its error."""
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds parameters that must be gathered across ranks (FSDP2 DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(param, DTensor) for param in module.parameters())
+
+
+class TrainerRanks:
+    """The trainer's ranks, and a gloo group of their own for the status of each push.
+
+    Building it is a collective: every rank of the default process group must build
+    it at the same point (the callback does so when fitting starts).
+
+    Args:
+        timeout_seconds: the updater's; a rank waits ``RANK_WAIT_FACTOR`` times as long
+            for the others at a check-in.
+        generate_timeout_seconds: the longest rank 0 may take to generate for every rank;
+            the others wait that long, and a minute more, for its answer.
+    """
+
+    def __init__(self, timeout_seconds: float, generate_timeout_seconds: float = 0.0) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout_seconds = max(RANK_WAIT_FACTOR * timeout_seconds, generate_timeout_seconds + 60.0)
+        # gloo whatever the trainer's backend: statuses are tiny CPU tensors, and a
+        # group of its own has its own timeout and never queues behind the gathers.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_seconds))
+
+    def exchange(self, status: int, version: int = 0) -> tuple[int, int]:
+        """Every rank's status combined (the highest wins), and the highest version offered.
+
+        Raises:
+            WeightSyncTimeoutError: a rank did not check in within ``timeout_seconds``.
+        """
+        values = torch.tensor([status, version], dtype=torch.int64)
+        self._collective(dist.all_reduce, values, op=dist.ReduceOp.MAX)
+        return int(values[0]), int(values[1])
+
+    def shared_error(self, message: str | None) -> tuple[int, str]:
+        """The lowest failing rank and its error message, on every rank (``message``: ours, if we failed)."""
+        failing = torch.tensor([self.rank if message is not None else self.world_size], dtype=torch.int64)
+        self._collective(dist.all_reduce, failing, op=dist.ReduceOp.MIN)
+        source = int(failing[0])
+        payload = (message or "").encode()[:4096] if self.rank == source else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self._collective(dist.broadcast, length, src=source)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        data = data if self.rank == source else torch.empty(int(length[0]), dtype=torch.uint8)
+        if int(length[0]):
+            self._collective(dist.broadcast, data, src=source)
+        return source, bytes(data.tolist()).decode(errors="replace")
+
+    def every_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (a collective)."""
+        values = torch.tensor([int(flag)], dtype=torch.int64)
+        self._collective(dist.all_reduce, values, op=dist.ReduceOp.MIN)
+        return bool(values[0])
+
+    def gather_to_rank_zero(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, by rank, on rank 0 (``[]`` elsewhere); raw bytes, never unpickled."""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._collective(dist.all_gather, lengths, tensor=length)
+        size = max(int(each[0]) for each in lengths)
+        padded = torch.zeros(size, dtype=torch.uint8)
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else padded[:0]
+        received = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._collective(dist.all_gather, received, tensor=padded)
+        if self.rank != 0:
+            return []
+        return [bytes(data[: int(each[0])].tolist()) for data, each in zip(received, lengths)]
+
+    def broadcast_from_rank_zero(self, payload: bytes) -> bytes:
+        """Rank 0's ``payload`` on every rank (what other ranks pass is ignored)."""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self._collective(dist.broadcast, length, src=0)
+        data = torch.zeros(int(length[0]), dtype=torch.uint8)
+        if self.rank == 0 and payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if int(length[0]):
+            self._collective(dist.broadcast, data, src=0)
+        return bytes(data.tolist())
+
+    def _collective(self, operation: Any, first: Any, /, **kwargs: Any) -> None:
+        try:
+            operation(first, group=self.group, **kwargs)
+        except RuntimeError as error:  # gloo's own timeout, or a rank that is gone
+            raise WeightSyncTimeoutError(
+                f"Rank {self.rank} waited more than {self.timeout_seconds:g} s for the other trainer ranks during a "
+                f"push ({error}). A rank is stuck or gone; see its log."
+            ) from error
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)
+
+
+class LockstepWeights(WeightSource):
+    """A source every rank iterates in the same order, checking in before each layer group's gathers.
+
+    Args:
+        source: this rank's weights (gathering a parameter is a collective).
+        ranks: the trainer's ranks.
+    """
+
+    def __init__(self, source: WeightSource, ranks: TrainerRanks) -> None:
+        self.source = source
+        self.ranks = ranks
+        self.failed = False  # a check-in agreed on FAILED: the error is to be shared, not reported again
+        self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
+        self._left_in_group = 0
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.source.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._tensors = iter(self.source)
+        for group in self.source.groups():
+            self.check_in(PROCEED)
+            self._left_in_group = len(group)
+            while self._left_in_group:
+                self._left_in_group -= 1
+                yield next(self._tensors)
+
+    def _finish_group(self) -> None:
+        """Gather (and drop) what is left of the group under way: the peers are gathering it."""
+        while self._left_in_group:
+            self._left_in_group -= 1
+            next(self._tensors)
+
+    def follow(self) -> int:
+        """Gather group after group, pass after pass, as long as rank 0 says ``PROCEED``; the
+        version rank 0 committed once it says ``DONE``. What is gathered is dropped at once."""
+        groups = self.source.groups()
+        index = len(groups)
+        while True:
+            status, version = self.check_in(PROCEED)
+            if status == DONE:
+                return version
+            if index == len(groups):  # rank 0 starts a pass (one per engine)
+                self._tensors, index = iter(self.source), 0
+            self._left_in_group = len(groups[index])
+            self._finish_group()
+            index += 1
+
+    def check_in(self, status: int, version: int = 0) -> tuple[int, int]:
+        """Tell the other ranks ``status``; raises :class:`PushAborted` if any rank failed."""
+        try:
+            agreed, agreed_version = self.ranks.exchange(status, version)
+        except WeightSyncTimeoutError:
+            self.failed = True  # the status group cannot be trusted for another exchange
+            raise
+        if agreed == FAILED:
+            self.failed = True
+            rank, message = self.ranks.shared_error(None)
+            raise PushAborted(f"The push failed on trainer rank {rank}: {message}")
+        return agreed, agreed_version
+
+    def fail(self, error: BaseException) -> None:
+        """Report this rank's ``error`` at the next check-in and share its message with every rank."""
+        if self.failed:
+            return
+        self.failed = True
+        try:
+            self._finish_group()
+        except Exception:  # noqa: BLE001  # the source itself broke: peers wait in its gather (see module doc)
+            pass
+        self.ranks.exchange(FAILED)
+        self.ranks.shared_error(f"{type(error).__name__}: {error}")
+
+
+def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks) -> SyncStats | None:
+    """Push ``module``'s weights with every rank taking part; returns the figures on rank 0.
+
+    Must be called on every rank at the same point. Rank 0 pushes through ``updater``
+    (which holds the engines); the other ranks gather in lockstep and discard, and
+    move their ``updater``'s version to the one rank 0 committed.
+
+    Raises:
+        WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
+    """
+    weights: LockstepWeights | None = None
+    try:
+        weights = LockstepWeights(updater._maybe_map_weights(module), ranks)
+        weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
+        if ranks.rank == 0:
+            stats = updater.push_weights(weights)
+            weights.check_in(DONE, stats.weight_version)
+            return stats
+        updater.weight_version = weights.follow()
+        return None
+    except PushAborted:
+        raise
+    except BaseException as error:
+        if weights is None:  # this rank never got its weights: it fails at the first check-in
+            weights = LockstepWeights(_NoWeights(), ranks)
+        weights.fail(error)
+        raise
+
+
+class _NoWeights(WeightSource):
+    """Stands for the weights of a rank that could not read them, so it can still report the failure."""
+
+    def metadata(self) -> list[ParamMeta]:
+        return []
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())

@@ -1,0 +1,125 @@
+"""Two CPU processes train an FSDP2-sharded policy (Lightning's ModelParallelStrategy) while
+VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_sharded.py.
+
+Modes:
+  train:  4 steps, a push every 2 steps; then a second fit whose push fails on rank 1
+          (it cannot read its weights): both ranks raise the same error, vLLM keeps serving.
+  engine-gone: the engine core is killed after the first push; the next push fails on
+          rank 0 and both ranks raise the same error within the timeout.
+Each rank writes what it saw to rank<N>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from helpers import (  # noqa: E402
+    RolloutCausalLM,
+    TinyCausalLM,
+    build_llm,
+    cpu_trainer,
+    hf_prompt_logprobs,
+    max_abs_diff,
+    shutdown,
+    tiny_qwen2,
+    token_batches,
+    vllm_prompt_logprobs,
+)
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+
+from lightning_vllm import VLLMWeightSync  # noqa: E402
+
+
+class ShardedCausalLM(RolloutCausalLM):
+    """The tiny Qwen2, each decoder layer and the whole model sharded with FSDP2 over 2 ranks."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):  # a second fit of the same module
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def full_model(module: ShardedCausalLM) -> torch.nn.Module:
+    """The trained weights gathered into a plain model (a collective: every rank calls it)."""
+    full = {name: param.full_tensor() for name, param in module.model.named_parameters()}
+    model = tiny_qwen2(seed=0)
+    model.load_state_dict(full)
+    return model.eval()
+
+
+def trainer_for(out_dir: Path, sync: VLLMWeightSync, max_steps: int):
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    return cpu_trainer(out_dir, [sync], max_steps=max_steps, strategy=strategy, devices=2)
+
+
+def run(mode: str, model_dir: Path, out_dir: Path) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    llm = build_llm(model_dir) if rank == 0 else None
+    result: dict = {"rank": rank}
+    module = ShardedCausalLM(tiny_qwen2(seed=0), lr=1e-2)
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)
+    trainer = trainer_for(out_dir, sync, max_steps=4)
+    if mode == "train":
+        trainer.fit(module, token_batches(num_batches=8))
+        model = full_model(module)
+        result["weight_version"] = sync.weight_version
+        result["rollouts"] = module.seen
+        if rank == 0:
+            result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
+            result["engine_version"] = llm.get_weight_version()
+        # A second run whose push fails on rank 1.
+        failing = VLLMWeightSync(engine=llm, every_n_train_steps=1, timeout_seconds=20)
+        if rank == 1:
+
+            def cannot_read(policy):
+                raise RuntimeError("rank 1 cannot read its weights")
+
+            failing.updater._maybe_map_weights = cannot_read
+        start = time.monotonic()
+        try:
+            trainer_for(out_dir, failing, max_steps=1).fit(module, token_batches(num_batches=2))
+        except Exception as error:  # noqa: BLE001
+            result["failure"] = f"{type(error).__name__}: {error}"
+        result["failure_seconds"] = time.monotonic() - start
+        if rank == 0:
+            result["engine_version_after_failure"] = llm.get_weight_version()
+            result["max_logprob_diff_after_failure"] = max_abs_diff(
+                vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)
+            )
+    elif mode == "engine-gone":
+
+        class KillsTheEngine(ShardedCausalLM):
+            """No rollouts (they would report the dead engine first): the push finds it gone."""
+
+            def training_step(self, batch, batch_idx):
+                if batch_idx == 1 and rank == 0:
+                    os.kill(llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid, signal.SIGKILL)
+                return TinyCausalLM.training_step(self, batch, batch_idx)
+
+        module = KillsTheEngine(tiny_qwen2(seed=0), lr=1e-2)
+        start = time.monotonic()
+        try:
+            trainer.fit(module, token_batches(num_batches=8))
+        except Exception as error:  # noqa: BLE001
+            result["failure"] = f"{type(error).__name__}: {error}"
+        result["failure_seconds"] = time.monotonic() - start
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if llm is not None:
+        shutdown(llm)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,58 @@
+"""FSDP2 through Lightning on 2 CPU processes: every rank takes part in each push, rank 0 sends,
+and a failure on any rank ends the push on every rank with that rank's error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import TOLERANCE, expected_rollouts
+
+pytestmark = pytest.mark.engine
+
+
+def run(mode: str, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
+    script = Path(__file__).with_name("sharded_run.py")
+    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    completed = subprocess.run(
+        [sys.executable, str(script), mode, str(model_dir), str(out_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
+
+
+def test_fsdp2_pushes_from_every_rank_and_a_rank_that_fails_stops_them_all(model_dir, tmp_path):
+    rank0, rank1 = run("train", model_dir, tmp_path)
+    # Fit start, steps 2 and 4: vLLM serves the gathered full model, both ranks count the same versions.
+    assert rank0["engine_version"] == "3" and rank0["weight_version"] == rank1["weight_version"] == 3
+    assert rank0["max_logprob_diff"] < TOLERANCE
+    # Both ranks sampled in every step through rank 0's engine, each getting its own prompts back.
+    for rank, seen in enumerate((rank0, rank1)):
+        assert seen["rollouts"] == expected_rollouts(rank, ["1", "1", "2", "2"])
+    # Rank 1 could not read its weights: both ranks stop, rank 0 names rank 1's error, vLLM was not touched.
+    assert rank1["failure"] == "RuntimeError: rank 1 cannot read its weights"
+    assert (
+        rank0["failure"]
+        == "PushAborted: The push failed on trainer rank 1: RuntimeError: rank 1 cannot read its weights"
+    )
+    assert rank0["failure_seconds"] < 20 and rank1["failure_seconds"] < 20
+    assert rank0["engine_version_after_failure"] == "3" and rank0["max_logprob_diff_after_failure"] < TOLERANCE
+
+
+def test_an_engine_gone_mid_run_ends_the_push_on_every_rank_with_rank_zeros_error(model_dir, tmp_path):
+    rank0, rank1 = run("engine-gone", model_dir, tmp_path)
+    # vLLM says the engine died, or its calls time out (which comes first is a race): either way
+    # rank 0 fails the push and rank 1 raises rank 0's error.
+    assert "EngineDeadError" in rank0["failure"] or "Timed out after 20 s" in rank0["failure"]
+    assert rank1["failure"] == f"PushAborted: The push failed on trainer rank 0: {rank0['failure']}"
+    # timeout_seconds=20: rank 1 hears of it as soon as rank 0 gives up on vLLM.
+    assert rank1["failure_seconds"] < 20 + 15
+    assert rank0["failure_seconds"] < 4 * 20 + 15
