@@ -61,15 +61,33 @@ def linear_fit(results: Sequence[ModelResult], method: str) -> LinearFit:
     return LinearFit(float(intercept), float(1.0 / slope) if slope > 0 else float("inf"), r_squared)
 
 
-def ratios_line(largest: ModelResult, many_tensors: ModelResult) -> str:
-    """The suite's last line, read by scripts (figures at the largest size; per-tensor on the many-tensor model)."""
+def ratios_line(largest: ModelResult, many_tensors: ModelResult, sharded_over_bound: float = float("nan")) -> str:
+    """The suite's last line, read by scripts (figures at the largest size; per-tensor on the many-tensor model;
+    the sharded push's worst rank)."""
     memory = largest.peak_mem_over_bucket
     return (
         f"ratios: floor_over_ours={largest.median('floor') / largest.median('ours'):.3f} "
         f"disk_over_ours={largest.ratio('disk'):.3f} "
         f"per_tensor_over_ours={many_tensors.ratio('per_tensor'):.3f} "
-        f"peak_mem_over_bucket={memory if memory is not None else float('nan'):.3f}"
+        f"peak_mem_over_bucket={memory if memory is not None else float('nan'):.3f} "
+        f"sharded_peak_over_group_plus_bucket={sharded_over_bound:.3f}"
     )
+
+
+def sharded_table(ranks: Sequence[dict]) -> str:
+    """Per rank: the model, its shard, the bound (largest layer group + bucket) and the measured peak."""
+    lines = [
+        "| rank | model MB | shard MB | largest group MB | bucket MB | peak extra MB | peak / (group + bucket) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rank in ranks:
+        bound = rank["largest_group_bytes"] + rank["bucket_size_bytes"]
+        lines.append(
+            f"| {rank['rank']} | {_mb(rank['full_bytes'])} | {_mb(rank['shard_bytes'])} "
+            f"| {_mb(rank['largest_group_bytes'])} | {_mb(rank['bucket_size_bytes'])} "
+            f"| {_mb(rank['peak_extra_bytes'])} | {rank['peak_extra_bytes'] / bound:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def _mb(num_bytes: float) -> str:

@@ -6,6 +6,10 @@ untimed warm-up each. Results go to ``docs/benchmarks.md`` (between its result
 markers) and ``docs/images/benchmarks.png``. The last line printed is::
 
     ratios: floor_over_ours=F disk_over_ours=D per_tensor_over_ours=P peak_mem_over_bucket=M
+            sharded_peak_over_group_plus_bucket=S
+
+(one line), S being the worst rank of a push from a policy sharded with FSDP2 over 2
+trainer processes (``sharded_memory.py``).
 
 Run ``python benchmarks/run.py --help`` for the options; ``--quick`` runs the
 smallest size once, writing into a temporary folder (the test suite's smoke test).
@@ -39,9 +43,12 @@ from report import (  # noqa: E402
     plot,
     ratios_line,
     replace_results,
+    sharded_table,
     targets_table,
     timing_table,
 )
+from sharded_memory import bound_ratio  # noqa: E402
+from sharded_memory import measure as measure_sharded  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES  # noqa: E402
@@ -149,7 +156,12 @@ def memory_figures(llm: object, model: torch.nn.Module, bucket_size_bytes: int) 
 
 
 def results_markdown(
-    results: list[ModelResult], many: ModelResult, cost: CallbackCost | None, args: argparse.Namespace, image: str
+    results: list[ModelResult],
+    many: ModelResult,
+    cost: CallbackCost | None,
+    sharded: list[dict],
+    args: argparse.Namespace,
+    image: str,
 ) -> str:
     fit_lines = ["| (needs two sizes or more) | | | |"] if len(results) < 2 else []
     for method in METHODS if len(results) >= 2 else ():
@@ -190,8 +202,17 @@ Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
 
 {cost_text}
 
+### A sharded policy: memory per rank
+
+The {args.sharded_size} model sharded with FSDP2 over 2 trainer processes (gloo), a push with
+every rank gathering layer group after layer group and rank 0 sending, bucket
+{args.sharded_bucket_mib} MiB: each rank's peak extra resident memory during a push
+(`benchmarks/sharded_memory.py`).
+
+{sharded_table(sharded)}
+
 ```
-{ratios_line(results[-1], many)}
+{ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded))}
 ```
 """
 
@@ -204,6 +225,8 @@ def main() -> None:
     parser.add_argument(
         "--callback-steps", type=int, default=10, help="training steps per fit of the callback cost (0: skip)"
     )
+    parser.add_argument("--sharded-size", default="100M", choices=list(SIZES), help="model of the sharded push")
+    parser.add_argument("--sharded-bucket-mib", type=int, default=32, help="bucket of the sharded push")
     parser.add_argument("--page", type=Path, help="the page to fill (default: docs/benchmarks.md)")
     parser.add_argument(
         "--quick", action="store_true", help="smallest size, one run, the page in a temporary folder unless --page"
@@ -211,6 +234,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.runs, args.callback_steps = [next(iter(SIZES))], 1, 2
+        args.sharded_size = next(iter(SIZES))
         args.page = args.page or Path(tempfile.mkdtemp(prefix="lightning_vllm_bench_")) / "benchmarks.md"
     args.page = args.page or REPOSITORY / "docs" / "benchmarks.md"
     bucket_size_bytes = args.bucket_mib * 2**20
@@ -232,13 +256,15 @@ def main() -> None:
             MANY_TENSORS, Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes, cost_steps=0
         )
 
+    print(f"\n== sharded push: {args.sharded_size} over 2 ranks", flush=True)
+    sharded = measure_sharded(args.sharded_size, args.sharded_bucket_mib * 2**20)
     image = args.page.parent / "images" / "benchmarks.png"
     plot(results, METHODS, image)
-    markdown = results_markdown(results, many, cost, args, image.relative_to(args.page.parent).as_posix())
+    markdown = results_markdown(results, many, cost, sharded, args, image.relative_to(args.page.parent).as_posix())
     replace_results(args.page, markdown)
     print(markdown)
     print(f"Wrote {args.page} and {image}")
-    print(ratios_line(results[-1], many))
+    print(ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded)))
 
 
 if __name__ == "__main__":

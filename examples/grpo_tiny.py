@@ -14,6 +14,7 @@ few steps. Logs go to TensorBoard; a plot of reward and sync time is saved besid
 Run it with ``make demo``, or::
 
     python examples/grpo_tiny.py --steps 60
+    python examples/grpo_tiny.py --devices 2   # two trainer processes, the policy sharded with FSDP2
 
 The same run from a LightningCLI YAML file: ``python examples/grpo_tiny.py fit --config examples/grpo_tiny.yaml``.
 """
@@ -26,6 +27,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -148,6 +150,17 @@ class TinyGRPO(LightningModule):
         self.log("loss", loss)
         return loss
 
+    def configure_model(self) -> None:
+        """With ``--devices 2`` (ModelParallelStrategy): shard each decoder layer and the model with FSDP2."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.device_mesh is None or isinstance(self.model, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(LetterPrompts(10_000), batch_size=8, collate_fn=list)
 
@@ -185,6 +198,8 @@ class ShowSamples(Callback):
         assert isinstance(module, TinyGRPO)
         params = SamplingParams(temperature=0.0, max_tokens=module.hparams.max_new_tokens, ignore_eos=True)
         samples = generate(module, [module.prompt_ids(letter) for letter in TASK_LETTERS], params)
+        if module.global_rank != 0:  # every rank generates (a collective under several ranks); one prints
+            return
         print(title)
         for letter, sample in zip(TASK_LETTERS, samples):
             print(f"  {letter}: -> {module.tokenizer.decode(sample.token_ids)!r}  (weights v{sample.weight_version})")
@@ -226,6 +241,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--every-n-train-steps", type=int, default=2, help="push weights to vLLM every N steps")
     parser.add_argument("--log-dir", default="lightning_logs", help="TensorBoard root folder")
     parser.add_argument("--verbose-vllm", action="store_true", help="show vLLM's own log lines")
+    parser.add_argument(
+        "--devices", type=int, default=1, help="trainer processes; 2 or more shard the policy with FSDP2"
+    )
     args = parser.parse_args(argv)
     quiet_vllm(args.verbose_vllm)
 
@@ -233,15 +251,24 @@ def main(argv: list[str] | None = None) -> Path:
     module = TinyGRPO(str(model_dir))
     sync = VLLMWeightSync(engine=engine_args(model_dir), every_n_train_steps=args.every_n_train_steps, max_staleness=1)
     logger = TensorBoardLogger(args.log_dir, name="grpo_tiny")
+    strategy: Any = "auto"
+    if args.devices > 1:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     trainer = Trainer(
         max_steps=args.steps,
         accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
         logger=logger,
         log_every_n_steps=1,
         enable_checkpointing=False,
         callbacks=[sync, ShowSamples()],
     )
     trainer.fit(module)
+    if not trainer.is_global_zero:
+        return Path(logger.log_dir)
     plot = save_plot(logger.log_dir)
     print(f"Logs: {logger.log_dir}\n  tensorboard --logdir {args.log_dir}\nPlot: {plot}")
     return plot

@@ -20,7 +20,7 @@ from report import RESULTS_END, RESULTS_START, ModelResult, linear_fit, ratios_l
 
 RATIOS = re.compile(
     r"^ratios: floor_over_ours=\d+\.\d+ disk_over_ours=\d+\.\d+ per_tensor_over_ours=\d+\.\d+ "
-    r"peak_mem_over_bucket=\d+\.\d+$"
+    r"peak_mem_over_bucket=\d+\.\d+ sharded_peak_over_group_plus_bucket=\d+\.\d+$"
 )
 
 
@@ -41,6 +41,7 @@ def test_the_suite_runs_at_its_smallest_size_and_ends_with_the_ratios_line(tmp_p
     for method in ("ours", "disk", "per_tensor", "floor"):
         assert f"| 25M | 24M | 74 | 49 | {method} |" in text
     assert "| many-tensors |" in text and "The callback's cost" in text
+    assert "A sharded policy: memory per rank" in text and "| 1 | 49 |" in text
     assert (tmp_path / "images" / "benchmarks.png").stat().st_size > 10_000
 
 
@@ -57,8 +58,9 @@ def test_the_fit_recovers_a_line_and_the_ratios_are_medians():
     assert fit.r_squared == pytest.approx(1.0)
     largest = result("L", 100, ours=[1.0, 2.0, 9.0], floor=[1.5], disk=[4.0])
     many = result("M", 10, ours=[0.5], per_tensor=[5.0])
-    assert ratios_line(largest, many) == (
-        "ratios: floor_over_ours=0.750 disk_over_ours=2.000 per_tensor_over_ours=10.000 peak_mem_over_bucket=0.500"
+    assert ratios_line(largest, many, 1.25) == (
+        "ratios: floor_over_ours=0.750 disk_over_ours=2.000 per_tensor_over_ours=10.000 peak_mem_over_bucket=0.500 "
+        "sharded_peak_over_group_plus_bucket=1.250"
     )
 
 

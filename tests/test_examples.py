@@ -52,3 +52,14 @@ def test_grpo_tiny_from_the_lightning_cli_yaml(tmp_path):
 def test_minimal_example(tmp_path):
     completed = run([str(EXAMPLES / "minimal.py"), "--steps", "2"], tmp_path)
     assert "after training:  " in completed.stdout
+
+
+def test_grpo_tiny_on_two_processes_with_fsdp2(tmp_path):
+    completed = run(
+        [str(EXAMPLES / "grpo_tiny.py"), "--devices", "2", "--steps", "4", "--log-dir", str(tmp_path / "logs")],
+        tmp_path,
+    )
+    log_dir = tmp_path / "logs" / "grpo_tiny" / "version_0"
+    # Fit start, then steps 2 and 4, every rank taking part in each push.
+    assert [value for _, value in tensorboard_scalars(log_dir, "vllm/weight_version")] == [1.0, 2.0, 3.0]
+    assert completed.stdout.count("Samples after training") == 1  # printed by rank 0 only

@@ -1,0 +1,160 @@
+"""Memory per rank of a push from a policy sharded with FSDP2 over 2 trainer processes.
+
+Each rank holds half of every parameter; a push gathers one layer group at a time
+on every rank, and rank 0 sends. The bound this checks: no rank holds more than
+one gathered layer group plus one bucket beyond its shard. Each rank measures its
+peak extra resident memory during a push (``/proc/self/clear_refs``), after one
+untimed push (which connects and touches the staging buffer).
+
+Run alone: ``python benchmarks/sharded_memory.py --size 100M --bucket-mib 32``; it
+prints one JSON line per rank and a summary. ``run.py`` calls it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from methods import peak_extra_rss_bytes  # noqa: E402
+from models import SIZES, build_model, save  # noqa: E402
+from vllm.distributed.weight_transfer.base import layerwise_groups  # noqa: E402
+
+from lightning_vllm import VLLMUpdater  # noqa: E402
+from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+
+NUM_RANKS = 2
+
+
+def largest_group_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the largest layer group (what a rank gathers at once)."""
+    sizes = {name: param.numel() * param.element_size() for name, param in model.named_parameters()}
+    return max(sum(sizes[name] for name in group) for group in layerwise_groups(list(sizes)))
+
+
+def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, port: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NUM_RANKS,
+        timeout=datetime.timedelta(seconds=600),
+    )  # fmt: skip
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(SIZES[size_name])
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    group_bytes = largest_group_bytes(model)
+    llm = None
+    if rank == 0:
+        from vllm import LLM
+
+        model_dir = save(model, Path(workdir) / "model")
+        llm = LLM(
+            model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
+            max_model_len=128, weight_transfer_config={"backend": "gloo"},
+        )  # fmt: skip
+    mesh = init_device_mesh("cpu", (NUM_RANKS,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    gc.collect()
+    ranks = TrainerRanks(timeout_seconds=600)
+    updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=600)
+    push_from_every_rank(updater, model, ranks)  # connects, and touches the staging buffer
+    dist.barrier()
+    gc.collect()
+    peak = peak_extra_rss_bytes(lambda: push_from_every_rank(updater, model, ranks))
+    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "model": size_name,
+                "full_bytes": full_bytes,
+                "shard_bytes": shard_bytes,
+                "largest_group_bytes": group_bytes,
+                "bucket_size_bytes": bucket_size_bytes,
+                "peak_extra_bytes": peak,
+            }
+        ),
+        flush=True,
+    )
+    dist.barrier()
+    updater.close()
+    ranks.close()
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+    dist.destroy_process_group()
+
+
+def measure(size_name: str, bucket_size_bytes: int) -> list[dict]:
+    """Run both ranks; their JSON lines, by rank."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="lightning_vllm_sharded_") as workdir:
+        processes = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank",
+                    str(rank),
+                    "--size",
+                    size_name,
+                    "--bucket-bytes",
+                    str(bucket_size_bytes),
+                    "--workdir",
+                    workdir,
+                    "--port",
+                    str(port),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for rank in range(NUM_RANKS)
+        ]
+        outputs = [process.communicate(timeout=1200)[0] for process in processes]
+    if any(process.returncode for process in processes):
+        raise RuntimeError(f"A rank failed: exit codes {[process.returncode for process in processes]}")
+    results = [json.loads(line) for output in outputs for line in output.splitlines() if line.startswith("{")]
+    return sorted(results, key=lambda result: result["rank"])
+
+
+def bound_ratio(result: dict) -> float:
+    """Peak extra memory over one layer group plus one bucket (the bound: at most 1)."""
+    return result["peak_extra_bytes"] / (result["largest_group_bytes"] + result["bucket_size_bytes"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="100M", choices=list(SIZES))
+    parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--bucket-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        rank_main(args.rank, args.size, args.bucket_bytes, args.workdir, args.port)
+        return
+    for result in measure(args.size, args.bucket_mib * 2**20):
+        print(json.dumps(result))
+        print(f"rank {result['rank']}: peak / (group + bucket) = {bound_ratio(result):.3f}")
+
+
+if __name__ == "__main__":
+    main()
