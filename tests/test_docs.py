@@ -14,6 +14,15 @@ def test_api_reference_matches_the_docstrings():
 
 def test_every_doc_page_linked_from_the_readme_exists():
     readme = (DOCS.parent / "README.md").read_text()
-    pages = ("quickstart.md", "concepts.md", "engines.md", "strategies.md", "gpu.md", "troubleshooting.md", "api.md", "index.md")
+    pages = (
+        "quickstart.md",
+        "concepts.md",
+        "engines.md",
+        "strategies.md",
+        "gpu.md",
+        "troubleshooting.md",
+        "api.md",
+        "index.md",
+    )
     for page in (*pages, "benchmarks.md"):
         assert f"docs/{page}" in readme and (DOCS / page).is_file(), page
