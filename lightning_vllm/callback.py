@@ -182,7 +182,7 @@ class VLLMWeightSync(Callback):
         # After the strategy has set up the model, so the weights are the ones trained
         # and sharded parameters are visible.
         if trainer.world_size > 1:
-            self._join_ranks(pl_module)
+            self._join_ranks(trainer, pl_module)
         if self.push_on_fit_start:
             self._push(trainer, pl_module)
 
@@ -208,11 +208,11 @@ class VLLMWeightSync(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._release()
 
-    def _join_ranks(self, pl_module: pl.LightningModule) -> None:
+    def _join_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank: a status group of the trainer's ranks; whether all take part in pushes
         (a sharded policy), and whether rank 0 generates for ranks that hold no engine."""
         self._ranks = TrainerRanks(self.updater.timeout_seconds, self.rollouts.timeout_seconds)
-        self._sharded = is_sharded(pl_module)
+        self._sharded = is_sharded(trainer.strategy.model or pl_module)
         every_rank_has_an_engine = self._ranks.every_rank(bool(self.updater.engines))
         self.rollouts.ranks = None if every_rank_has_an_engine else self._ranks
 
@@ -280,7 +280,9 @@ class VLLMWeightSync(Callback):
         if trainer.sanity_checking:
             return
         if self._ranks is not None and self._sharded:  # every rank gathers, rank 0 sends
-            stats = push_from_every_rank(self.updater, pl_module, self._ranks)
+            # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
+            # the parameters no sub-module unit does.
+            stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self._ranks)
         elif trainer.is_global_zero:  # every rank holds the full weights (DDP): rank 0 alone
             stats = self.updater.push_weights(pl_module)
         else:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.weights.fsdp import holds_fsdp_units
 
 if TYPE_CHECKING:
     from lightning_vllm.updater import SyncStats, VLLMUpdater
@@ -51,10 +52,10 @@ class PushAborted(WeightSyncError):
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds parameters that must be gathered across ranks (FSDP2 DTensors)."""
+    """Whether ``module`` holds parameters that must be gathered across ranks (FSDP2 DTensors, FSDP1 units)."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(param, DTensor) for param in module.parameters())
+    return holds_fsdp_units(module) or any(isinstance(param, DTensor) for param in module.parameters())
 
 
 class TrainerRanks:

@@ -56,3 +56,29 @@ def test_an_engine_gone_mid_run_ends_the_push_on_every_rank_with_rank_zeros_erro
     # timeout_seconds=20: rank 1 hears of it as soon as rank 0 gives up on vLLM.
     assert rank1["failure_seconds"] < 20 + 15
     assert rank0["failure_seconds"] < 4 * 20 + 15
+
+
+def test_fsdp1_from_plain_torch_pushes_from_every_rank(model_dir, tmp_path):
+    """Lightning's FSDPStrategy needs a GPU; FSDP1 itself runs on CPU, driven from torch."""
+    from helpers import free_port
+
+    script = Path(__file__).with_name("fsdp1_run.py")
+    port = str(free_port())
+    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port, str(model_dir), str(tmp_path)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    errors = [process.communicate(timeout=600)[1] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"fsdp1_rank{rank}.json").read_text()) for rank in (0, 1))
+    for mode in ("use_orig_params=True", "use_orig_params=False", "LightningModule"):
+        assert rank0[f"{mode} max_logprob_diff"] < TOLERANCE
+        assert rank0[f"{mode} num_bytes"] == rank0["full_bytes"]  # full shapes, not the ranks' flat shards
+    assert rank0["LightningModule version"] == rank1["LightningModule version"] == 3

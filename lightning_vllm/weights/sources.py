@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
+from lightning_vllm.weights.fsdp import FSDPWeights, holds_fsdp_units
 from lightning_vllm.weights.lora import has_lora, lora_parameters, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
 
@@ -121,6 +122,8 @@ def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> 
     if isinstance(policy_or_weights, WeightSource):
         return policy_or_weights
     if isinstance(policy_or_weights, torch.nn.Module):
+        if holds_fsdp_units(policy_or_weights):  # FSDP1: names and shapes from its flat parameters
+            return FSDPWeights(policy_or_weights, model_attribute)
         model = find_hf_model(policy_or_weights, model_attribute)
         return LoraMergedWeights(model) if has_lora(model) else ModuleWeights(model)
     if isinstance(policy_or_weights, Mapping) or hasattr(policy_or_weights, "flatten_keys"):
