@@ -34,6 +34,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.fsdp import holds_fsdp_units
+from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
 if TYPE_CHECKING:
     from lightning_vllm.updater import SyncStats, VLLMUpdater
@@ -52,10 +53,15 @@ class PushAborted(WeightSyncError):
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds parameters that must be gathered across ranks (FSDP2 DTensors, FSDP1 units)."""
+    """Whether ``module`` holds parameters that must be gathered across ranks (FSDP2 DTensors, FSDP1 units,
+    ZeRO-3 partitions)."""
     from torch.distributed.tensor import DTensor
 
-    return holds_fsdp_units(module) or any(isinstance(param, DTensor) for param in module.parameters())
+    return (
+        holds_fsdp_units(module)
+        or is_zero3_partitioned(module)
+        or any(isinstance(param, DTensor) for param in module.parameters())
+    )
 
 
 class TrainerRanks:

@@ -58,16 +58,16 @@ def test_an_engine_gone_mid_run_ends_the_push_on_every_rank_with_rank_zeros_erro
     assert rank0["failure_seconds"] < 4 * 20 + 15
 
 
-def test_fsdp1_from_plain_torch_pushes_from_every_rank(model_dir, tmp_path):
-    """Lightning's FSDPStrategy needs a GPU; FSDP1 itself runs on CPU, driven from torch."""
+def run_ranks_by_hand(script_name: str, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
+    """Start both ranks of ``script_name`` (``RANK PORT MODEL_DIR OUT_DIR``); their JSON results."""
     from helpers import free_port
 
-    script = Path(__file__).with_name("fsdp1_run.py")
+    script = Path(__file__).with_name(script_name)
     port = str(free_port())
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     processes = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, str(model_dir), str(tmp_path)],
+            [sys.executable, str(script), str(rank), port, str(model_dir), str(out_dir)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -77,8 +77,23 @@ def test_fsdp1_from_plain_torch_pushes_from_every_rank(model_dir, tmp_path):
     ]
     errors = [process.communicate(timeout=600)[1] for process in processes]
     assert [process.returncode for process in processes] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
-    rank0, rank1 = (json.loads((tmp_path / f"fsdp1_rank{rank}.json").read_text()) for rank in (0, 1))
+    stem = script_name.removesuffix("_run.py")
+    return tuple(json.loads((out_dir / f"{stem}_rank{rank}.json").read_text()) for rank in (0, 1))
+
+
+def test_fsdp1_from_plain_torch_pushes_from_every_rank(model_dir, tmp_path):
+    """Lightning's FSDPStrategy needs a GPU; FSDP1 itself runs on CPU, driven from torch."""
+    rank0, rank1 = run_ranks_by_hand("fsdp1_run.py", model_dir, tmp_path)
     for mode in ("use_orig_params=True", "use_orig_params=False", "LightningModule"):
         assert rank0[f"{mode} max_logprob_diff"] < TOLERANCE
         assert rank0[f"{mode} num_bytes"] == rank0["full_bytes"]  # full shapes, not the ranks' flat shards
     assert rank0["LightningModule version"] == rank1["LightningModule version"] == 3
+
+
+def test_deepspeed_zero3_on_cpu_pushes_from_every_rank(model_dir, tmp_path):
+    """Lightning's DeepSpeedStrategy needs a GPU; ZeRO-3 itself runs on DeepSpeed's CPU accelerator."""
+    rank0, rank1 = run_ranks_by_hand("zero3_run.py", model_dir, tmp_path)
+    for mode in ("model", "LightningModule"):
+        assert rank0[f"{mode} max_logprob_diff"] < TOLERANCE
+        assert rank0[f"{mode} num_bytes"] == rank0["full_bytes"]  # full shapes, not the empty placeholders
+    assert rank0["LightningModule version"] == rank1["LightningModule version"] == 2

@@ -53,10 +53,14 @@ def canonical_name(name: str) -> str:
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """Remove ``torch.compile`` and DDP wrappers around a module."""
+    """Remove ``torch.compile``, DDP and DeepSpeed-engine wrappers around a module."""
     while True:
         inner = getattr(module, "_orig_mod", None)
-        if inner is None and isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        # DeepSpeed's engine, matched by name: deepspeed is imported only where it is used.
+        wrapper = (
+            isinstance(module, torch.nn.parallel.DistributedDataParallel) or type(module).__name__ == "DeepSpeedEngine"
+        )
+        if inner is None and wrapper:
             inner = module.module
         if not isinstance(inner, torch.nn.Module):
             return module

@@ -16,6 +16,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, mater
 from lightning_vllm.weights.fsdp import FSDPWeights, holds_fsdp_units
 from lightning_vllm.weights.lora import has_lora, lora_parameters, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
+from lightning_vllm.weights.zero3 import ZeRO3Weights, is_zero3_partitioned
 
 
 def _check_unique(names: list[str], origin: str) -> None:
@@ -125,6 +126,8 @@ def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> 
         if holds_fsdp_units(policy_or_weights):  # FSDP1: names and shapes from its flat parameters
             return FSDPWeights(policy_or_weights, model_attribute)
         model = find_hf_model(policy_or_weights, model_attribute)
+        if is_zero3_partitioned(model):  # ZeRO-3: full shapes from the placeholders
+            return ZeRO3Weights(model)
         return LoraMergedWeights(model) if has_lora(model) else ModuleWeights(model)
     if isinstance(policy_or_weights, Mapping) or hasattr(policy_or_weights, "flatten_keys"):
         return MappingWeights(policy_or_weights)
