@@ -4,6 +4,8 @@ VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_sharded.py
 Modes:
   train:  4 steps, a push every 2 steps; then a second fit whose push fails on rank 1
           (it cannot read its weights): both ranks raise the same error, vLLM keeps serving.
+  lora:   a PEFT LoRA policy sharded with FSDP2 (bfloat16 compute, CPU offload): merged from gathered
+          float32 shards into the float32 engine, the live module untouched.
   engine-gone: the engine core is killed after the first push; the next push fails on
           rank 0 and both ranks raise the same error within the timeout.
 Each rank writes what it saw to rank<N>.json.
@@ -36,6 +38,7 @@ from helpers import (  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_vllm import VLLMWeightSync  # noqa: E402
+from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
 
 
 class ShardedCausalLM(RolloutCausalLM):
@@ -50,6 +53,39 @@ class ShardedCausalLM(RolloutCausalLM):
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+
+class ShardedLoraCausalLM(ShardedCausalLM):
+    """A PEFT LoRA policy, sharded with FSDP2 with mixed precision (bfloat16 compute) and CPU offload."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        if isinstance(self.model, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        options = dict(
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            offload_policy=CPUOffloadPolicy(pin_memory=False),  # pinning needs an accelerator
+        )
+        for layer in self.model.base_model.model.model.layers:
+            fully_shard(layer, **options)
+        fully_shard(self.model, **options)
+
+
+def merged_full_model(module: ShardedLoraCausalLM) -> torch.nn.Module:
+    """The trained LoRA policy gathered and merged into a plain model (every rank calls it)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    full = {name: param.full_tensor() for name, param in module.model.named_parameters()}
+    config = copy.deepcopy(module.model.peft_config["default"])
+    assert isinstance(config, LoraConfig)
+    peft = get_peft_model(tiny_qwen2(seed=0), config)
+    peft.load_state_dict(full)
+    return peft.merge_and_unload().eval()
 
 
 def full_model(module: ShardedCausalLM) -> torch.nn.Module:
@@ -99,6 +135,25 @@ def run(mode: str, model_dir: Path, out_dir: Path) -> None:
             result["max_logprob_diff_after_failure"] = max_abs_diff(
                 vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)
             )
+    elif mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(44)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+        module = ShardedLoraCausalLM(get_peft_model(tiny_qwen2(seed=0), config), lr=1e-2)
+        trainer.fit(module, token_batches(num_batches=8))
+        # One more push by hand, around which the live (sharded) module must not change by a bit.
+        before = {name: param.to_local().clone() for name, param in module.model.named_parameters()}
+        ranks = TrainerRanks(timeout_seconds=20)
+        push_from_every_rank(sync.updater, module, ranks)
+        ranks.close()
+        result["live_module_untouched"] = all(
+            torch.equal(param.to_local(), before[name]) for name, param in module.model.named_parameters()
+        )
+        result["weight_version"] = sync.weight_version
+        merged = merged_full_model(module)
+        if rank == 0:
+            result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(merged))
     elif mode == "engine-gone":
 
         class KillsTheEngine(ShardedCausalLM):

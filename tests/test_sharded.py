@@ -47,6 +47,14 @@ def test_fsdp2_pushes_from_every_rank_and_a_rank_that_fails_stops_them_all(model
     assert rank0["engine_version_after_failure"] == "3" and rank0["max_logprob_diff_after_failure"] < TOLERANCE
 
 
+def test_a_lora_policy_under_fsdp2_is_merged_from_gathered_shards(model_dir, tmp_path):
+    """Mixed precision (bfloat16 compute) and CPU offload too: vLLM gets the float32 master weights."""
+    rank0, rank1 = run("lora", model_dir, tmp_path)
+    assert rank0["max_logprob_diff"] < TOLERANCE  # vLLM serves the merged adapters
+    assert rank0["weight_version"] == rank1["weight_version"] == 4  # fit start, steps 2 and 4, one more
+    assert rank0["live_module_untouched"] and rank1["live_module_untouched"]
+
+
 def test_an_engine_gone_mid_run_ends_the_push_on_every_rank_with_rank_zeros_error(model_dir, tmp_path):
     rank0, rank1 = run("engine-gone", model_dir, tmp_path)
     # vLLM says the engine died, or its calls time out (which comes first is a race): either way

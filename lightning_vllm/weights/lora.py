@@ -65,8 +65,10 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
             if name.endswith(_BASE_SUFFIX):
                 layer = module.get_submodule(name[: -len(_BASE_SUFFIX)])
                 if isinstance(layer, LoraLayer) and not layer.merged and not layer.disable_adapters:
+                    # Under FSDP2 the adapters are DTensors too: their product is one, gathered here
+                    # (a collective, in the same order on every rank).
                     deltas = [
-                        layer.get_delta_weight(adapter)  # type: ignore[operator]  # defined by every LoRA layer type
+                        materialize_full_tensor(layer.get_delta_weight(adapter))  # type: ignore[operator]
                         for adapter in layer.active_adapters
                         if adapter in layer.lora_A
                     ]
