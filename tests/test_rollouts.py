@@ -235,3 +235,23 @@ def test_an_engine_core_killed_mid_run_is_named_in_time(model_dir):
             sync.generate([[1, 2, 3]], params, timeout_seconds=1)
     finally:
         shutdown(doomed)
+
+
+class OwnEngineRolloutModule(TinyCausalLM):
+    """Under DDP with an engine on every rank: each rank generates from its own, no gathering."""
+
+    def training_step(self, batch, batch_idx):
+        sampler = sampler_of(self)
+        assert sampler.ranks is None, "every rank holds an engine: nothing should go through rank 0"
+        prompts = [[1 + self.global_rank, 2], [3, 4 + self.global_rank]]
+        rollouts = generate(self, prompts)
+        assert [r.prompt_token_ids for r in rollouts] == prompts
+        return super().training_step(batch, batch_idx)
+
+
+def test_ranks_that_each_hold_an_engine_generate_from_their_own(tmp_path):
+    module = OwnEngineRolloutModule(tiny_qwen2(seed=0), lr=1e-3)
+    # Each spawned rank gets its own copy of the fake engine.
+    sync = VLLMWeightSync(engine=FakeEngine(module.hf), every_n_train_steps=1)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=2, strategy="ddp_spawn", devices=2, logger=False)
+    trainer.fit(module, token_batches(num_batches=4))  # an assertion failing on a rank fails the fit
