@@ -100,14 +100,8 @@ class TrainerRanks:
         failing = torch.tensor([self.rank if message is not None else self.world_size], dtype=torch.int64)
         self._collective(dist.all_reduce, failing, op=dist.ReduceOp.MIN)
         source = int(failing[0])
-        payload = (message or "").encode()[:4096] if self.rank == source else b""
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        self._collective(dist.broadcast, length, src=source)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-        data = data if self.rank == source else torch.empty(int(length[0]), dtype=torch.uint8)
-        if int(length[0]):
-            self._collective(dist.broadcast, data, src=source)
-        return source, bytes(data.tolist()).decode(errors="replace")
+        shared = self.broadcast_bytes((message or "").encode()[:4096], source=source)
+        return source, shared.decode(errors="replace")
 
     def every_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a collective)."""
@@ -127,18 +121,18 @@ class TrainerRanks:
         self._collective(dist.all_gather, received, tensor=padded)
         if self.rank != 0:
             return []
-        return [bytes(data[: int(each[0])].tolist()) for data, each in zip(received, lengths)]
+        return [data[: int(each[0])].numpy().tobytes() for data, each in zip(received, lengths)]
 
-    def broadcast_from_rank_zero(self, payload: bytes) -> bytes:
-        """Rank 0's ``payload`` on every rank (what other ranks pass is ignored)."""
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        self._collective(dist.broadcast, length, src=0)
+    def broadcast_bytes(self, payload: bytes, source: int = 0) -> bytes:
+        """``source``'s ``payload`` on every rank (what the other ranks pass is ignored); never unpickled."""
+        length = torch.tensor([len(payload) if self.rank == source else 0], dtype=torch.int64)
+        self._collective(dist.broadcast, length, src=source)
         data = torch.zeros(int(length[0]), dtype=torch.uint8)
-        if self.rank == 0 and payload:
+        if self.rank == source and payload:
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         if int(length[0]):
-            self._collective(dist.broadcast, data, src=0)
-        return bytes(data.tolist())
+            self._collective(dist.broadcast, data, src=source)
+        return data.numpy().tobytes()
 
     def _collective(self, operation: Any, first: Any, /, **kwargs: Any) -> None:
         try:

@@ -128,7 +128,7 @@ class RolloutSampler:
         reply: dict[str, Any] = {}
         if self.ranks.rank == 0:
             reply = self._serve_ranks(requests, sampling_params, worker_id, timeout_seconds)
-        reply = json.loads(self.ranks.broadcast_from_rank_zero(json.dumps(reply).encode()))
+        reply = json.loads(self.ranks.broadcast_bytes(json.dumps(reply).encode()))
         if "error" in reply:
             raise _error_from_record(reply["error"])
         return [_generation_from_record(record) for record in reply["generations"][self.ranks.rank]]

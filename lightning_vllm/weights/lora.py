@@ -73,5 +73,5 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
                         if adapter in layer.lora_A
                     ]
                     if deltas:
-                        tensor = tensor + sum(deltas).to(tensor.dtype)
+                        tensor = tensor + sum(deltas[1:], deltas[0]).to(tensor.dtype)
             yield name, tensor
