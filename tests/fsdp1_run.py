@@ -19,15 +19,13 @@ import torch.distributed as dist  # noqa: E402
 from helpers import (  # noqa: E402
     TinyCausalLM,
     build_llm,
-    hf_prompt_logprobs,
-    max_abs_diff,
+    push_from_every_rank_and_record,
     shutdown,
     tiny_qwen2,
-    vllm_prompt_logprobs,
 )
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
-from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank  # noqa: E402
+from lightning_vllm.ranks import TrainerRanks  # noqa: E402
 
 
 def main(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
@@ -52,14 +50,8 @@ def main(rank: int, port: int, model_dir: Path, out_dir: Path) -> None:
             device_id=torch.device("cpu"),
             use_orig_params=use_orig_params,
         )
-        assert is_sharded(model)
-        stats = push_from_every_rank(updater, model, ranks)
         key = "LightningModule" if in_lightning_module else f"use_orig_params={use_orig_params}"
-        result[f"{key} version"] = updater.weight_version
-        if rank == 0:
-            result[f"{key} max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(reference))
-            result[f"{key} num_bytes"] = stats.num_bytes
-            result["full_bytes"] = sum(p.numel() * 4 for p in reference.parameters())
+        push_from_every_rank_and_record(result, key, updater, ranks, model, reference, llm)
     (out_dir / f"fsdp1_rank{rank}.json").write_text(json.dumps(result))
     updater.close()
     ranks.close()

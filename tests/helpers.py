@@ -431,3 +431,17 @@ def expected_rollouts(rank: int, versions: list[str]) -> list:
     """What ``RolloutCausalLM`` records on ``rank`` for steps 0, 1, ... sampled from ``versions``."""
     prompts = [[1 + rank, 2, 3], [1 + rank, 2, 3], [4, 5 + rank], [4, 5 + rank]]
     return [[step, prompts, [3] * 4, [3] * 4, [version] * 4] for step, version in enumerate(versions)]
+
+
+def push_from_every_rank_and_record(result: dict, key: str, updater, ranks, sharded, reference, llm) -> None:
+    """Push ``sharded`` with every rank taking part; record the version and, on rank 0 (which holds
+    ``llm``), how close vLLM comes to the unsharded ``reference`` and the bytes sent."""
+    from lightning_vllm.ranks import is_sharded, push_from_every_rank
+
+    assert is_sharded(sharded)
+    stats = push_from_every_rank(updater, sharded, ranks)
+    result[f"{key} version"] = updater.weight_version
+    if llm is not None:
+        result[f"{key} max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(reference))
+        result[f"{key} num_bytes"] = stats.num_bytes
+        result["full_bytes"] = sum(p.numel() * 4 for p in reference.parameters())

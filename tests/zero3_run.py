@@ -28,15 +28,13 @@ import torch  # noqa: E402
 from helpers import (  # noqa: E402
     TinyCausalLM,
     build_llm,
-    hf_prompt_logprobs,
-    max_abs_diff,
+    push_from_every_rank_and_record,
     shutdown,
     tiny_qwen2,
-    vllm_prompt_logprobs,
 )
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
-from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank  # noqa: E402
+from lightning_vllm.ranks import TrainerRanks  # noqa: E402
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
 
@@ -53,14 +51,8 @@ def main(model_dir: Path, out_dir: Path) -> None:
         model = TinyCausalLM(tiny_qwen2(seed=seed)) if in_lightning_module else tiny_qwen2(seed=seed)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=CONFIG)
-        assert is_sharded(engine)
-        stats = push_from_every_rank(updater, engine, ranks)
         key = "LightningModule" if in_lightning_module else "model"
-        result[f"{key} version"] = updater.weight_version
-        if RANK == 0:
-            result[f"{key} max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(reference))
-            result[f"{key} num_bytes"] = stats.num_bytes
-            result["full_bytes"] = sum(p.numel() * 4 for p in reference.parameters())
+        push_from_every_rank_and_record(result, key, updater, ranks, engine, reference, llm)
     (out_dir / f"zero3_rank{RANK}.json").write_text(json.dumps(result))
     updater.close()
     ranks.close()
