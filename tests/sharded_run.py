@@ -3,9 +3,9 @@ VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_sharded.py
 
 Modes:
   train:  4 steps, a push every 2 steps; then a second fit whose push fails on rank 1
-          (it cannot read its weights): both ranks raise the same error, vLLM keeps serving.
-  lora:   a PEFT LoRA policy sharded with FSDP2 (bfloat16 compute, CPU offload): merged from gathered
-          float32 shards into the float32 engine, the live module untouched.
+          (it cannot read its weights): both ranks raise the same error, vLLM keeps serving;
+          then, on the same engine, a PEFT LoRA policy sharded with FSDP2 (bfloat16 compute, CPU
+          offload): merged from gathered float32 shards, the live module untouched.
   engine-gone: the engine core is killed after the first push; the next push fails on
           rank 0 and both ranks raise the same error within the timeout.
 Each rank writes what it saw to rank<N>.json.
@@ -101,6 +101,32 @@ def trainer_for(out_dir: Path, sync: VLLMWeightSync, max_steps: int):
     return cpu_trainer(out_dir, [sync], max_steps=max_steps, strategy=strategy, devices=2)
 
 
+def lora_run(out_dir: Path, llm, rank: int) -> dict:
+    """A PEFT LoRA policy under FSDP2 (bfloat16 compute, CPU offload), then one more push by hand,
+    around which the live (sharded) module must not change by a bit."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(44)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    module = ShardedLoraCausalLM(get_peft_model(tiny_qwen2(seed=0), config), lr=1e-2)
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)
+    trainer_for(out_dir, sync, max_steps=4).fit(module, token_batches(num_batches=8))
+    before = {name: param.to_local().clone() for name, param in module.model.named_parameters()}
+    ranks = TrainerRanks(timeout_seconds=20)
+    push_from_every_rank(sync.updater, module, ranks)
+    ranks.close()
+    result = {
+        "live_module_untouched": all(
+            torch.equal(param.to_local(), before[name]) for name, param in module.model.named_parameters()
+        ),
+        "weight_version": sync.weight_version,
+    }
+    merged = merged_full_model(module)
+    if rank == 0:
+        result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(merged))
+    return result
+
+
 def run(mode: str, model_dir: Path, out_dir: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     llm = build_llm(model_dir) if rank == 0 else None
@@ -135,25 +161,8 @@ def run(mode: str, model_dir: Path, out_dir: Path) -> None:
             result["max_logprob_diff_after_failure"] = max_abs_diff(
                 vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)
             )
-    elif mode == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(44)
-        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
-        module = ShardedLoraCausalLM(get_peft_model(tiny_qwen2(seed=0), config), lr=1e-2)
-        trainer.fit(module, token_batches(num_batches=8))
-        # One more push by hand, around which the live (sharded) module must not change by a bit.
-        before = {name: param.to_local().clone() for name, param in module.model.named_parameters()}
-        ranks = TrainerRanks(timeout_seconds=20)
-        push_from_every_rank(sync.updater, module, ranks)
-        ranks.close()
-        result["live_module_untouched"] = all(
-            torch.equal(param.to_local(), before[name]) for name, param in module.model.named_parameters()
-        )
-        result["weight_version"] = sync.weight_version
-        merged = merged_full_model(module)
-        if rank == 0:
-            result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(merged))
+        # A third run, on the same engine: a LoRA policy.
+        result["lora"] = lora_run(out_dir, llm, rank)
     elif mode == "engine-gone":
 
         class KillsTheEngine(ShardedCausalLM):

@@ -29,7 +29,7 @@ def run(mode: str, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
 
 
-def test_fsdp2_pushes_from_every_rank_and_a_rank_that_fails_stops_them_all(model_dir, tmp_path):
+def test_fsdp2_pushes_from_every_rank_a_failing_rank_stops_them_all_and_lora_is_merged(model_dir, tmp_path):
     rank0, rank1 = run("train", model_dir, tmp_path)
     # Fit start, steps 2 and 4: vLLM serves the gathered full model, both ranks count the same versions.
     assert rank0["engine_version"] == "3" and rank0["weight_version"] == rank1["weight_version"] == 3
@@ -45,14 +45,12 @@ def test_fsdp2_pushes_from_every_rank_and_a_rank_that_fails_stops_them_all(model
     )
     assert rank0["failure_seconds"] < 20 and rank1["failure_seconds"] < 20
     assert rank0["engine_version_after_failure"] == "3" and rank0["max_logprob_diff_after_failure"] < TOLERANCE
-
-
-def test_a_lora_policy_under_fsdp2_is_merged_from_gathered_shards(model_dir, tmp_path):
-    """Mixed precision (bfloat16 compute) and CPU offload too: vLLM gets the float32 master weights."""
-    rank0, rank1 = run("lora", model_dir, tmp_path)
-    assert rank0["max_logprob_diff"] < TOLERANCE  # vLLM serves the merged adapters
-    assert rank0["weight_version"] == rank1["weight_version"] == 4  # fit start, steps 2 and 4, one more
-    assert rank0["live_module_untouched"] and rank1["live_module_untouched"]
+    # Then a LoRA policy, with mixed precision (bfloat16 compute) and CPU offload: vLLM gets the
+    # merged float32 master weights, and the live module is untouched by a push.
+    lora0, lora1 = rank0["lora"], rank1["lora"]
+    assert lora0["max_logprob_diff"] < TOLERANCE
+    assert lora0["weight_version"] == lora1["weight_version"] == 4  # fit start, steps 2 and 4, one more
+    assert lora0["live_module_untouched"] and lora1["live_module_untouched"]
 
 
 def test_an_engine_gone_mid_run_ends_the_push_on_every_rank_with_rank_zeros_error(model_dir, tmp_path):
