@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, TypeVar
 
 from lightning_vllm.errors import WeightSyncTimeoutError
@@ -109,19 +110,29 @@ class TimedClient:
             version, as vLLM's own trainer engines call it; see :meth:`committing`.
     """
 
-    def __init__(self, client: Any, timeout: float, weight_version: str | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        timeout: float,
+        weight_version: str | None = None,
+        commit_window: Callable[[], AbstractContextManager[None]] = nullcontext,
+    ) -> None:
         self.inner = client
         self.timeout = timeout
         self.weight_version = weight_version
+        self.commit_window = commit_window
 
-    def committing(self, weight_version: str) -> TimedClient:
-        """The same client, whose ``finish_weight_update()`` commits ``weight_version``.
+    def committing(
+        self, weight_version: str, commit_window: Callable[[], AbstractContextManager[None]] = nullcontext
+    ) -> TimedClient:
+        """The same client, whose ``finish_weight_update()`` commits ``weight_version`` inside ``commit_window()``.
 
         vLLM's trainer engines end an update with ``finish_weight_update()`` and no
         version; a client made for one push lets the engine commit that push's version
-        in the same call that finishes the update.
+        in the same call that finishes the update. ``commit_window`` is entered around
+        that call (the connection pauses generation there when the engine loads at finish).
         """
-        return TimedClient(self.inner, self.timeout, weight_version)
+        return TimedClient(self.inner, self.timeout, weight_version, commit_window)
 
     def _call(self, method: str, *args: Any, what: str) -> Any:
         return call_with_timeout(getattr(self.inner, method), *args, timeout=self.timeout, what=what)
@@ -138,9 +149,15 @@ class TimedClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is None:
             weight_version = self.weight_version
-        self._call(
-            "finish_weight_update", weight_version, what="vLLM to finish the weight update (finish_weight_update)"
-        )
+        with self.commit_window():
+            self._call(
+                "finish_weight_update", weight_version, what="vLLM to finish the weight update (finish_weight_update)"
+            )
+
+    def close_open_update(self) -> None:
+        """``finish_weight_update`` with no version and no commit window: closes an update
+        that received nothing (a no-op load on the gloo engine)."""
+        self._call("finish_weight_update", None, what="vLLM to close an open weight update")
 
     def shutdown_weight_transfer_engine(self) -> None:
         if hasattr(self.inner, "shutdown_weight_transfer_engine"):

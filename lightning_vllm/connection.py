@@ -4,16 +4,17 @@ The updater holds one :class:`EngineConnection` per engine. Opening it checks th
 engine (weight-transfer backend, tensor-parallel size) and the metadata against
 the engine's model, fixes what goes on the wire (the engine's names and serving
 dtypes), then joins a collective group with the engine's workers through vLLM's
-trainer-side factory. A push pauses generation, sends the weights, commits the
-version in the same call that finishes the update, resets the prefix cache, and
-resumes generation.
+trainer-side factory. A push sends the weights, commits the version in the same
+call that finishes the update and resets the prefix cache; generation is paused
+only as long as the engine needs (see :meth:`EngineConnection.push`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,28 +119,55 @@ class EngineConnection:
             check_tied_output_embedding(source, offered)
 
     def push(self, source: WeightSource, version: int) -> None:
-        """Send ``source`` and commit it as ``version``; generation is paused around the transfer.
+        """Send ``source`` and commit it as ``version``.
 
-        A push that fails closes the connection (the next push opens a new one), and
-        the engine resumes generation either way.
+        With the gloo backend the workers receive the whole update while the engine
+        keeps generating with its current weights, and generation is paused only
+        around the call that loads and commits it (then the prefix cache is reset).
+        With vLLM's own backends, which load while receiving, generation is paused
+        around the whole transfer. A push that fails closes the connection (the next
+        push opens a new one), and the engine resumes generation either way.
         """
-        engine = self.engine
-        self._call(engine.pause_generation, self.settings.pause_mode, what=f"{engine.description} to pause generation")
+        pause_for_transfer = not getattr(self.transfer, "loads_at_finish", False)
+        if pause_for_transfer:
+            self._pause()
         # vLLM's trainer engines replay their `source` and end the update with
         # `client.finish_weight_update()`: both are set for this push only.
         self.transfer.source = WireWeights(source, self.wire)
-        self.transfer.client = self.client.committing(str(version))
+        self.transfer.client = self.client.committing(
+            str(version), lambda: self._commit_window(pause=not pause_for_transfer)
+        )
         try:
             self.transfer.send_weights()
-            if self.settings.reset_prefix_cache:
-                self._call(engine.reset_prefix_cache, what=f"{engine.description} to reset its prefix cache")
         except BaseException:
             self.close()
             raise
         finally:
             self.transfer.source = None
             self.transfer.client = self.client
-            self._call(engine.resume_generation, what=f"{engine.description} to resume generation")
+            if pause_for_transfer:
+                self._resume()
+
+    @contextmanager
+    def _commit_window(self, pause: bool) -> Iterator[None]:
+        """Around the call that finishes (and on gloo, loads) an update: generation paused if
+        ``pause``, and the prefix cache reset before anything is generated with the new weights."""
+        if pause:
+            self._pause()
+        try:
+            yield
+            if self.settings.reset_prefix_cache:
+                self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
+        finally:
+            if pause:
+                self._resume()
+
+    def _pause(self) -> None:
+        engine = self.engine
+        self._call(engine.pause_generation, self.settings.pause_mode, what=f"{engine.description} to pause generation")
+
+    def _resume(self) -> None:
+        self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
 
     def close(self) -> None:
         """Leave the group and release the engine's side of it; the engine keeps serving."""

@@ -7,7 +7,6 @@ worker engine (``worker.py``) hands what lands here to the model's loader.
 from __future__ import annotations
 
 import datetime
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,55 @@ from lightning_vllm.transports.gloo.group import join_store, local_address_towar
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class PostedUpdate:
+    """The receives of one weight update, posted ahead: its bytes land while vLLM keeps serving.
+
+    Nothing is loaded into the model until every byte has landed (:meth:`wait`), so a
+    trainer that stops half way leaves the model as it was.
+    """
+
+    def __init__(self, timeout_seconds: float) -> None:
+        self.timeout_seconds = timeout_seconds
+        self.num_buffers = 0
+        self._posted: list[tuple[list[Any], NamedTensors]] = []
+
+    def add(self, works: list[Any], tensors: NamedTensors) -> None:
+        """Count the broadcasts ``works`` that fill ``tensors`` as part of this update."""
+        self._posted.append((works, tensors))
+
+    def __len__(self) -> int:
+        return len(self._posted)
+
+    def landed(self) -> Iterator[NamedTensors]:
+        """Yield the named tensors in order, each once its bytes have landed (every wait bounded)."""
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
+        index = 0
+        while index < len(self._posted):
+            works, ready = self._posted[index]
+            for work in works:
+                work.wait(timeout)
+            index += 1
+            while index < len(self._posted) and all(work.is_completed() for work in self._posted[index][0]):
+                ready = ready + self._posted[index][1]  # load what has already landed in one call
+                index += 1
+            yield ready
+
+    def wait(self) -> list[NamedTensors]:
+        """Every tensor of the update, once all have landed.
+
+        Raises:
+            RuntimeError: a receive failed or did not finish within the timeout (the
+                trainer stopped or the network broke); nothing has been loaded.
+        """
+        try:
+            return list(self.landed())
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"The weight update did not arrive in full ({error}); the model keeps its previous weights. "
+                "The trainer stopped or the network broke during the transfer."
+            ) from error
 
 
 class GlooReceiver:
@@ -49,55 +97,43 @@ class GlooReceiver:
         )
         self.kept_buffers: list[torch.Tensor] = []
 
-    def received_segments(self, update_info: GlooWeightTransferUpdateInfo) -> Iterator[NamedTensors]:
-        """Receive the sync's tensors in order; yields named tensors as soon as they have landed.
+    def post_update(self, update_info: GlooWeightTransferUpdateInfo, into: PostedUpdate | None = None) -> PostedUpdate:
+        """Post the receives of every bucket of ``update_info`` and return at once.
 
-        The receives of the current and the next bucket are posted ahead, so gloo's
-        threads take the next bytes off the wire while the caller loads the ones
-        yielded. Each yield holds one or more whole segments. Every wait is bounded
-        by the timeout given at init.
+        gloo's own threads take the bytes off the wire into the kept buffers while
+        the caller goes on (vLLM keeps serving with the weights it has). A weight
+        update sent in several ``update_weights`` calls posts each into the same
+        :class:`PostedUpdate` (``into``), so its buckets get buffers of their own.
         """
+        posted = into if into is not None else PostedUpdate(self.timeout_seconds)
         specs = update_info.specs()
-        buckets = enumerate(update_info.buckets(specs))
-        posted: deque[tuple[list[Any], NamedTensors, bool]] = deque()
-
-        def post_next_bucket() -> None:
-            bucket_index, bucket = next(buckets, (0, None))
-            if bucket is None:
-                return
-            buffer = self._receive_buffer(bucket_index, bucket.num_bytes)
-            segments = update_info.segments(specs, bucket)
-            for index, segment in enumerate(segments):
+        for bucket in update_info.buckets(specs):
+            buffer = self._receive_buffer(posted.num_buffers, bucket.num_bytes)
+            posted.num_buffers += 1
+            for segment in update_info.segments(specs, bucket):
                 slices = segment.slices(self.bucket_size_bytes)
                 works = [post_broadcast(self._group, buffer[begin:end]) for begin, end in slices]
                 data = buffer[segment.offset : segment.offset + segment.num_bytes]
-                tensors = unpack_bucket(data, specs[segment.start : segment.stop])
-                posted.append((works, tensors, index == len(segments) - 1))
+                posted.add(works, unpack_bucket(data, specs[segment.start : segment.stop]))
+        return posted
 
-        def take() -> NamedTensors:
-            works, tensors, ends_bucket = posted.popleft()
-            for work in works:
-                work.wait(datetime.timedelta(seconds=self.timeout_seconds))
-            if ends_bucket:
-                post_next_bucket()
-            return tensors
+    def received_segments(self, update_info: GlooWeightTransferUpdateInfo) -> Iterator[NamedTensors]:
+        """Receive the update's tensors; yields named tensors as soon as they have landed.
 
-        post_next_bucket()
-        post_next_bucket()
-        while posted:
-            ready = take()
-            while posted and all(work.is_completed() for work in posted[0][0]):
-                ready += take()  # load what has already landed in one call
-            yield ready
+        For callers that load while receiving (the benchmark's floor); vLLM's worker
+        engine receives the whole update first (:meth:`post_update`).
+        """
+        yield from self.post_update(update_info).landed()
 
     def _receive_buffer(self, bucket_index: int, num_bytes: int) -> torch.Tensor:
         """Where bucket ``bucket_index`` of a sync lands: the same memory at every sync.
 
-        Within a sync each bucket has its own buffer, because layer-wise reload keeps
-        the loaded views until their layer is complete. Between syncs nothing refers
-        to them any more (every layer has been processed into vLLM's own tensors), so
-        they are kept and reused: fresh memory would be page-faulted in at every
-        sync, which measured slower than the copy itself. The cost is one model's
+        Within a sync each bucket has its own buffer: the whole update lands before
+        any of it is loaded, and layer-wise reload keeps the loaded views until their
+        layer is complete. Between syncs nothing refers to them any more (every layer
+        has been processed into vLLM's own tensors), so they are kept and reused: fresh
+        memory would be page-faulted in at every sync, which measured slower than the
+        copy itself. The cost is one model's
         worth of bytes held by the worker between syncs (freed with the receiver).
         """
         kept = self.kept_buffers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +25,8 @@ from lightning_vllm.transports.gloo.messages import (
     GlooWeightTransferUpdateInfo,
 )
 from lightning_vllm.transports.staging import StagingRing
+
+log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
 # Waiting on a broadcast polls, so a failure of the workers' update call ends it early.
@@ -53,6 +56,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     """
 
     init_info_cls = GlooTrainerInitInfo
+    # The workers receive the whole update while vLLM serves and load it inside
+    # finish_weight_update: generation needs pausing around that call only.
+    loads_at_finish = True
 
     def __init__(
         self,
@@ -172,9 +178,30 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 pass
             return
         self._connected_group()  # before the engine starts an update it could not finish
-        self.client.start_weight_update()
+        self._start_update()
         self.send_update(groups, tensors)
         self.client.finish_weight_update()
+
+    def _start_update(self) -> None:
+        """Start an update, closing first one that a stopped trainer left open.
+
+        vLLM refuses to start an update while another is open, and a trainer killed
+        between its start and finish calls leaves one open. On the gloo engine a finish
+        with nothing received loads nothing and commits no version, so it is a safe way
+        to close it; if it does not help, the first error is what is raised.
+        """
+        client = self.client if isinstance(self.client, TimedClient) else TimedClient(self.client, self.timeout_seconds)
+        try:
+            client.start_weight_update()
+        except WeightSyncTimeoutError:
+            raise
+        except Exception as error:
+            try:
+                client.close_open_update()
+            except Exception:
+                raise error from None
+            log.warning("Closed a weight update left open by an earlier trainer (%s); starting a new one.", error)
+            client.start_weight_update()
 
     def send_update(self, groups: Sequence[Sequence[TensorSpec]], tensors: Iterator[torch.Tensor]) -> None:
         """One ``update_weights`` call and the broadcasts that carry its tensors.

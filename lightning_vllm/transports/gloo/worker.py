@@ -9,7 +9,7 @@ from typing_extensions import override
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
-from lightning_vllm.transports.gloo.receiver import GlooReceiver, NamedTensors
+from lightning_vllm.transports.gloo.receiver import GlooReceiver, NamedTensors, PostedUpdate
 from lightning_vllm.transports.gloo.tied_embedding_fix import refresh_tied_embeddings
 
 if TYPE_CHECKING:
@@ -18,14 +18,22 @@ if TYPE_CHECKING:
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
-    """Receives buckets over gloo and loads them into vLLM's model.
+    """Receives a whole update over gloo while vLLM serves, then loads it in one call.
 
     vLLM builds it when the engine was created with
     ``weight_transfer_config={"backend": "gloo"}``, and calls, in order:
     ``init_transfer_engine`` once (joins the group; blocks until the trainer and
     every other worker have joined), then for each sync ``start_weight_update``
-    (starts layer-wise reload), ``receive_weights`` (blocks on the trainer's
-    broadcasts) and ``finish_weight_update`` (re-processes layers).
+    (opens an empty update), ``update_weights`` (posts the receives and returns at
+    once: gloo's threads take the bytes into kept buffers while the engine goes on
+    generating with the weights it has) and ``finish_weight_update`` (waits for every
+    byte, then loads the whole update under layer-wise reload).
+
+    The model is touched only inside ``finish_weight_update``, one engine-core call
+    that no generation step can interleave with: an engine serves the old weights or
+    the new ones, never a mix, and a trainer that stops before that call leaves the
+    model as it was. A finish with nothing received is a no-op; the updater uses it to
+    close an update a stopped trainer left open.
     """
 
     init_info_cls = GlooWeightTransferInitInfo
@@ -36,6 +44,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.receiver: GlooReceiver | None = None
+        self.pending: PostedUpdate | None = None
 
     def worker_rank(self, rank_offset: int) -> int:
         """This worker's rank in the transfer group, unique across data-parallel replicas."""
@@ -49,32 +58,35 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     @override
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    @override
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        refresh_tied_embeddings(self.model)
+        self.pending = None  # an update a stopped trainer left half-received is dropped, never loaded
 
     @override
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # The base class would call torch.accelerator.synchronize(), which is
-        # meaningless on a CPU worker; loads here are synchronous.
+        # The base class would call torch.accelerator.synchronize() after a blocking
+        # receive; here the receive is only posted.
         self.receive_weights(self.parse_update_info(update_info))
 
     @override
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         if self.receiver is None:
             raise RuntimeError("The gloo weight transfer is not initialised: call init_weight_transfer_engine first.")
+        self.pending = self.receiver.post_update(update_info, into=self.pending)
+
+    @override
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        pending, self.pending = self.pending, None
+        if pending is None or not len(pending):
+            return
+        received = pending.wait()  # raises before the model is touched if any byte is missing
+        initialize_layerwise_reload(self.model)
         with disable_mtp_completeness_check():
-            for tensors in self.receiver.received_segments(update_info):
+            for tensors in received:
                 self.model.load_weights(self._on_device(tensors))  # type: ignore[operator]  # every vLLM model has it
+        finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_embeddings(self.model)
 
     def _on_device(self, tensors: NamedTensors) -> NamedTensors:
         if self.device.type == "cpu":
@@ -83,4 +95,5 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     @override
     def shutdown(self) -> None:
+        self.pending = None
         self.receiver = None  # frees the group and the kept receive buffers
