@@ -228,7 +228,8 @@ class VLLMWeightSync(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.updater.weight_version = state_dict.get("weight_version", 0)
+        # Never back: the engine may already serve a later version than the checkpoint's.
+        self.updater.weight_version = max(self.updater.weight_version, state_dict.get("weight_version", 0))
         self._last_global_step_pushed = state_dict.get("last_global_step_pushed", -1)
 
     # -- rollouts -----------------------------------------------------------------

@@ -48,6 +48,10 @@ class ConnectionSettings:
 class EngineConnection:
     """A formed transfer group with one engine, and what goes on its wire.
 
+    ``reported_version`` is the weight version the engine served when the group
+    formed (``None`` if it is not a number), so that an updater that connects to an
+    engine another trainer already pushed to continues after it.
+
     Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`.
     Every call to the engine is bounded by the settings' ``timeout_seconds``.
     """
@@ -60,8 +64,10 @@ class EngineConnection:
         transfer: TrainerWeightTransferEngine[Any],
         wire: ModelMetadata,
         ties_word_embeddings: bool,
+        reported_version: int | None = None,
     ) -> None:
         self.engine = engine
+        self.reported_version = reported_version
         self.settings = settings
         self.client = client
         self.transfer = transfer
@@ -83,8 +89,13 @@ class EngineConnection:
         def bounded(fn: Callable[..., Any], what: str) -> Any:
             return call_with_timeout(fn, timeout=settings.timeout_seconds, what=what)
 
+        follow_timeout = getattr(engine, "follow_timeout", None)
+        if follow_timeout is not None:  # a server adapter's requests wait as long as the updater does
+            follow_timeout(settings.timeout_seconds)
+
         backend = _checked_backend(engine, settings, bounded)
         wire, ties = _wire_metadata(engine, metadata, bounded)
+        reported_version = _numbered(bounded(engine.get_weight_version, f"{engine.description}'s weight version"))
         register_backends()
         client = TimedClient(engine, settings.timeout_seconds)
         world_size = 1 + bounded(engine.num_workers, "the engine's world size")
@@ -98,9 +109,12 @@ class EngineConnection:
         )
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+        # A trainer killed inside an earlier push's commit window (between pause and
+        # resume) left the engine paused; a new connection is where that ends.
+        bounded(engine.resume_generation, f"{engine.description} to resume generation")
         log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
         transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=client)
-        return cls(engine, settings, client, transfer, wire, ties)
+        return cls(engine, settings, client, transfer, wire, ties, reported_version)
 
     @property
     def num_bytes(self) -> int:
@@ -179,6 +193,12 @@ class EngineConnection:
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return call_with_timeout(fn, *args, timeout=self.settings.timeout_seconds, what=what)
+
+
+def _numbered(version: str | None) -> int | None:
+    """A version the engine reports, as the number this package commits (``None``: not one of ours)."""
+    text = str(version).strip() if version is not None else ""
+    return int(text) if text.isdecimal() else None
 
 
 def _checked_backend(engine: EngineTarget, settings: ConnectionSettings, bounded: Callable[..., Any]) -> str:

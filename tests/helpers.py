@@ -244,21 +244,38 @@ def free_port() -> int:
 class VLLMServer:
     """``vllm serve`` (its module spelling: the CPU build's console script cannot start) as a subprocess."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *, dev_mode: bool = True, backend: str | None = "gloo") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        dev_mode: bool = True,
+        backend: str | None = "gloo",
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+    ) -> None:
         import subprocess
         import sys
 
         require_engine_tier()
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
+        self.api_key = api_key
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0"}
+        env.pop("VLLM_API_KEY", None)
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128",
+            "--host", host, "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128",
             "--enforce-eager", "--seed", "0",
         ]  # fmt: skip
         if backend is not None:
             command += ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
+        if api_key is not None:  # the RL routes and vLLM's own /v1 routes need the key
+            env["VLLM_API_KEY"] = api_key
+            command += ["--middleware", "lightning_vllm.server.RequireAPIKey"]
+        if netns is not None:  # run inside a network namespace the test made
+            command = ["ip", "netns", "exec", netns, *command]
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 

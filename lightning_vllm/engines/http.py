@@ -15,6 +15,7 @@ point: install lightning-vllm in the server's environment, nothing else.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -22,14 +23,59 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from lightning_vllm.engines.base import Generation, PauseMode
-from lightning_vllm.errors import EngineConfigError, WeightSyncError
+from lightning_vllm.errors import EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits
+from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_timeout
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 SERVER_COMMAND = 'VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config \'{"backend": "gloo"}\''
+
+# SamplingParams fields the completions route takes under the same name. Sampling
+# knobs a model's generation_config.json could change on the server are always sent,
+# so a server samples as an in-process engine does; the rest when not the default.
+_ALWAYS_SENT = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_SENT_WHEN_SET = (
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "logprob_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "bad_words",
+    "logit_bias",
+    "allowed_token_ids",
+    "structured_outputs",
+    "thinking_token_budget",
+    "repetition_detection",
+    "watermarking",
+)
+# Fields about how an in-process engine formats its outputs, or that vLLM derives from
+# the others (the server derives them again): nothing to send.
+_NOT_SENT = (
+    "output_kind",
+    "skip_clone",
+    "output_text_buffer_length",
+    "detokenize",
+    "flat_logprobs",
+    "skip_reading_prefix_cache",
+)
 
 
 class HTTPEngine:
@@ -37,50 +83,90 @@ class HTTPEngine:
 
     Args:
         base_url: the server's address, e.g. ``"http://127.0.0.1:8000"``.
-        timeout_seconds: the longest one HTTP request may take.
+        timeout_seconds: the longest one control request may take; ``None`` (the
+            default) follows the updater's ``timeout_seconds``.
+        api_key: sent as ``Authorization: Bearer`` on every request; defaults to the
+            ``VLLM_API_KEY`` environment variable. Servers that guard their RL routes
+            with :class:`lightning_vllm.server.RequireAPIKey` (or ``--api-key``) need it.
+        generate_timeout_seconds: the longest one ``/v1/completions`` request may take.
 
     Example::
 
-        >>> engine = HTTPEngine("http://127.0.0.1:8000")  # doctest: +SKIP
+        >>> engine = HTTPEngine("http://127.0.0.1:8000", api_key="secret")  # doctest: +SKIP
         >>> engine.transfer_backend()  # doctest: +SKIP
         'gloo'
     """
 
-    def __init__(self, base_url: str, timeout_seconds: float = 120.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_seconds: float | None = None,
+        *,
+        api_key: str | None = None,
+        generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
+    ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"Invalid engine URL {base_url!r}: expected e.g. 'http://127.0.0.1:8000'.")
         self.base_url = base_url.rstrip("/")
         self.timeout_seconds = timeout_seconds
-        self._sync = HTTPVLLMWeightSyncClient(self.base_url, timeout=timeout_seconds)
+        if timeout_seconds is not None:
+            validate_timeout(timeout_seconds)
+        validate_timeout(generate_timeout_seconds)
+        self.generate_timeout_seconds = generate_timeout_seconds
+        self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY") or None
 
     @property
     def description(self) -> str:
         return f"vLLM server at {self.base_url}"
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def follow_timeout(self, timeout_seconds: float) -> None:
+        """Use ``timeout_seconds`` for control requests unless the adapter was given its own."""
+        if self.timeout_seconds is None:
+            self.timeout_seconds = timeout_seconds
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        """One request; every failure becomes this package's error, with the server's own message."""
         import requests
 
         url = f"{self.base_url}/{path.lstrip('/')}"
+        timeout = timeout or self.timeout_seconds or DEFAULT_TIMEOUT_SECONDS
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            response = requests.request(method, url, timeout=self.timeout_seconds, **kwargs)
+            response = requests.request(method, url, timeout=timeout, headers=headers, **kwargs)
         except requests.ConnectionError as error:
             raise WeightSyncError(
                 f"Cannot reach the vLLM server at {self.base_url} ({type(error).__name__}). Check the URL and that the "
                 f"server is running, e.g. {SERVER_COMMAND}"
             ) from error
         except requests.Timeout as error:
-            raise WeightSyncError(
-                f"The vLLM server at {self.base_url} did not answer {path} within {self.timeout_seconds:g} s."
+            raise WeightSyncTimeoutError(
+                f"The vLLM server at {self.base_url} did not answer /{path} within {timeout:g} s. Raise the "
+                "updater's timeout_seconds if the server is busy (a large model), or check that it is alive."
             ) from error
+        except requests.RequestException as error:
+            raise WeightSyncError(f"The request to {url} failed: {error}") from error
+        if response.status_code == 401:
+            raise EngineConfigError(
+                f"The vLLM server at {self.base_url} refused /{path}: it needs an API key "
+                f"({_server_message(response)}). Pass api_key=... to HTTPEngine or set VLLM_API_KEY in the "
+                "trainer's environment to the server's key."
+            )
         if response.status_code == 404:
             raise EngineConfigError(
                 f"{url} does not exist: the server is not a vLLM server in dev mode. Start it with {SERVER_COMMAND}"
             )
         if not response.ok:
             raise WeightSyncError(
-                f"The vLLM server at {self.base_url} answered {path} with {response.status_code}: {response.text[:500]}"
+                f"The vLLM server at {self.base_url} answered /{path} with {response.status_code}: "
+                f"{_server_message(response)}"
             )
-        return response.json() if response.content else None
+        try:
+            return response.json() if response.content else None
+        except ValueError as error:
+            raise WeightSyncError(
+                f"The vLLM server at {self.base_url} answered /{path} with something that is not JSON: "
+                f"{response.text[:200]!r}"
+            ) from error
 
     @cached_property
     def _config(self) -> dict[str, Any]:
@@ -129,20 +215,23 @@ class HTTPEngine:
             accepts_text=not model_config.get("skip_tokenizer_init", False),
         )
 
+    # vLLM's weight-sync routes, with the same bodies as vLLM's HTTPVLLMWeightSyncClient
+    # (whose raw `requests` errors and fixed timeout this adapter replaces).
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._sync.init_weight_transfer_engine(init_info)
+        self._request("POST", "init_weight_transfer_engine", json={"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._sync.start_weight_update()
+        self._request("POST", "start_weight_update")
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
-        self._sync.update_weights(update_info)
+        self._request("POST", "update_weights", json={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._sync.finish_weight_update(weight_version)
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self._request("POST", "finish_weight_update", json=body)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._sync.shutdown_weight_transfer_engine()
+        self._request("POST", "shutdown_weight_transfer_engine")
 
     def get_weight_version(self) -> str | None:
         return self._request("GET", "weight_info")["weight_version"]
@@ -164,23 +253,16 @@ class HTTPEngine:
     def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         """Sample through the OpenAI-compatible ``/v1/completions`` route (token-id or text prompts).
 
-        The server needs a tokenizer beside its model for this route.
+        The server needs a tokenizer beside its model for this route. Every field of
+        ``sampling_params`` the route accepts is sent (see :func:`completion_fields`).
         """
-        body: dict[str, Any] = {
+        body = {
             "model": self.served_model,
             "prompt": list(prompts),
-            "max_tokens": sampling_params.max_tokens,
-            "temperature": sampling_params.temperature,
-            "top_p": sampling_params.top_p,
-            "n": sampling_params.n,
-            "seed": sampling_params.seed,
             "return_token_ids": True,
+            **completion_fields(sampling_params),
         }
-        if sampling_params.logprobs is not None:
-            body["logprobs"] = sampling_params.logprobs
-        if sampling_params.prompt_logprobs is not None:
-            body["prompt_logprobs"] = sampling_params.prompt_logprobs
-        response = self._request("POST", "v1/completions", json=body)
+        response = self._request("POST", "v1/completions", json=body, timeout=self.generate_timeout_seconds)
         version = self.get_weight_version()
         generations = []
         for choice in sorted(response["choices"], key=lambda choice: choice["index"]):
@@ -203,3 +285,51 @@ class HTTPEngine:
                 )
             )
         return generations
+
+
+def completion_fields(sampling_params: Any) -> dict[str, Any]:
+    """The ``/v1/completions`` body fields that make the server sample as ``sampling_params`` says.
+
+    Raises:
+        ValueError: a field is set that the completions route cannot take (e.g. ``extra_args``);
+            sampling through the server would silently differ from sampling in process.
+    """
+    import msgspec
+    from vllm import SamplingParams
+
+    default = SamplingParams()
+    fields = {name: getattr(sampling_params, name) for name in _ALWAYS_SENT}
+    for name in _SENT_WHEN_SET:
+        value = getattr(sampling_params, name)
+        if value != getattr(default, name):
+            fields[name] = value
+    refused = [
+        name
+        for name in SamplingParams.__struct_fields__
+        if not name.startswith("_")
+        and name not in _ALWAYS_SENT + _SENT_WHEN_SET + _NOT_SENT
+        and getattr(sampling_params, name) != getattr(default, name)
+    ]
+    if refused:
+        raise ValueError(
+            f"SamplingParams field(s) {refused} cannot be sent to a vLLM server's /v1/completions route, so the "
+            "server would sample differently than an in-process engine. Leave them at their defaults when "
+            "generating through HTTPEngine."
+        )
+    return {name: msgspec.to_builtins(value) for name, value in fields.items()}
+
+
+def _server_message(response: Any) -> str:
+    """The error message a vLLM (FastAPI) server put in its answer, else the start of the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return str(response.text[:500]) or response.reason
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        for key in ("detail", "message", "error"):
+            if body.get(key):
+                return str(body[key])
+    return str(body)[:500]

@@ -31,11 +31,17 @@ def served_model_dir(tmp_path_factory):
     return save_tokenizer(directory)
 
 
+SERVER_API_KEY = "lightning-vllm-test-key"
+
+
 @pytest.fixture(scope="package")
 def server(served_model_dir, tmp_path_factory):
-    """``vllm serve`` in dev mode with the gloo backend, as a real subprocess."""
-    server = start_server(served_model_dir, tmp_path_factory)
-    yield server
+    """``vllm serve`` in dev mode with the gloo backend, as a real subprocess, its routes guarded
+    by ``RequireAPIKey``: the tests' trainers send the key from ``VLLM_API_KEY``, as users do."""
+    server = start_server(served_model_dir, tmp_path_factory, api_key=SERVER_API_KEY)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_API_KEY", SERVER_API_KEY)
+        yield server
     server.stop()  # also runs when a test failed
 
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import free_port, start_server, tiny_qwen2
 from vllm import SamplingParams
 
-from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, WeightSyncError
+from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, WeightSyncError, WeightSyncTimeoutError
 
 
 @pytest.mark.engine
@@ -70,3 +70,108 @@ def test_servers_without_dev_mode_or_weight_transfer_config(
             VLLMUpdater(engine=misconfigured.url, timeout_seconds=10).push_weights(tiny_qwen2())
     finally:
         misconfigured.stop()
+
+
+class ScriptedHandler(http.server.BaseHTTPRequestHandler):
+    """Answers every request with the class's status and body (after ``delay`` seconds)."""
+
+    status, body, delay = 200, b"{}", 0.0
+    seen_headers: list = []
+
+    def do_GET(self):
+        self.answer()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.answer()
+
+    def answer(self):
+        type(self).seen_headers.append(dict(self.headers))
+        time.sleep(self.delay)
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def scripted_server(status: int, body: bytes, delay: float = 0.0):
+    handler = type("Handler", (ScriptedHandler,), {"status": status, "body": body, "delay": delay, "seen_headers": []})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def test_the_servers_own_error_message_is_in_the_error():
+    body = b'{"error": {"message": "start_weight_update called while a weight update is already active"}}'
+    httpd, _, url = scripted_server(500, body)
+    try:
+        with pytest.raises(WeightSyncError, match="answered /start_weight_update with 500: start_weight_update called"):
+            HTTPEngine(url).start_weight_update()
+    finally:
+        httpd.shutdown()
+
+
+def test_a_server_that_needs_a_key_says_so_and_the_key_is_sent(monkeypatch):
+    httpd, handler, url = scripted_server(401, b'{"error": {"message": "Unauthorized"}}')
+    try:
+        monkeypatch.setenv("VLLM_API_KEY", "from-env")
+        with pytest.raises(EngineConfigError, match="needs an API key.*api_key=.*VLLM_API_KEY"):
+            HTTPEngine(url).pause_generation("keep")
+        with pytest.raises(EngineConfigError):
+            HTTPEngine(url, api_key="given").resume_generation()
+        assert [headers.get("Authorization") for headers in handler.seen_headers] == [
+            "Bearer from-env",
+            "Bearer given",
+        ]
+    finally:
+        httpd.shutdown()
+
+
+def test_requests_follow_the_updaters_timeout():
+    httpd, _, url = scripted_server(200, b"{}", delay=3.0)
+    try:
+        engine = HTTPEngine(url)
+        engine.follow_timeout(1.0)
+        start = time.monotonic()
+        with pytest.raises(WeightSyncTimeoutError, match="did not answer /pause within 1 s"):
+            engine.pause_generation("keep")
+        assert time.monotonic() - start < 3.0
+        own = HTTPEngine(url, timeout_seconds=5.0)
+        own.follow_timeout(1.0)  # a timeout given to the adapter wins
+        assert own.timeout_seconds == 5.0
+    finally:
+        httpd.shutdown()
+
+
+def test_every_sampling_field_the_route_takes_is_sent_and_the_rest_refused():
+    from lightning_vllm.engines.http import completion_fields
+
+    params = SamplingParams(
+        max_tokens=5, temperature=0.7, top_k=4, min_p=0.1, stop=["x"], stop_token_ids=[3], ignore_eos=True,
+        repetition_penalty=1.2, logprobs=1, prompt_logprobs=0, min_tokens=2, seed=3,
+    )  # fmt: skip
+    fields = completion_fields(params)
+    assert fields["top_k"] == 4 and fields["min_p"] == 0.1 and fields["stop"] == ["x"]
+    assert fields["stop_token_ids"] == [3] and fields["ignore_eos"] is True and fields["min_tokens"] == 2
+    assert fields["repetition_penalty"] == 1.2 and fields["logprobs"] == 1 and fields["prompt_logprobs"] == 0
+    assert "bad_words" not in fields  # left at its default: not sent
+    with pytest.raises(ValueError, match=r"\['extra_args'\] cannot be sent"):
+        completion_fields(SamplingParams(extra_args={"a": 1}))
+
+
+@pytest.mark.engine
+def test_the_guarded_servers_rl_routes_refuse_requests_without_the_key(server):
+    import requests
+
+    for path in ("init_weight_transfer_engine", "start_weight_update", "pause", "reset_prefix_cache"):
+        assert requests.post(f"{server.url}/{path}", json={}, timeout=30).status_code == 401, path
+    assert requests.get(f"{server.url}/server_info", timeout=30).status_code == 401
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    with pytest.raises(EngineConfigError, match="needs an API key"):
+        VLLMUpdater(engine=HTTPEngine(server.url, api_key="not-the-key"), timeout_seconds=30).push_weights(tiny_qwen2())
+    assert not requests.get(
+        f"{server.url}/is_paused", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30
+    ).json()["is_paused"]

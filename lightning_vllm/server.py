@@ -1,0 +1,88 @@
+"""Guarding a vLLM server's RL routes: an ASGI middleware for ``vllm serve --middleware``.
+
+vLLM's ``--api-key`` guards only the OpenAI-style ``/v1`` routes. In dev mode (which
+the weight-transfer routes need) anyone who reaches the port could otherwise call
+``/init_weight_transfer_engine`` and point the workers at their own address, push
+arbitrary weights, or ``/pause`` the server. :class:`RequireAPIKey` answers 401 to
+every request without the key, except read-only health probes::
+
+    VLLM_API_KEY=secret VLLM_SERVER_DEV_MODE=1 vllm serve MODEL \\
+        --weight-transfer-config '{"backend": "gloo"}' \\
+        --middleware lightning_vllm.server.RequireAPIKey
+
+The trainer sends the key with ``HTTPEngine(url, api_key=...)`` or the same
+``VLLM_API_KEY`` variable in its environment. See ``docs/security.md``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Probes that read nothing about the model or the engine's state and change nothing:
+# load balancers and orchestrators call them without credentials.
+OPEN_PROBES = frozenset({"/health", "/ping", "/version", "/metrics"})
+
+
+class RequireAPIKey:
+    """ASGI middleware: every HTTP request but a health probe needs ``Authorization: Bearer <key>``.
+
+    The key is read from ``VLLM_API_KEY`` when the server starts (vLLM's own
+    ``--api-key`` reads the same variable, so one key guards every route). It fails
+    closed: a server started with this middleware but without the variable refuses to
+    start.
+
+    Args:
+        app: the ASGI application to guard (vLLM passes it).
+        api_key: the key; defaults to the ``VLLM_API_KEY`` environment variable.
+
+    Example::
+
+        >>> import asyncio
+        >>> async def app(scope, receive, send):
+        ...     await send({"type": "http.response.start", "status": 200, "headers": []})
+        ...     await send({"type": "http.response.body", "body": b"ok"})
+        >>> guarded, sent = RequireAPIKey(app, api_key="secret"), []
+        >>> async def send(message):
+        ...     sent.append(message)
+        >>> scope = {"type": "http", "method": "POST", "path": "/pause", "headers": []}
+        >>> asyncio.run(guarded(scope, None, send))
+        >>> sent[0]["status"]
+        401
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None) -> None:
+        key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY", "")
+        if not key:
+            raise RuntimeError(
+                "lightning_vllm.server.RequireAPIKey needs a key: set VLLM_API_KEY in the server's environment "
+                "(the trainer sends the same key with HTTPEngine(url, api_key=...) or its own VLLM_API_KEY)."
+            )
+        self.app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(
+            {"error": {"message": "This route needs the server's API key (Authorization: Bearer <key>).", "code": 401}}
+        ).encode()
+        headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _allowed(self, scope: Scope) -> bool:
+        if scope.get("method") in ("GET", "HEAD") and scope.get("path") in OPEN_PROBES:
+            return True
+        offered = dict(scope.get("headers") or []).get(b"authorization", b"")
+        return hmac.compare_digest(offered, self._expected)
