@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_vllm.engines import Generation, PauseMode
 from lightning_vllm.engines.local import build_local_engine
+from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError
 from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.rollouts import RolloutSampler
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
@@ -96,9 +98,16 @@ class VLLMWeightSync(Callback):
         generate_timeout_seconds: the longest one :meth:`generate` may take (10 minutes by
             default: long rollouts are legitimate, a frozen engine is not).
         updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above.
+        on_sync_error: ``"raise"`` (default) ends training when a push fails; ``"warn"`` warns,
+            logs ``vllm/sync_failures`` (failed pushes so far) and goes on training: the engine
+            keeps serving its last good weights, the next push point connects again (a server
+            restarted on the same URL is picked up), and each failed push counts as a version
+            the engine missed for ``max_staleness``. Errors that no retry can fix (a
+            misconfigured engine, weights that do not fit it) are raised either way.
 
     Raises:
-        ValueError: for a negative interval, or both ``engine`` and ``updater``.
+        ValueError: for a negative interval, both ``engine`` and ``updater``, or an unknown
+            ``on_sync_error``.
 
     Example::
 
@@ -125,8 +134,13 @@ class VLLMWeightSync(Callback):
         max_staleness: int | None = None,
         generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
         updater: VLLMUpdater | None = None,
+        on_sync_error: Literal["raise", "warn"] = "raise",
     ) -> None:
         self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)
+        if on_sync_error not in ("raise", "warn"):
+            raise ValueError(f"Invalid value for on_sync_error={on_sync_error!r}. Must be 'raise' or 'warn'.")
+        self.on_sync_error = on_sync_error
+        self.sync_failures = 0
         if engine is not None and updater is not None:
             raise ValueError("Pass either engine=... or updater=..., not both: the updater already holds its engine.")
         self.push_on_fit_start = push_on_fit_start
@@ -280,6 +294,25 @@ class VLLMWeightSync(Callback):
         self._last_global_step_pushed = trainer.global_step
         if trainer.sanity_checking:
             return
+        try:
+            self._push_now(trainer, pl_module)
+        except (EngineConfigError, WeightsMismatchError):
+            raise  # the same push would fail again: nothing to wait out
+        except WeightSyncError as error:
+            if self.on_sync_error == "raise":
+                raise
+            self.sync_failures += 1
+            self.rollouts.missed_versions += 1
+            rank_zero_warn(
+                f"Pushing weights to vLLM failed ({error}). Training goes on (on_sync_error='warn'); the engine keeps "
+                f"its last weights and the next push point tries again. Failed pushes so far: {self.sync_failures}."
+            )
+            for logger in trainer.loggers:
+                logger.log_metrics({"vllm/sync_failures": float(self.sync_failures)}, step=trainer.global_step)
+        else:
+            self.rollouts.missed_versions = 0
+
+    def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._ranks is not None and self._sharded:  # every rank gathers, rank 0 sends
             # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
             # the parameters no sub-module unit does.

@@ -66,6 +66,9 @@ class RolloutSampler:
         self.max_staleness = max_staleness
         self.timeout_seconds = timeout_seconds
         self._oldest_version: int | None = None
+        # Push points that failed since the last push that landed (``on_sync_error="warn"``):
+        # the policy moved on that many versions the engines never got.
+        self.missed_versions = 0
         # Set when this rank holds no engine and rank 0 generates for every rank.
         self.ranks: TrainerRanks | None = None
         # A generate that timed out keeps running on its thread; the next one on the
@@ -235,12 +238,13 @@ class RolloutSampler:
         if not weight_versions:
             return
         oldest = min(version_number(version) for version in weight_versions)
-        current = self.updater.weight_version
+        current = self.trainer_version
         if self.max_staleness is not None and current - oldest > self.max_staleness:
             raise StaleRolloutsError(
                 f"Rollouts from weight version {oldest} are {current - oldest} versions behind the trainer "
                 f"(version {current}), more than max_staleness={self.max_staleness}. Push more often "
                 "(every_n_train_steps), generate from the engines this callback updates, or raise max_staleness."
+                + (f" The last {self.missed_versions} push(es) failed." if self.missed_versions else "")
             )
         if self._oldest_version is None or oldest < self._oldest_version:
             self._oldest_version = oldest
@@ -249,9 +253,14 @@ class RolloutSampler:
         """The trainer's version minus the oldest version sampled since the last call (``None``: no samples)."""
         if self._oldest_version is None:
             return None
-        staleness = self.updater.weight_version - self._oldest_version
+        staleness = self.trainer_version - self._oldest_version
         self._oldest_version = None
         return staleness
+
+    @property
+    def trainer_version(self) -> int:
+        """The version the engines would serve if every push had landed."""
+        return self.updater.weight_version + self.missed_versions
 
 
 # Errors that cross ranks as JSON, raised again under the same type on every rank.

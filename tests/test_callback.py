@@ -19,7 +19,7 @@ from helpers import (
     vllm_prompt_logprobs,
 )
 
-from lightning_vllm import VLLMWeightSync
+from lightning_vllm import EngineConfigError, VLLMWeightSync, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.callback import PushSchedule
 
 # -- the decision alone ---------------------------------------------------------------
@@ -64,6 +64,7 @@ def test_a_push_is_due_every_nth_epoch_unless_the_step_was_pushed(every, epochs_
         ({"backend": "tcp"}, "backend='tcp'"),
         ({"timeout_seconds": 0}, "timeout_seconds=0"),
         ({"max_staleness": -1}, "max_staleness=-1"),
+        ({"on_sync_error": "ignore"}, "on_sync_error='ignore'"),
         ({"engine": "http://127.0.0.1:1", "updater": object()}, "either engine=... or updater=..."),
     ],
 )
@@ -86,6 +87,67 @@ def test_state_dict_round_trip_reads_old_checkpoints():
 
 
 # -- with a Trainer and a fake engine -------------------------------------------------
+
+
+class FlakyEngine(FakeEngine):
+    """A fake engine that is unreachable while ``down`` (as a restarting server is)."""
+
+    down = False
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        if self.down:
+            raise WeightSyncError("Cannot reach the vLLM server (test: it is restarting)")
+        super().init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        if self.down:
+            raise WeightSyncTimeoutError("The vLLM server did not answer (test: it is restarting)")
+        super().start_weight_update()
+
+
+class GoesDownAtStep2(TinyCausalLM):
+    """Takes the engine down before the push of step 2 and brings it back before step 4's."""
+
+    def __init__(self, engine: FlakyEngine) -> None:
+        super().__init__(tiny_qwen2(seed=0), lr=1e-3)
+        self.engine = engine
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx in (1, 3):
+            self.engine.down = batch_idx == 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_with_warn_failed_pushes_are_counted_and_the_next_push_point_reconnects(tmp_path):
+    engine = FlakyEngine(tiny_qwen2(seed=0))
+    module = GoesDownAtStep2(engine)
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=5, on_sync_error="warn")
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=5)
+
+    with pytest.warns(UserWarning, match="Pushing weights to vLLM failed.*Failed pushes so far: 2"):
+        trainer.fit(module, token_batches(num_batches=5))
+
+    assert tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_failures") == [(2, 1.0), (3, 2.0)]
+    assert pushed_steps(trainer) == [0, 1, 4, 5]  # fit start, step 1, then again once the engine is back
+    assert sync.weight_version == 4 and engine.version == "4" and engine.holds(module.hf)
+    assert sync.rollouts.missed_versions == 0  # the last push landed
+
+
+def test_by_default_a_failed_push_ends_training(tmp_path):
+    engine = FlakyEngine(tiny_qwen2(seed=0))
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=5)
+    with pytest.raises(WeightSyncTimeoutError, match="restarting"):
+        cpu_trainer(tmp_path, [sync], max_steps=5).fit(GoesDownAtStep2(engine), token_batches(num_batches=5))
+    assert sync.weight_version == 2
+
+
+def test_with_warn_a_misconfigured_engine_still_ends_training(tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
+    engine = FakeEngine(tiny_qwen2(seed=0, tie_word_embeddings=False))
+    engine.transfer_backend = lambda: "nccl"
+    sync = VLLMWeightSync(engine=engine, timeout_seconds=5, on_sync_error="warn")
+    with pytest.raises(EngineConfigError, match="expects weight-transfer backend 'nccl'"):
+        cpu_trainer(tmp_path, [sync], max_steps=1).fit(module, token_batches(num_batches=1))
 
 
 def pushed_steps(trainer) -> list[int]:

@@ -255,3 +255,13 @@ def test_ranks_that_each_hold_an_engine_generate_from_their_own(tmp_path):
     sync = VLLMWeightSync(engine=FakeEngine(module.hf), every_n_train_steps=1)
     trainer = cpu_trainer(tmp_path, [sync], max_steps=2, strategy="ddp_spawn", devices=2, logger=False)
     trainer.fit(module, token_batches(num_batches=4))  # an assertion failing on a rank fails the fit
+
+
+def test_pushes_that_failed_count_as_versions_the_engine_missed():
+    sampler = RolloutSampler(VLLMUpdater(), max_staleness=1)
+    sampler.updater.weight_version = 3
+    sampler.record(["2"])  # one behind: allowed
+    sampler.missed_versions = 2  # two push points failed since version 3 landed
+    assert sampler.trainer_version == 5 and sampler.take_staleness() == 3
+    with pytest.raises(StaleRolloutsError, match="3 versions behind.*The last 2 push\\(es\\) failed"):
+        sampler.record(["2"])
