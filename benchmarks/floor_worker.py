@@ -30,3 +30,21 @@ class FloorWorkerExtension:
         transported = time.perf_counter()
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return {"transport_seconds": transported - start, "load_seconds": time.perf_counter() - transported}
+
+    def benchmark_streaming_receive(self, update_info: dict[str, Any]) -> None:
+        """Load each segment as soon as it lands, under one layer-wise reload.
+
+        The gloo worker's design before atomic updates: it overlaps loading with
+        receiving, but a transfer that breaks half way leaves the model half updated.
+        Timed against ours, it is what atomicity costs.
+        """
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from lightning_vllm.transports.gloo.tied_embedding_fix import refresh_tied_embeddings
+
+        engine = self.weight_transfer_engine
+        initialize_layerwise_reload(engine.model)
+        for tensors in engine.receiver.received_segments(engine.parse_update_info(update_info)):
+            engine.model.load_weights(tensors)
+        finalize_layerwise_reload(engine.model, engine.model_config)
+        refresh_tied_embeddings(engine.model)

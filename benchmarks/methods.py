@@ -6,6 +6,8 @@
   ``reload_weights(weights_path=...)``.
 * ``per_tensor``: the design of TorchRL's first updater and classic TRL: one control
   call and one broadcast per tensor (same gloo transport and worker as ours).
+* ``streaming``: ours, but each worker loads what has landed while the rest is still
+  coming, as it did before updates became atomic: ours over it is what atomicity costs.
 * ``floor``: the same bytes through the same transport with nothing else to do (the
   worker only receives), then vLLM's in-memory ``reload_weights`` of the received
   tensors (see ``floor_worker.py``): what a sync costs if moving and loading the
@@ -32,7 +34,7 @@ from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeigh
 from lightning_vllm.weights import weights_from
 
 TIMEOUT_SECONDS = 600.0
-METHODS = ("ours", "disk", "per_tensor", "floor")
+METHODS = ("ours", "disk", "per_tensor", "streaming", "floor")
 
 
 class SyncMethods:
@@ -55,6 +57,7 @@ class SyncMethods:
         self._raw_method: str | None = None
         self._connected: VLLMUpdater | None = None
         self.floor_client = FloorClient(llm)
+        self.streaming_client = StreamingClient(llm)
 
     def run(self, method: str) -> float:
         """Run ``method`` once; returns its wall-clock seconds.
@@ -70,7 +73,7 @@ class SyncMethods:
         elif method == "disk":
             connected = False
             action = self.disk
-        elif method in ("per_tensor", "floor"):
+        elif method in ("per_tensor", "floor", "streaming"):
             connected, raw = self._connect_raw(method)
             action = lambda: self.per_tensor(raw) if method == "per_tensor" else raw.send_weights()  # noqa: E731
         else:
@@ -94,20 +97,21 @@ class SyncMethods:
         return True
 
     def _connect_raw(self, method: str) -> tuple[bool, GlooTrainerWeightTransferEngine]:
-        """The bare trainer engine of the per-tensor or floor method, and whether it had to connect.
+        """The bare trainer engine of the per-tensor, streaming or floor method, and whether it had to connect.
 
-        The floor's engine talks to the worker through :class:`FloorClient` and replays the model's weights.
+        The floor's and streaming's engines talk to the worker through their own clients and
+        replay the model's weights.
         """
         if self._raw is not None and self._raw_method == method:
             return False, self._raw
         self._disconnect()
-        floor = method == "floor"
+        clients = {"floor": self.floor_client, "streaming": self.streaming_client}
         self._raw = GlooTrainerWeightTransferEngine.trainer_init(
             GlooTrainerInitInfo(
                 world_size=2, bucket_size_bytes=self.bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS
             ),
-            client=self.floor_client if floor else as_engine_target(self.llm),
-            source=weights_from(self.model) if floor else None,
+            client=clients.get(method) or as_engine_target(self.llm),
+            source=weights_from(self.model) if method in clients else None,
         )
         self._raw_method = method
         return True, self._raw
@@ -187,3 +191,11 @@ class FloorClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         as_engine_target(self.llm).shutdown_weight_transfer_engine()
+
+
+class StreamingClient(FloorClient):
+    """The weight-sync client of ``streaming``: its update loads each segment as it lands
+    (``floor_worker.py``), under its own layer-wise reload."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("benchmark_streaming_receive", args=(update_info,))

@@ -188,6 +188,10 @@ Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
 
 {timing_table([*results, many], METHODS)}
 
+Atomic updates (the workers receive the whole update, then load it in one call) against
+`streaming` (each segment loaded as it lands, the design before): ours / streaming
+{", ".join(f"{result.name} {result.ratio('ours', 'streaming'):.2f}" for result in [*results, many])}.
+
 ### Against the targets
 
 {targets_table(results, many)}

@@ -20,7 +20,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
-from lightning_vllm._waits import TimedClient, call_with_timeout
+from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.transports import resolve_backend, trainer_init_info
@@ -154,7 +154,9 @@ class EngineConnection:
         try:
             self.transfer.send_weights()
         except BaseException:
-            self.close()
+            # The engine may be frozen or gone: release its side without waiting, so
+            # the error reaches the caller within timeout_seconds.
+            self.close(wait=False)
             raise
         finally:
             self.transfer.source = None
@@ -172,9 +174,12 @@ class EngineConnection:
             yield
             if self.settings.reset_prefix_cache:
                 self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
-        finally:
-            if pause:
-                self._resume()
+        except BaseException:
+            if pause:  # asked without waiting: a frozen engine must not double the wait
+                BackgroundCall(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
+            raise
+        if pause:
+            self._resume()
 
     def _pause(self) -> None:
         engine = self.engine
@@ -183,9 +188,20 @@ class EngineConnection:
     def _resume(self) -> None:
         self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
 
-    def close(self) -> None:
-        """Leave the group and release the engine's side of it; the engine keeps serving."""
+    def close(self, wait: bool = True) -> None:
+        """Leave the group and release the engine's side of it; the engine keeps serving.
+
+        Args:
+            wait: wait (at most ``timeout_seconds``) for the engine to release its side;
+                ``False`` asks on a background thread and returns at once.
+        """
         self.transfer.shutdown()
+        if not wait:
+            BackgroundCall(self._release_engine_side, what=f"{self.engine.description} to release its group")
+            return
+        self._release_engine_side()
+
+    def _release_engine_side(self) -> None:
         try:
             self.client.shutdown_weight_transfer_engine()
         except Exception as error:  # the engine may be gone; nothing left to release then

@@ -69,3 +69,52 @@ def test_a_frozen_engine_ends_the_rollout_in_time_and_serves_again_after(kind, r
 
     (after,) = sync.generate([[1, 2, 3]], params)  # waits for the generate that timed out first
     assert after.token_ids == before.token_ids
+
+
+class FreezesMidPush:
+    """An engine adapter that stops its engine core (SIGSTOP) once the workers have posted
+    their receives for an update: the rest of the push meets a frozen engine."""
+
+    def __init__(self, inner, core_pid: int) -> None:
+        self.inner = inner
+        self.core_pid = core_pid
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info) -> None:
+        self.inner.update_weights(update_info)
+        os.kill(self.core_pid, signal.SIGSTOP)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_an_engine_frozen_mid_push_fails_the_push_in_time_and_serves_whole_weights_after(kind, request):
+    from helpers import assert_serves, tiny_qwen2
+
+    from lightning_vllm import VLLMUpdater
+    from lightning_vllm.engines import as_engine_target
+
+    given, core_pid = ENGINES[kind](request)
+    engine = as_engine_target(given)
+    old_model, new_model = tiny_qwen2(seed=31), tiny_qwen2(seed=32)
+    updater = VLLMUpdater(engine=engine, timeout_seconds=30)
+    old_version = updater.push_weights(old_model).weight_version
+    updater.close()
+
+    frozen = VLLMUpdater(engine=FreezesMidPush(engine, core_pid), timeout_seconds=FREEZE_TIMEOUT_SECONDS)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WeightSyncTimeoutError):
+            frozen.push_weights(new_model)
+        assert time.monotonic() - start < FREEZE_TIMEOUT_SECONDS + 10
+    finally:
+        os.kill(core_pid, signal.SIGCONT)
+
+    # Back from the freeze, the engine serves one whole set of weights under its own
+    # version: the old ones, or the new ones if the update had fully landed.
+    updater = VLLMUpdater(engine=engine, timeout_seconds=60)
+    stats = updater.push_weights(old_model)  # the next push closes what the frozen one left open
+    updater.close()
+    assert stats.weight_version > old_version
+    assert engine.get_weight_version() == str(stats.weight_version)
+    assert_serves(given if kind == "in-process vllm.LLM" else engine, old_model)

@@ -30,15 +30,16 @@ def test_training_keeps_two_engines_in_sync(llm, second_llm, tmp_path):
 def test_worker_ids_update_only_the_engines_named(llm, second_llm):
     first, second = tiny_qwen2(seed=60), tiny_qwen2(seed=61)
     updater = VLLMUpdater(engine=[llm, second_llm])
-    updater.push_weights(first)
-    versions = updater.engine_versions()
+    # Both engines already served versions of their own: the count goes on after the larger.
+    version = updater.push_weights(first).weight_version
+    assert updater.engine_versions() == {0: str(version), 1: str(version)}
     updater.push_weights(second, worker_ids=[1])
     assert_serves(llm, first)
     assert_serves(second_llm, second)
-    assert updater.engine_versions() == {0: versions[0], 1: "2"}
+    assert updater.engine_versions() == {0: str(version), 1: str(version + 1)}
     updater.push_weights(second, worker_ids=0)
     assert_serves(llm, second)
-    assert updater.engine_versions() == {0: "3", 1: "2"}
+    assert updater.engine_versions() == {0: str(version + 2), 1: str(version + 1)}
     updater.close()
 
 
