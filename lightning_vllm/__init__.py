@@ -26,10 +26,11 @@ from lightning_vllm.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_vllm.rollouts import generate
-from lightning_vllm.server import RequireAPIKey
+from lightning_vllm.server import PauseLease, RequireAPIKey
 from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
 
 __all__ = [
+    "PauseLease",
     "RequireAPIKey",
     "StaleRolloutsError",
     "generate",

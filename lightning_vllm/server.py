@@ -12,12 +12,17 @@ every request without the key, except read-only health probes::
 
 The trainer sends the key with ``HTTPEngine(url, api_key=...)`` or the same
 ``VLLM_API_KEY`` variable in its environment. See ``docs/security.md``.
+
+:class:`PauseLease` makes a server resume by itself when the trainer that paused it
+dies before resuming it (add it with a second ``--middleware`` option).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -27,6 +32,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger(__name__)
+
+# The header with which HTTPEngine asks for a pause that ends by itself.
+PAUSE_LEASE_HEADER = "x-lightning-vllm-pause-lease"
 
 # Probes that read nothing about the model or the engine's state and change nothing:
 # load balancers and orchestrators call them without credentials.
@@ -86,3 +96,64 @@ class RequireAPIKey:
             return True
         offered = dict(scope.get("headers") or []).get(b"authorization", b"")
         return hmac.compare_digest(offered, self._expected)
+
+
+class PauseLease:
+    """ASGI middleware: a ``/pause`` that carries a lease ends by itself if no ``/resume`` comes.
+
+    A trainer pauses generation for the few hundred milliseconds in which the engine
+    loads and commits an update. Killed inside that window, it would leave the server
+    paused for good. ``HTTPEngine`` sends each ``/pause`` with the header
+    ``X-Lightning-VLLM-Pause-Lease: <seconds>`` (its timeout plus 5 s); this middleware
+    resumes generation when the lease runs out, unless a ``/resume`` came first. A
+    ``/pause`` without the header (an operator's) is left alone.
+
+    Args:
+        app: the ASGI application (vLLM passes it).
+
+    Example (the server side)::
+
+        VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "gloo"}' \\
+            --middleware lightning_vllm.server.RequireAPIKey --middleware lightning_vllm.server.PauseLease
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._expiry: asyncio.TimerHandle | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ("/pause", "/resume"):
+            await self.app(scope, receive, send)
+            return
+        status: list[int] = []
+
+        async def send_and_note(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, send_and_note)
+        if not status or status[0] >= 400:
+            return
+        self._cancel()  # a new pause, or a resume, replaces any lease running
+        lease = dict(scope.get("headers") or []).get(PAUSE_LEASE_HEADER.encode())
+        if scope["path"] == "/pause" and lease is not None:
+            seconds = float(lease.decode())
+            engine_client = scope["app"].state.engine_client
+            self._expiry = asyncio.get_running_loop().call_later(
+                seconds, lambda: asyncio.ensure_future(self._expire(engine_client, seconds))
+            )
+
+    def _cancel(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    async def _expire(self, engine_client: Any, seconds: float) -> None:
+        self._expiry = None
+        log.warning(
+            "Generation was paused by a trainer that did not resume it within its %g s lease (it stopped or "
+            "died mid-push); resuming.",
+            seconds,
+        )
+        await engine_client.resume_generation()

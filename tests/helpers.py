@@ -7,6 +7,7 @@ Everything is built locally (no model hub): a random Qwen2 small enough for a
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 128
 TOLERANCE = 1e-4
+SERVER_API_KEY = "lightning-vllm-test-key"  # the key of the test servers' RequireAPIKey
 """How close vLLM's float32 prompt logprobs must come to the Hugging Face model's after a sync."""
 PROMPTS = [[1, 5, 9, 33, 7, 2], [100, 200, 300, 400], [7, 7, 7, 8, 9, 10, 11, 12], [42, 13, 250, 500, 3]]
 
@@ -254,12 +256,13 @@ class VLLMServer:
         api_key: str | None = None,
         host: str = "127.0.0.1",
         netns: str | None = None,
+        port: int | None = None,
     ) -> None:
         import subprocess
         import sys
 
         require_engine_tier()
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
         self.api_key = api_key
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0"}
@@ -274,6 +277,7 @@ class VLLMServer:
         if api_key is not None:  # the RL routes and vLLM's own /v1 routes need the key
             env["VLLM_API_KEY"] = api_key
             command += ["--middleware", "lightning_vllm.server.RequireAPIKey"]
+            command += ["--middleware", "lightning_vllm.server.PauseLease"]
         if netns is not None:  # run inside a network namespace the test made
             command = ["ip", "netns", "exec", netns, *command]
         self.log = open(log_path, "w")
@@ -295,6 +299,18 @@ class VLLMServer:
                 pass
             time.sleep(1)
         raise TimeoutError(f"vLLM server at {self.url} not healthy after {timeout} s; see {self.log.name}")
+
+    def kill(self) -> None:
+        """SIGKILL the server and every vLLM process below it, as a crash would."""
+        import psutil
+
+        processes = [self.process.pid, *(child.pid for child in psutil.Process(self.process.pid).children(True))]
+        for pid in processes:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=30)
 
     def stop(self) -> None:
         import subprocess

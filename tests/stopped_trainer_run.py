@@ -6,7 +6,8 @@ Run by tests/engines/test_failures.py, which SIGKILLs it once it prints ``STOPPE
 * ``after-start``: vLLM has opened the update (``start_weight_update``), no byte sent;
 * ``mid-transfer``: the workers have posted their receives and the first broadcast is out;
 * ``before-commit``: every byte has been sent; generation is not paused yet and the call
-  that loads and commits is not made.
+  that loads and commits is not made;
+* ``in-commit``: generation is paused (with a lease), the call that loads is not made.
 
 The stop is a sleep inside the trainer's own call (nothing about vLLM is faked): what
 the test observes is what a real trainer killed at that point leaves behind.
@@ -46,6 +47,8 @@ class StoppingHTTPEngine(HTTPEngine):
         if self.point == "before-commit":
             stop_here()
         super().pause_generation(mode)
+        if self.point == "in-commit":
+            stop_here()
 
 
 def stop_after_first_broadcast() -> None:

@@ -64,3 +64,65 @@ def test_the_key_comes_from_the_environment_and_is_required(monkeypatch):
 
 def test_the_docstring_example_runs():
     assert doctest.testmod(lightning_vllm.server).failed == 0
+
+
+class FakeEngineClient:
+    """Stands in for vLLM's engine client behind the routes: counts resumes."""
+
+    def __init__(self) -> None:
+        self.resumes = 0
+
+    async def resume_generation(self) -> None:
+        self.resumes += 1
+
+
+def lease_scenario(requests: list[tuple[str, float | None, int]], wait: float) -> int:
+    """Send ``(path, lease seconds or None, status the route answers)`` in order through
+    ``PauseLease``, wait ``wait`` seconds, and return how many times it resumed by itself."""
+    from types import SimpleNamespace
+
+    from lightning_vllm.server import PAUSE_LEASE_HEADER, PauseLease
+
+    client = FakeEngineClient()
+    app_state = SimpleNamespace(state=SimpleNamespace(engine_client=client))
+
+    async def run() -> None:
+        for path, lease, status in requests:
+
+            async def route(scope, receive, send, status=status):
+                await send({"type": "http.response.start", "status": status, "headers": []})
+                await send({"type": "http.response.body", "body": b"{}"})
+
+            async def send(message):
+                pass
+
+            headers = [(PAUSE_LEASE_HEADER.encode(), str(lease).encode())] if lease is not None else []
+            scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "app": app_state}
+            await middleware_for(route)(scope, None, send)
+        await asyncio.sleep(wait)
+
+    middleware = PauseLease(None)
+
+    def middleware_for(route):
+        middleware.app = route
+        return middleware
+
+    asyncio.run(run())
+    return client.resumes
+
+
+def test_a_pause_whose_lease_runs_out_is_resumed_by_the_server():
+    assert lease_scenario([("/pause", 0.1, 200)], wait=0.5) == 1
+
+
+def test_a_resume_in_time_ends_the_lease():
+    assert lease_scenario([("/pause", 0.3, 200), ("/resume", None, 200)], wait=0.6) == 0
+
+
+def test_pauses_without_a_lease_or_that_failed_are_left_alone():
+    assert lease_scenario([("/pause", None, 200)], wait=0.3) == 0
+    assert lease_scenario([("/pause", 0.1, 500)], wait=0.3) == 0
+
+
+def test_a_new_pause_replaces_the_lease_running():
+    assert lease_scenario([("/pause", 0.2, 200), ("/pause", 10.0, 200)], wait=0.5) == 0

@@ -10,6 +10,7 @@ served from half-updated weights.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -24,6 +25,8 @@ from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, genera
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 
 _T = TypeVar("_T")
+
+log = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine(EngineConfigFacts):
@@ -85,7 +88,10 @@ class AsyncLLMEngine(EngineConfigFacts):
         return self.run(self.async_llm.get_weight_version())
 
     def reset_prefix_cache(self) -> None:
-        self.run(self.async_llm.reset_prefix_cache())
+        # Requests kept across the update ("keep") hold KV computed with the old weights:
+        # preempted, they are recomputed with the new ones, and the reset cannot fail on them.
+        if not self.run(self.async_llm.reset_prefix_cache(reset_running_requests=True)):
+            log.warning("AsyncLLM could not reset its prefix cache after a weight update.")
 
     def pause_generation(self, mode: PauseMode) -> None:
         self.run(self.async_llm.pause_generation(mode=mode, clear_cache=False))

@@ -15,6 +15,7 @@ point: install lightning-vllm in the server's environment, nothing else.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from functools import cached_property
@@ -27,9 +28,11 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 from lightning_vllm.engines.base import Generation, PauseMode
 from lightning_vllm.errors import EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits
+from lightning_vllm.server import PAUSE_LEASE_HEADER
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_timeout
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
+PAUSE_LEASE_MARGIN_SECONDS = 5.0
 SERVER_COMMAND = 'VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config \'{"backend": "gloo"}\''
 
 # SamplingParams fields the completions route takes under the same name. Sampling
@@ -76,6 +79,8 @@ _NOT_SENT = (
     "flat_logprobs",
     "skip_reading_prefix_cache",
 )
+
+log = logging.getLogger(__name__)
 
 
 class HTTPEngine:
@@ -124,13 +129,21 @@ class HTTPEngine:
         if self.timeout_seconds is None:
             self.timeout_seconds = timeout_seconds
 
-    def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """One request; every failure becomes this package's error, with the server's own message."""
         import requests
 
         url = f"{self.base_url}/{path.lstrip('/')}"
         timeout = timeout or self.timeout_seconds or DEFAULT_TIMEOUT_SECONDS
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {**(headers or {}), **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         try:
             response = requests.request(method, url, timeout=timeout, headers=headers, **kwargs)
         except requests.ConnectionError as error:
@@ -237,10 +250,17 @@ class HTTPEngine:
         return self._request("GET", "weight_info")["weight_version"]
 
     def reset_prefix_cache(self) -> None:
-        self._request("POST", "reset_prefix_cache")
+        # As for AsyncLLM: requests kept across the update are recomputed with the new weights.
+        answer = self._request("POST", "reset_prefix_cache", params={"reset_running_requests": "true"})
+        if isinstance(answer, dict) and answer.get("success") is False:
+            log.warning("The vLLM server at %s could not reset its prefix cache after a weight update.", self.base_url)
 
     def pause_generation(self, mode: PauseMode) -> None:
-        self._request("POST", "pause", params={"mode": mode, "clear_cache": "false"})
+        # A server with lightning_vllm.server.PauseLease resumes by itself if this trainer
+        # dies before its /resume; other servers ignore the header.
+        lease = (self.timeout_seconds or DEFAULT_TIMEOUT_SECONDS) + PAUSE_LEASE_MARGIN_SECONDS
+        headers = {PAUSE_LEASE_HEADER: f"{lease:g}"}
+        self._request("POST", "pause", params={"mode": mode, "clear_cache": "false"}, headers=headers)
 
     def resume_generation(self) -> None:
         self._request("POST", "resume")

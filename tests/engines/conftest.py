@@ -7,7 +7,7 @@ rest of the suite.
 from __future__ import annotations
 
 import pytest
-from helpers import engine_kwargs, save_model, save_tokenizer, start_server, tiny_qwen2
+from helpers import SERVER_API_KEY, engine_kwargs, save_model, save_tokenizer, start_server, tiny_qwen2
 
 from lightning_vllm import AsyncLLMEngine
 
@@ -29,9 +29,6 @@ def served_model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("served")
     save_model(tiny_qwen2(seed=0), directory)
     return save_tokenizer(directory)
-
-
-SERVER_API_KEY = "lightning-vllm-test-key"
 
 
 @pytest.fixture(scope="package")

@@ -1,5 +1,7 @@
 """A trainer killed at any point of a push leaves ``vllm serve`` serving its last committed
-weights and version, never frozen, and the next trainer connects, pushes and counts on."""
+weights and version within its timeout + 10 s (at once, unless it died inside the short
+commit window, which the server's ``PauseLease`` ends), and the next trainer connects,
+pushes and counts on."""
 
 from __future__ import annotations
 
@@ -10,9 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_serves, tiny_qwen2
+from helpers import (
+    SERVER_API_KEY,
+    TinyCausalLM,
+    VLLMServer,
+    assert_serves,
+    cpu_trainer,
+    tensorboard_scalars,
+    tiny_qwen2,
+    token_batches,
+)
 
-from lightning_vllm import HTTPEngine, VLLMUpdater
+from lightning_vllm import HTTPEngine, VLLMUpdater, VLLMWeightSync
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +44,7 @@ def wait_for_line(process: subprocess.Popen, expected: str, timeout: float) -> N
     raise AssertionError(f"no {expected!r} in 10000 lines")
 
 
-@pytest.mark.parametrize("point", ["after-start", "mid-transfer", "before-commit"])
+@pytest.mark.parametrize("point", ["after-start", "mid-transfer", "before-commit", "in-commit"])
 def test_a_trainer_killed_during_a_push_leaves_the_last_committed_weights(server, point):
     engine = HTTPEngine(server.url)
     committed_model = tiny_qwen2(seed=21)
@@ -50,11 +61,12 @@ def test_a_trainer_killed_during_a_push_leaves_the_last_committed_weights(server
     )
     try:
         wait_for_line(trainer, "STOPPED", timeout=180)
-        # The trainer sits inside its push: the server still generates, with the old weights.
-        started = time.monotonic()
-        assert_serves(engine, committed_model)
-        assert engine.get_weight_version() == committed_version
-        assert time.monotonic() - started < KILLED_TRAINER_TIMEOUT_SECONDS
+        if point != "in-commit":  # paused only inside the commit window
+            # The trainer sits inside its push: the server still generates, with the old weights.
+            started = time.monotonic()
+            assert_serves(engine, committed_model)
+            assert engine.get_weight_version() == committed_version
+            assert time.monotonic() - started < KILLED_TRAINER_TIMEOUT_SECONDS
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
@@ -72,3 +84,59 @@ def test_a_trainer_killed_during_a_push_leaves_the_last_committed_weights(server
     assert stats.weight_version == int(committed_version) + 1
     assert engine.get_weight_version() == str(stats.weight_version)
     assert_serves(engine, next_model)
+
+
+class KillsTheServerMidPush(HTTPEngine):
+    """The package's server adapter; at the push numbered ``kill_at`` it SIGKILLs the whole
+    server right after the workers posted their receives."""
+
+    def __init__(self, server, kill_at: int) -> None:
+        super().__init__(server.url, api_key=server.api_key)
+        self.server, self.kill_at, self.num_updates = server, kill_at, 0
+
+    def update_weights(self, update_info) -> None:
+        super().update_weights(update_info)
+        self.num_updates += 1
+        if self.num_updates == self.kill_at:
+            self.server.kill()
+
+
+class RestartsTheServer(TinyCausalLM):
+    """Restarts the killed server on the same URL in training step 3."""
+
+    def __init__(self, restart) -> None:
+        super().__init__(tiny_qwen2(seed=0), lr=1e-2)
+        self.restart = restart
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            self.restart()
+        return super().training_step(batch, batch_idx)
+
+
+def test_with_warn_training_outlives_a_server_killed_mid_push_and_its_restart(served_model_dir, tmp_path):
+    server = VLLMServer(served_model_dir, tmp_path / "server.log", api_key=SERVER_API_KEY)
+    servers = [server]
+
+    def restart() -> None:
+        servers.append(
+            VLLMServer(served_model_dir, tmp_path / "restarted.log", api_key=SERVER_API_KEY, port=server.port)
+        )
+        servers[-1].wait_until_healthy()
+
+    try:
+        server.wait_until_healthy()
+        engine = KillsTheServerMidPush(server, kill_at=2)  # fit start lands, step 1's push meets the kill
+        module = RestartsTheServer(restart)
+        sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=20, on_sync_error="warn")
+        trainer = cpu_trainer(tmp_path, [sync], max_steps=3)
+        with pytest.warns(UserWarning, match="Pushing weights to vLLM failed"):
+            trainer.fit(module, token_batches(num_batches=3))
+
+        # Step 1's push failed, step 2's met no server (restarted in step 3), step 3's landed.
+        assert tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_failures") == [(1, 1.0), (2, 2.0)]
+        assert sync.weight_version == 2 and engine.get_weight_version() == "2"
+        assert_serves(engine, module.hf)
+    finally:
+        for each in servers:
+            each.stop()
