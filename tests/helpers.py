@@ -151,6 +151,13 @@ def served_logprobs(engine) -> list[list[float]]:
     return vllm_prompt_logprobs(engine) if isinstance(engine, LLM) else engine_prompt_logprobs(engine)
 
 
+def served_version(engine) -> int:
+    """The weight version ``engine`` (a ``vllm.LLM`` or an adapter) serves, as a number (0: none
+    pushed). Engines are shared between tests, and versions go on from what an engine serves."""
+    version = engine.get_weight_version()
+    return int(version) if version is not None and str(version).isdecimal() else 0
+
+
 def assert_serves(engine, model) -> None:
     """``engine`` serves ``model``'s weights: prompt logprobs within ``TOLERANCE`` and, for a
     ``vllm.LLM``, the same greedy tokens."""
@@ -281,7 +288,15 @@ class VLLMServer:
         if netns is not None:  # run inside a network namespace the test made
             command = ["ip", "netns", "exec", netns, *command]
         self.log = open(log_path, "w")
+        self._command, self._env = command, env
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def start_again(self) -> None:
+        """Start the server again, same command and URL, after :meth:`kill` (returns at once)."""
+        import subprocess
+
+        assert self.process.poll() is not None, "kill() the server first"
+        self.process = subprocess.Popen(self._command, env=self._env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_until_healthy(self, timeout: float = 240.0) -> None:
         import time

@@ -13,6 +13,7 @@ from helpers import (
     cpu_trainer,
     hf_prompt_logprobs,
     max_abs_diff,
+    served_version,
     tensorboard_scalars,
     tiny_qwen2,
     token_batches,
@@ -246,7 +247,7 @@ def test_an_exception_in_training_releases_the_group(tmp_path):
 @pytest.mark.engine
 def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
-    served_before = vllm_prompt_logprobs(llm)
+    served_before, v = vllm_prompt_logprobs(llm), served_version(llm)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=60)
     trainer = cpu_trainer(tmp_path, [sync], max_steps=6)
 
@@ -256,11 +257,11 @@ def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
     module.hf.eval()
     assert max_abs_diff(served_before, hf_prompt_logprobs(module.hf)) > 1e-2
     assert_serves(llm, module.hf)
-    # Fit start, then steps 2, 4 and 6.
-    assert sync.weight_version == 4
-    assert llm.get_weight_version() == "4"
+    # Fit start, then steps 2, 4 and 6, counting on from what the shared engine served.
+    assert sync.weight_version == v + 4
+    assert llm.get_weight_version() == str(v + 4)
     logged = tensorboard_scalars(trainer.logger.log_dir, "vllm/weight_version")
-    assert logged == [(0, 1.0), (2, 2.0), (4, 3.0), (6, 4.0)]
+    assert logged == [(0, v + 1.0), (2, v + 2.0), (4, v + 3.0), (6, v + 4.0)]
     sync_seconds = tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_seconds")
     sync_bytes = tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_bytes")
     assert len(sync_seconds) == 4 and all(seconds > 0 for _, seconds in sync_seconds)

@@ -13,6 +13,7 @@ from helpers import (
     FakeEngine,
     TinyCausalLM,
     cpu_trainer,
+    served_version,
     tensorboard_scalars,
     tiny_qwen2,
     token_batches,
@@ -55,9 +56,15 @@ def test_rollouts_carry_the_version_that_produced_them(llm, tmp_path):
     module = RolloutModule()
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, max_staleness=0)
     trainer = cpu_trainer(tmp_path, [sync], max_steps=4)
+    v = served_version(llm)  # the shared engine's count goes on
     trainer.fit(module, token_batches(num_batches=4))
-    # Pushes at fit start (v1) and after steps 2 (v2) and 4 (v3); step s samples from the latest.
-    assert module.seen == [(0, "1", 1), (1, "1", 1), (2, "2", 2), (3, "2", 2)]
+    # Pushes at fit start (v+1) and after steps 2 (v+2) and 4 (v+3); step s samples from the latest.
+    assert module.seen == [
+        (0, str(v + 1), v + 1),
+        (1, str(v + 1), v + 1),
+        (2, str(v + 2), v + 2),
+        (3, str(v + 2), v + 2),
+    ]
     assert [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/staleness")] == [0.0] * 4
     for rollouts in module.rollouts:
         assert len(rollouts) == 4 and all(len(r.token_ids) == 3 and len(r.logprobs) == 3 for r in rollouts)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import FakeEngine, assert_serves, build_llm, shutdown, tiny_qwen2, vllm_prompt_logprobs
+from helpers import FakeEngine, assert_serves, build_llm, served_version, shutdown, tiny_qwen2, vllm_prompt_logprobs
 
 from lightning_vllm import EngineConfigError, VLLMUpdater, WeightSyncTimeoutError, vLLMUpdater
 
@@ -18,14 +18,15 @@ def test_push_replaces_the_served_weights_and_commits_a_version(llm):
     updater = VLLMUpdater(engine=llm, timeout_seconds=60)
     updater.init(VLLMUpdater.get_model_metadata(first))
 
+    v = served_version(llm)  # the shared engine's count goes on
     stats = updater.push_weights(first)
     assert_serves(llm, first)
-    assert (stats.weight_version, updater.weight_version, llm.get_weight_version()) == (1, 1, "1")
+    assert (stats.weight_version, updater.weight_version, llm.get_weight_version()) == (v + 1, v + 1, str(v + 1))
     assert stats.num_bytes == sum(p.numel() * 4 for p in first.parameters()) and stats.seconds > 0
 
     updater.push_weights(second)
     assert_serves(llm, second)
-    assert llm.get_weight_version() == "2"
+    assert llm.get_weight_version() == str(v + 2)
     updater.close()
 
 
@@ -60,12 +61,12 @@ def test_the_workers_kept_receive_buffers_are_not_part_of_the_served_model(llm):
 def test_a_push_after_close_joins_again(llm):
     model = tiny_qwen2(seed=14)
     updater = VLLMUpdater(engine=llm)
-    updater.push_weights(tiny_qwen2(seed=15))
+    version = updater.push_weights(tiny_qwen2(seed=15)).weight_version
     updater.close()
     assert not updater.initialized
     updater.push_weights(model)
     assert_serves(llm, model)
-    assert llm.get_weight_version() == "2"
+    assert llm.get_weight_version() == str(version + 1)
     updater.close()
 
 
@@ -98,12 +99,12 @@ def test_backend_mismatch_is_refused_before_any_byte_moves(llm):
 def test_weights_that_do_not_match_the_metadata_are_refused(llm):
     model = tiny_qwen2(seed=19)
     updater = VLLMUpdater(engine=llm)
-    updater.push_weights(model)
+    version = updater.push_weights(model).weight_version
     other = tiny_qwen2(seed=20)
     other.model.layers = other.model.layers[:1]  # one layer fewer
     with pytest.raises(ValueError, match="missing tensor 'model.layers.1.self_attn.q_proj.weight'"):
         updater.push_weights(other)
-    assert llm.get_weight_version() == "1"
+    assert llm.get_weight_version() == str(version)
     assert_serves(llm, model)
     updater.close()
 
@@ -263,7 +264,7 @@ def test_each_kind_of_bad_input_is_refused_and_vllm_keeps_serving(llm):
     updater = VLLMUpdater(engine=llm)
     hook_calls = []
     updater.register_post_hook(lambda: hook_calls.append(updater.weight_version))
-    updater.push_weights(model)
+    v = updater.push_weights(model).weight_version
     served = vllm_prompt_logprobs(llm)
     for problem, weights in bad_inputs(model).items():
         with pytest.raises(WeightsMismatchError, match=problem):
@@ -271,9 +272,9 @@ def test_each_kind_of_bad_input_is_refused_and_vllm_keeps_serving(llm):
         # Also refused before joining, when the metadata itself is wrong.
         with pytest.raises(WeightsMismatchError, match=problem):
             VLLMUpdater(engine=llm).init(VLLMUpdater.get_model_metadata(weights))
-    assert llm.get_weight_version() == "1" and updater.weight_version == 1
+    assert llm.get_weight_version() == str(v) and updater.weight_version == v
     assert vllm_prompt_logprobs(llm) == served
-    assert hook_calls == [1]  # never after a failed push
+    assert hook_calls == [v]  # never after a failed push
     updater.push_weights(model)  # the group survived the refusals
-    assert llm.get_weight_version() == "2"
+    assert llm.get_weight_version() == str(v + 1)
     updater.close()

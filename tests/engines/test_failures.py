@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    SERVER_API_KEY,
     TinyCausalLM,
-    VLLMServer,
     assert_serves,
     cpu_trainer,
     tensorboard_scalars,
@@ -114,29 +112,21 @@ class RestartsTheServer(TinyCausalLM):
         return super().training_step(batch, batch_idx)
 
 
-def test_with_warn_training_outlives_a_server_killed_mid_push_and_its_restart(served_model_dir, tmp_path):
-    server = VLLMServer(served_model_dir, tmp_path / "server.log", api_key=SERVER_API_KEY)
-    servers = [server]
+def test_with_warn_training_outlives_a_server_killed_mid_push_and_its_restart(server, tmp_path):
+    """The shared server is killed, then started again on the same URL (later tests use it as before)."""
 
     def restart() -> None:
-        servers.append(
-            VLLMServer(served_model_dir, tmp_path / "restarted.log", api_key=SERVER_API_KEY, port=server.port)
-        )
-        servers[-1].wait_until_healthy()
-
-    try:
+        server.start_again()
         server.wait_until_healthy()
-        engine = KillsTheServerMidPush(server, kill_at=2)  # fit start lands, step 1's push meets the kill
-        module = RestartsTheServer(restart)
-        sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=20, on_sync_error="warn")
-        trainer = cpu_trainer(tmp_path, [sync], max_steps=3)
-        with pytest.warns(UserWarning, match="Pushing weights to vLLM failed"):
-            trainer.fit(module, token_batches(num_batches=3))
 
-        # Step 1's push failed, step 2's met no server (restarted in step 3), step 3's landed.
-        assert tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_failures") == [(1, 1.0), (2, 2.0)]
-        assert sync.weight_version == 2 and engine.get_weight_version() == "2"
-        assert_serves(engine, module.hf)
-    finally:
-        for each in servers:
-            each.stop()
+    engine = KillsTheServerMidPush(server, kill_at=2)  # fit start lands, step 1's push meets the kill
+    module = RestartsTheServer(restart)
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=20, on_sync_error="warn")
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=3)
+    with pytest.warns(UserWarning, match="Pushing weights to vLLM failed"):
+        trainer.fit(module, token_batches(num_batches=3))
+
+    # Step 1's push failed, step 2's met no server (restarted in step 3), step 3's landed.
+    assert tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_failures") == [(1, 1.0), (2, 2.0)]
+    assert engine.get_weight_version() == str(sync.weight_version)
+    assert_serves(engine, module.hf)

@@ -23,10 +23,10 @@ def test_the_server_adapter_reports_what_the_updater_checks(server):
 def test_generations_carry_tokens_logprobs_text_and_version(server):
     engine = HTTPEngine(server.url)
     updater = VLLMUpdater(engine=server.url)
-    updater.push_weights(tiny_qwen2(seed=5))
+    stats = updater.push_weights(tiny_qwen2(seed=5))
     (generation,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=0))
     assert len(generation.token_ids) == 4 and len(generation.logprobs) == 4
-    assert generation.text and generation.weight_version == "1"
+    assert generation.text and generation.weight_version == str(stats.weight_version)
     updater.close()
 
 

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from helpers import TinyCausalLM, assert_serves, build_llm, cpu_trainer, shutdown, tiny_qwen2, token_batches
+from helpers import (
+    TinyCausalLM,
+    assert_serves,
+    build_llm,
+    cpu_trainer,
+    served_version,
+    shutdown,
+    tiny_qwen2,
+    token_batches,
+)
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync
 
@@ -20,11 +29,13 @@ def second_llm(model_dir):
 def test_training_keeps_two_engines_in_sync(llm, second_llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=[llm, second_llm], every_n_train_steps=2)
+    served_before = max(served_version(llm), served_version(second_llm))
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
     assert_serves(llm, module.hf)
     assert_serves(second_llm, module.hf)
     assert sync.updater.all_worker_ids() == [0, 1]
-    assert sync.updater.engine_versions() == {0: "2", 1: "2"}
+    # Both go on from the larger version either served: fit start and step 2.
+    assert sync.updater.engine_versions() == {0: str(served_before + 2), 1: str(served_before + 2)}
 
 
 def test_worker_ids_update_only_the_engines_named(llm, second_llm):

@@ -13,6 +13,7 @@ from helpers import (
     hf_prompt_logprobs,
     max_abs_diff,
     served_logprobs,
+    served_version,
     tiny_qwen2,
     token_batches,
 )
@@ -37,7 +38,7 @@ def test_training_pushes_into_the_engine(kind, request, tmp_path):
     given, engine = ENGINES[kind](request)
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=given, every_n_train_steps=2)
-    before = served_logprobs(engine)
+    before, served_before = served_logprobs(engine), served_version(engine)
 
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
 
@@ -45,4 +46,5 @@ def test_training_pushes_into_the_engine(kind, request, tmp_path):
     # The test can fail: training moved the weights away from what the engine served before.
     assert max_abs_diff(before, hf_prompt_logprobs(module.hf)) > 1e-2
     assert_serves(engine, module.hf)
-    assert engine.get_weight_version() == str(sync.weight_version) == "2"  # fit start, step 2
+    # Fit start and step 2: two versions after what the engine served before.
+    assert engine.get_weight_version() == str(sync.weight_version) == str(served_before + 2)
