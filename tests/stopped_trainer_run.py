@@ -23,7 +23,7 @@ from helpers import tiny_qwen2
 import lightning_vllm.transports.gloo.trainer as gloo_trainer
 from lightning_vllm import HTTPEngine, VLLMUpdater
 
-TIMEOUT_SECONDS = 10.0
+TIMEOUT_SECONDS = 5.0
 
 
 def stop_here() -> None:

@@ -38,8 +38,9 @@ def test_the_suite_runs_at_its_smallest_size_and_ends_with_the_ratios_line(tmp_p
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert RATIOS.match(completed.stdout.strip().splitlines()[-1]), completed.stdout[-2000:]
     text = page.read_text()
-    for method in ("ours", "disk", "per_tensor", "floor"):
+    for method in ("ours", "disk", "per_tensor", "streaming", "floor"):
         assert f"| 25M | 24M | 74 | 49 | {method} |" in text
+    assert "ours / streaming\n25M " in text
     assert "| many-tensors |" in text and "The callback's cost" in text
     assert "A sharded policy: memory per rank" in text and "| 1 | 49 |" in text
     assert (tmp_path / "images" / "benchmarks.png").stat().st_size > 10_000

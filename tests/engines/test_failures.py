@@ -26,7 +26,7 @@ from lightning_vllm import HTTPEngine, VLLMUpdater, VLLMWeightSync
 pytestmark = pytest.mark.engine
 
 SCRIPT = Path(__file__).parents[1] / "stopped_trainer_run.py"
-KILLED_TRAINER_TIMEOUT_SECONDS = 10.0  # stopped_trainer_run.TIMEOUT_SECONDS
+KILLED_TRAINER_TIMEOUT_SECONDS = 5.0  # stopped_trainer_run.TIMEOUT_SECONDS
 
 
 def wait_for_line(process: subprocess.Popen, expected: str, timeout: float) -> None:
