@@ -1,13 +1,14 @@
 """Two CPU processes train an FSDP2-sharded policy (Lightning's ModelParallelStrategy) while
 VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_sharded.py.
 
-Modes:
-  train:  4 steps, a push every 2 steps; then a second fit whose push fails on rank 1
-          (it cannot read its weights): both ranks raise the same error, vLLM keeps serving;
-          then, on the same engine, a PEFT LoRA policy sharded with FSDP2 (bfloat16 compute, CPU
-          offload): merged from gathered float32 shards, the live module untouched.
-  engine-gone: the engine core is killed after the first push; the next push fails on
-          rank 0 and both ranks raise the same error within the timeout.
+One engine, four runs in a row (each a new engine would cost ~20 s):
+  1. 4 steps, a push every 2 steps;
+  2. a fit whose push fails on rank 1 (it cannot read its weights): both ranks raise the
+     same error, vLLM keeps serving;
+  3. a PEFT LoRA policy sharded with FSDP2 (bfloat16 compute, CPU offload): merged from
+     gathered float32 shards, the live module untouched;
+  4. the engine core is killed mid-run; the next push fails on rank 0 and both ranks raise
+     the same error within the timeout.
 Each rank writes what it saw to rank<N>.json.
 """
 
@@ -127,63 +128,68 @@ def lora_run(out_dir: Path, llm, rank: int) -> dict:
     return result
 
 
-def run(mode: str, model_dir: Path, out_dir: Path) -> None:
+def engine_gone_run(out_dir: Path, llm, rank: int) -> dict:
+    """Rank 0's engine core is SIGKILLed in step 2: the push after it must fail on every rank."""
+
+    class KillsTheEngine(ShardedCausalLM):
+        """No rollouts (they would report the dead engine first): the push finds it gone."""
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1 and rank == 0:
+                os.kill(llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid, signal.SIGKILL)
+            return TinyCausalLM.training_step(self, batch, batch_idx)
+
+    module = KillsTheEngine(tiny_qwen2(seed=0), lr=1e-2)
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)
+    result: dict = {}
+    start = time.monotonic()
+    try:
+        trainer_for(out_dir, sync, max_steps=4).fit(module, token_batches(num_batches=8))
+    except Exception as error:  # noqa: BLE001
+        result["failure"] = f"{type(error).__name__}: {error}"
+    result["failure_seconds"] = time.monotonic() - start
+    return result
+
+
+def run(model_dir: Path, out_dir: Path) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     llm = build_llm(model_dir) if rank == 0 else None
     result: dict = {"rank": rank}
     module = ShardedCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)
     trainer = trainer_for(out_dir, sync, max_steps=4)
-    if mode == "train":
-        trainer.fit(module, token_batches(num_batches=8))
-        model = full_model(module)
-        result["weight_version"] = sync.weight_version
-        result["rollouts"] = module.seen
-        if rank == 0:
-            result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
-            result["engine_version"] = llm.get_weight_version()
-        # A second run whose push fails on rank 1.
-        failing = VLLMWeightSync(engine=llm, every_n_train_steps=1, timeout_seconds=20)
-        if rank == 1:
+    trainer.fit(module, token_batches(num_batches=8))
+    model = full_model(module)
+    result["weight_version"] = sync.weight_version
+    result["rollouts"] = module.seen
+    if rank == 0:
+        result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
+        result["engine_version"] = llm.get_weight_version()
+    # A second run whose push fails on rank 1.
+    failing = VLLMWeightSync(engine=llm, every_n_train_steps=1, timeout_seconds=20)
+    if rank == 1:
 
-            def cannot_read(policy):
-                raise RuntimeError("rank 1 cannot read its weights")
+        def cannot_read(policy):
+            raise RuntimeError("rank 1 cannot read its weights")
 
-            failing.updater._maybe_map_weights = cannot_read
-        start = time.monotonic()
-        try:
-            trainer_for(out_dir, failing, max_steps=1).fit(module, token_batches(num_batches=2))
-        except Exception as error:  # noqa: BLE001
-            result["failure"] = f"{type(error).__name__}: {error}"
-        result["failure_seconds"] = time.monotonic() - start
-        if rank == 0:
-            result["engine_version_after_failure"] = llm.get_weight_version()
-            result["max_logprob_diff_after_failure"] = max_abs_diff(
-                vllm_prompt_logprobs(llm), hf_prompt_logprobs(model)
-            )
-        # A third run, on the same engine: a LoRA policy.
-        result["lora"] = lora_run(out_dir, llm, rank)
-    elif mode == "engine-gone":
-
-        class KillsTheEngine(ShardedCausalLM):
-            """No rollouts (they would report the dead engine first): the push finds it gone."""
-
-            def training_step(self, batch, batch_idx):
-                if batch_idx == 1 and rank == 0:
-                    os.kill(llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid, signal.SIGKILL)
-                return TinyCausalLM.training_step(self, batch, batch_idx)
-
-        module = KillsTheEngine(tiny_qwen2(seed=0), lr=1e-2)
-        start = time.monotonic()
-        try:
-            trainer.fit(module, token_batches(num_batches=8))
-        except Exception as error:  # noqa: BLE001
-            result["failure"] = f"{type(error).__name__}: {error}"
-        result["failure_seconds"] = time.monotonic() - start
+        failing.updater._maybe_map_weights = cannot_read
+    start = time.monotonic()
+    try:
+        trainer_for(out_dir, failing, max_steps=1).fit(module, token_batches(num_batches=2))
+    except Exception as error:  # noqa: BLE001
+        result["failure"] = f"{type(error).__name__}: {error}"
+    result["failure_seconds"] = time.monotonic() - start
+    if rank == 0:
+        result["engine_version_after_failure"] = llm.get_weight_version()
+        result["max_logprob_diff_after_failure"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
+    # A third run, on the same engine: a LoRA policy.
+    result["lora"] = lora_run(out_dir, llm, rank)
+    # The last: the engine is killed mid-run (SIGKILL of its engine core).
+    result["engine_gone"] = engine_gone_run(out_dir, llm, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     if llm is not None:
         shutdown(llm)
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    run(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -23,16 +23,6 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return completed
 
 
-def test_grpo_tiny_logs_and_plots(tmp_path):
-    completed = run([str(EXAMPLES / "grpo_tiny.py"), "--steps", "4", "--log-dir", str(tmp_path / "logs")], tmp_path)
-    log_dir = tmp_path / "logs" / "grpo_tiny" / "version_0"
-    assert (log_dir / "grpo_tiny.png").stat().st_size > 10_000
-    for tag in ("reward", "loss", "vllm/weight_version", "vllm/sync_seconds", "vllm/staleness"):
-        assert tensorboard_scalars(log_dir, tag), tag
-    assert "Samples before training" in completed.stdout and "Samples after training" in completed.stdout
-    assert f"tensorboard --logdir {tmp_path / 'logs'}" in completed.stdout
-
-
 def test_grpo_tiny_from_the_lightning_cli_yaml(tmp_path):
     run(
         [
@@ -54,7 +44,7 @@ def test_minimal_example(tmp_path):
     assert "after training:  " in completed.stdout
 
 
-def test_grpo_tiny_on_two_processes_with_fsdp2(tmp_path):
+def test_grpo_tiny_on_two_processes_with_fsdp2_logs_and_plots(tmp_path):
     completed = run(
         [str(EXAMPLES / "grpo_tiny.py"), "--devices", "2", "--steps", "4", "--log-dir", str(tmp_path / "logs")],
         tmp_path,
@@ -62,4 +52,11 @@ def test_grpo_tiny_on_two_processes_with_fsdp2(tmp_path):
     log_dir = tmp_path / "logs" / "grpo_tiny" / "version_0"
     # Fit start, then steps 2 and 4, every rank taking part in each push.
     assert [value for _, value in tensorboard_scalars(log_dir, "vllm/weight_version")] == [1.0, 2.0, 3.0]
-    assert completed.stdout.count("Samples after training") == 1  # printed by rank 0 only
+    # The demo's logs, plot and samples (the single-process demo runs the same code: the
+    # LightningCLI test above and `make demo` run it on one process).
+    assert (log_dir / "grpo_tiny.png").stat().st_size > 10_000
+    for tag in ("reward", "loss", "vllm/sync_seconds", "vllm/staleness"):
+        assert tensorboard_scalars(log_dir, tag), tag
+    assert completed.stdout.count("Samples before training") == 1  # printed by rank 0 only
+    assert completed.stdout.count("Samples after training") == 1
+    assert f"tensorboard --logdir {tmp_path / 'logs'}" in completed.stdout

@@ -15,11 +15,11 @@ from helpers import TOLERANCE, expected_rollouts
 pytestmark = pytest.mark.engine
 
 
-def run(mode: str, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
+def run(model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
     script = Path(__file__).with_name("sharded_run.py")
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     completed = subprocess.run(
-        [sys.executable, str(script), mode, str(model_dir), str(out_dir)],
+        [sys.executable, str(script), str(model_dir), str(out_dir)],
         env=env,
         capture_output=True,
         text=True,
@@ -29,8 +29,8 @@ def run(mode: str, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
 
 
-def test_fsdp2_pushes_from_every_rank_a_failing_rank_stops_them_all_and_lora_is_merged(model_dir, tmp_path):
-    rank0, rank1 = run("train", model_dir, tmp_path)
+def test_fsdp2_pushes_from_every_rank_failures_stop_every_rank_and_lora_is_merged(model_dir, tmp_path):
+    rank0, rank1 = run(model_dir, tmp_path)
     # Fit start, steps 2 and 4: vLLM serves the gathered full model, both ranks count the same versions.
     assert rank0["engine_version"] == "3" and rank0["weight_version"] == rank1["weight_version"] == 3
     assert rank0["max_logprob_diff"] < TOLERANCE
@@ -52,17 +52,14 @@ def test_fsdp2_pushes_from_every_rank_a_failing_rank_stops_them_all_and_lora_is_
     # Fit start, steps 2 and 4 and one more, counting on from the first run's 3 on the same engine.
     assert lora0["weight_version"] == lora1["weight_version"] == 3 + 4
     assert lora0["live_module_untouched"] and lora1["live_module_untouched"]
-
-
-def test_an_engine_gone_mid_run_ends_the_push_on_every_rank_with_rank_zeros_error(model_dir, tmp_path):
-    rank0, rank1 = run("engine-gone", model_dir, tmp_path)
-    # vLLM says the engine died, or its calls time out (which comes first is a race): either way
-    # rank 0 fails the push and rank 1 raises rank 0's error.
-    assert "EngineDeadError" in rank0["failure"] or "Timed out after 20 s" in rank0["failure"]
-    assert rank1["failure"] == f"PushAborted: The push failed on trainer rank 0: {rank0['failure']}"
+    # Last, the engine is killed mid-run. vLLM says the engine died, or its calls time out
+    # (which comes first is a race): either way rank 0 fails the push and rank 1 raises rank 0's error.
+    gone0, gone1 = rank0["engine_gone"], rank1["engine_gone"]
+    assert "EngineDeadError" in gone0["failure"] or "Timed out after 20 s" in gone0["failure"]
+    assert gone1["failure"] == f"PushAborted: The push failed on trainer rank 0: {gone0['failure']}"
     # timeout_seconds=20: rank 1 hears of it as soon as rank 0 gives up on vLLM.
-    assert rank1["failure_seconds"] < 20 + 15
-    assert rank0["failure_seconds"] < 4 * 20 + 15
+    assert gone1["failure_seconds"] < 20 + 15
+    assert gone0["failure_seconds"] < 4 * 20 + 15
 
 
 def run_ranks_by_hand(script_name: str, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
@@ -88,19 +85,14 @@ def run_ranks_by_hand(script_name: str, model_dir: Path, out_dir: Path) -> tuple
     return tuple(json.loads((out_dir / f"{stem}_rank{rank}.json").read_text()) for rank in (0, 1))
 
 
-def test_fsdp1_from_plain_torch_pushes_from_every_rank(model_dir, tmp_path):
-    """Lightning's FSDPStrategy needs a GPU; FSDP1 itself runs on CPU, driven from torch."""
-    rank0, rank1 = run_ranks_by_hand("fsdp1_run.py", model_dir, tmp_path)
-    for mode in ("use_orig_params=True", "use_orig_params=False", "LightningModule"):
-        assert rank0[f"{mode} max_logprob_diff"] < TOLERANCE
-        assert rank0[f"{mode} num_bytes"] == rank0["full_bytes"]  # full shapes, not the ranks' flat shards
-    assert rank0["LightningModule version"] == rank1["LightningModule version"] == 3
-
-
-def test_deepspeed_zero3_on_cpu_pushes_from_every_rank(model_dir, tmp_path):
-    """Lightning's DeepSpeedStrategy needs a GPU; ZeRO-3 itself runs on DeepSpeed's CPU accelerator."""
-    rank0, rank1 = run_ranks_by_hand("zero3_run.py", model_dir, tmp_path)
-    for mode in ("model", "LightningModule"):
-        assert rank0[f"{mode} max_logprob_diff"] < TOLERANCE
-        assert rank0[f"{mode} num_bytes"] == rank0["full_bytes"]  # full shapes, not the empty placeholders
-    assert rank0["LightningModule version"] == rank1["LightningModule version"] == 2
+def test_fsdp1_and_deepspeed_zero3_driven_by_hand_push_from_every_rank(model_dir, tmp_path):
+    """Lightning's FSDPStrategy and DeepSpeedStrategy need a GPU; FSDP1 and ZeRO-3 themselves run on CPU."""
+    rank0, rank1 = run_ranks_by_hand("by_hand_run.py", model_dir, tmp_path)
+    cases = ("FSDP1 use_orig_params=True", "FSDP1 use_orig_params=False", "FSDP1 LightningModule")
+    for case in (*cases, "ZeRO-3 model", "ZeRO-3 LightningModule"):
+        assert rank0[f"{case} max_logprob_diff"] < TOLERANCE, case
+        # Full shapes, not FSDP1's flat shards or ZeRO-3's empty placeholders.
+        assert rank0[f"{case} num_bytes"] == rank0["full_bytes"], case
+    # Every rank counts the same versions: three FSDP1 pushes, then two ZeRO-3 ones.
+    assert rank0["FSDP1 LightningModule version"] == rank1["FSDP1 LightningModule version"] == 3
+    assert rank0["ZeRO-3 LightningModule version"] == rank1["ZeRO-3 LightningModule version"] == 5

@@ -20,7 +20,7 @@ def async_engine(model_dir):
     args = AsyncEngineArgs(**engine_kwargs(model_dir, max_model_len=256))
     engine = AsyncLLMEngine(AsyncLLM.from_engine_args(args))
     yield engine
-    engine.async_llm.shutdown()
+    engine.async_llm.shutdown(timeout=1.0)  # see helpers.shutdown
 
 
 @pytest.fixture(scope="package")

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from helpers import free_port, start_server, tiny_qwen2
+from helpers import free_port, tiny_qwen2
 from vllm import SamplingParams
 
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, WeightSyncError, WeightSyncTimeoutError
@@ -56,16 +56,16 @@ def test_backend_mismatch_with_a_server(server):
         VLLMUpdater(engine=server.url, backend="nccl").push_weights(tiny_qwen2())
 
 
-@pytest.mark.engine
-def test_a_server_without_weight_transfer_config(served_model_dir, tmp_path_factory):
-    # A server without dev mode answers 404 on the RL routes, as the plain HTTP server of
-    # test_a_url_that_is_no_vllm_server_is_named does: one real server less to start.
-    misconfigured = start_server(served_model_dir, tmp_path_factory, backend=None)
+def test_a_server_without_weight_transfer_config_is_named():
+    # What vLLM's /server_info reports for a dev-mode server started without
+    # --weight-transfer-config (an in-process engine built that way is tested in test_updater.py).
+    body = b'{"vllm_config": {"weight_transfer_config": null, "device_config": {"device_type": "cpu"}}}'
+    httpd, _, url = scripted_server(200, body)
     try:
         with pytest.raises(EngineConfigError, match="without a weight-transfer config"):
-            VLLMUpdater(engine=misconfigured.url, timeout_seconds=10).push_weights(tiny_qwen2())
+            VLLMUpdater(engine=url, timeout_seconds=10).push_weights(tiny_qwen2())
     finally:
-        misconfigured.stop()
+        httpd.shutdown()
 
 
 class ScriptedHandler(http.server.BaseHTTPRequestHandler):
