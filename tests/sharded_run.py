@@ -141,10 +141,15 @@ def engine_gone_run(out_dir: Path, llm, rank: int) -> dict:
 
     module = KillsTheEngine(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)
+    return failed_fit(lambda: trainer_for(out_dir, sync, max_steps=4).fit(module, token_batches(num_batches=8)))
+
+
+def failed_fit(fit) -> dict:
+    """Run ``fit``, which should fail: its error and how long it took to come."""
     result: dict = {}
     start = time.monotonic()
     try:
-        trainer_for(out_dir, sync, max_steps=4).fit(module, token_batches(num_batches=8))
+        fit()
     except Exception as error:  # noqa: BLE001
         result["failure"] = f"{type(error).__name__}: {error}"
     result["failure_seconds"] = time.monotonic() - start
@@ -173,12 +178,9 @@ def run(model_dir: Path, out_dir: Path) -> None:
             raise RuntimeError("rank 1 cannot read its weights")
 
         failing.updater._maybe_map_weights = cannot_read
-    start = time.monotonic()
-    try:
-        trainer_for(out_dir, failing, max_steps=1).fit(module, token_batches(num_batches=2))
-    except Exception as error:  # noqa: BLE001
-        result["failure"] = f"{type(error).__name__}: {error}"
-    result["failure_seconds"] = time.monotonic() - start
+    result.update(
+        failed_fit(lambda: trainer_for(out_dir, failing, max_steps=1).fit(module, token_batches(num_batches=2)))
+    )
     if rank == 0:
         result["engine_version_after_failure"] = llm.get_weight_version()
         result["max_logprob_diff_after_failure"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
