@@ -1,8 +1,10 @@
 """Two CPU processes train an FSDP2-sharded policy (Lightning's ModelParallelStrategy) while
 VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_sharded.py.
 
-One engine, four runs in a row (each a new engine would cost ~20 s):
-  1. 4 steps, a push every 2 steps;
+One engine, five runs in a row (each a new engine would cost ~20 s):
+  0. DDP (every rank holds the whole model): rank 0 alone pushes, rank 1 holds no engine and
+     samples through rank 0's; no rank waits for a push;
+  1. FSDP2: 4 steps, a push every 2 steps;
   2. a fit whose push fails on rank 1 (it cannot read its weights): both ranks raise the
      same error, vLLM keeps serving;
   3. a PEFT LoRA policy sharded with FSDP2 (bfloat16 compute, CPU offload): merged from
@@ -156,10 +158,25 @@ def failed_fit(fit) -> dict:
     return result
 
 
+def ddp_run(out_dir: Path, llm, rank: int) -> dict:
+    """Lightning's DDP over the same two processes: rank 0 pushes alone, no rank waits for it."""
+    module = RolloutCausalLM(tiny_qwen2(seed=0), lr=1e-2)
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=60)
+    trainer = cpu_trainer(out_dir, [sync], max_steps=4, strategy="ddp", devices=2)
+    trainer.fit(module, token_batches(num_batches=8))
+    result = {"weight_version": sync.weight_version, "rollouts": module.seen}
+    if rank == 0:
+        module.hf.eval()
+        result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(module.hf))
+        result["engine_version"] = llm.get_weight_version()
+    return result
+
+
 def run(model_dir: Path, out_dir: Path) -> None:
+    # Lightning's launcher starts rank 1 by running this script again with LOCAL_RANK=1.
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     llm = build_llm(model_dir) if rank == 0 else None
-    result: dict = {"rank": rank}
+    result: dict = {"rank": rank, "ddp": ddp_run(out_dir, llm, rank)}
     module = ShardedCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)
     trainer = trainer_for(out_dir, sync, max_steps=4)

@@ -1,4 +1,5 @@
-"""FSDP2 through Lightning on 2 CPU processes: every rank takes part in each push, rank 0 sends,
+"""DDP then FSDP2 through Lightning on 2 CPU processes (one engine): under DDP rank 0 alone sends;
+under FSDP2 every rank takes part in each push, rank 0 sends,
 and a failure on any rank ends the push on every rank with that rank's error."""
 
 from __future__ import annotations
@@ -29,14 +30,23 @@ def run(model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
 
 
-def test_fsdp2_pushes_from_every_rank_failures_stop_every_rank_and_lora_is_merged(model_dir, tmp_path):
+def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_and_lora_is_merged(model_dir, tmp_path):
     rank0, rank1 = run(model_dir, tmp_path)
-    # Fit start, steps 2 and 4: vLLM serves the gathered full model, both ranks count the same versions.
-    assert rank0["engine_version"] == "3" and rank0["weight_version"] == rank1["weight_version"] == 3
+    # DDP first: rank 0 pushed at fit start and at steps 2 and 4; rank 1 never talked to vLLM.
+    ddp0, ddp1 = rank0["ddp"], rank1["ddp"]
+    assert ddp0["weight_version"] == 3 and ddp0["engine_version"] == "3"
+    assert ddp1["weight_version"] == 0
+    assert ddp0["max_logprob_diff"] < TOLERANCE
+    # Rank 1 holds no engine: its rollouts came from rank 0's, its own prompts back.
+    for rank, seen in enumerate((ddp0, ddp1)):
+        assert seen["rollouts"] == expected_rollouts(rank, ["1", "1", "2", "2"])
+    # FSDP2 on the same engine, counting on from 3: fit start, steps 2 and 4; vLLM serves the
+    # gathered full model, both ranks count the same versions.
+    assert rank0["engine_version"] == "6" and rank0["weight_version"] == rank1["weight_version"] == 6
     assert rank0["max_logprob_diff"] < TOLERANCE
     # Both ranks sampled in every step through rank 0's engine, each getting its own prompts back.
     for rank, seen in enumerate((rank0, rank1)):
-        assert seen["rollouts"] == expected_rollouts(rank, ["1", "1", "2", "2"])
+        assert seen["rollouts"] == expected_rollouts(rank, ["4", "4", "5", "5"])
     # Rank 1 could not read its weights: both ranks stop, rank 0 names rank 1's error, vLLM was not touched.
     assert rank1["failure"] == "RuntimeError: rank 1 cannot read its weights"
     assert (
@@ -44,13 +54,13 @@ def test_fsdp2_pushes_from_every_rank_failures_stop_every_rank_and_lora_is_merge
         == "PushAborted: The push failed on trainer rank 1: RuntimeError: rank 1 cannot read its weights"
     )
     assert rank0["failure_seconds"] < 20 and rank1["failure_seconds"] < 20
-    assert rank0["engine_version_after_failure"] == "3" and rank0["max_logprob_diff_after_failure"] < TOLERANCE
+    assert rank0["engine_version_after_failure"] == "6" and rank0["max_logprob_diff_after_failure"] < TOLERANCE
     # Then a LoRA policy, with mixed precision (bfloat16 compute) and CPU offload: vLLM gets the
     # merged float32 master weights, and the live module is untouched by a push.
     lora0, lora1 = rank0["lora"], rank1["lora"]
     assert lora0["max_logprob_diff"] < TOLERANCE
-    # Fit start, steps 2 and 4 and one more, counting on from the first run's 3 on the same engine.
-    assert lora0["weight_version"] == lora1["weight_version"] == 3 + 4
+    # Fit start, steps 2 and 4 and one more, counting on from the FSDP2 run's 6 on the same engine.
+    assert lora0["weight_version"] == lora1["weight_version"] == 6 + 4
     assert lora0["live_module_untouched"] and lora1["live_module_untouched"]
     # Last, the engine is killed mid-run. vLLM says the engine died, or its calls time out
     # (which comes first is a race): either way rank 0 fails the push and rank 1 raises rank 0's error.
