@@ -96,6 +96,10 @@ class EngineConnection:
         backend = _checked_backend(engine, settings, bounded)
         wire, ties = _wire_metadata(engine, metadata, bounded)
         reported_version = _numbered(bounded(engine.get_weight_version, f"{engine.description}'s weight version"))
+        if reported_version:
+            log.info(
+                "%s serves weight version %d: the next push counts on from it.", engine.description, reported_version
+            )
         register_backends()
         client = TimedClient(engine, settings.timeout_seconds)
         world_size = 1 + bounded(engine.num_workers, "the engine's world size")

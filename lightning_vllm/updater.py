@@ -8,7 +8,6 @@ TorchRL finds the names it knows.
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -31,8 +30,6 @@ from lightning_vllm.settings import (
 from lightning_vllm.transports import resolve_backend
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -228,15 +225,8 @@ class VLLMUpdater:
         settings = ConnectionSettings(**{field.name: getattr(self, field.name) for field in fields(ConnectionSettings)})
         connection = EngineConnection.open(self._engines[worker_id], self.model_metadata, settings)
         self._connections[worker_id] = connection
-        if connection.reported_version is not None and connection.reported_version > self._version:
-            # An earlier trainer (or an earlier run) pushed this far: a version is never
-            # given to two different sets of weights.
-            log.info(
-                "%s serves weight version %d; continuing from there.",
-                connection.engine.description,
-                connection.reported_version,
-            )
-            self._version = connection.reported_version
+        # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.
+        self._version = max(self._version, connection.reported_version or 0)
         return connection
 
     def close(self) -> None:

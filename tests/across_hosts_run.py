@@ -12,24 +12,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import requests
-from helpers import engine_prompt_logprobs, hf_prompt_logprobs, max_abs_diff, tiny_qwen2
+from helpers import engine_prompt_logprobs, hf_prompt_logprobs, max_abs_diff, tiny_qwen2, wait_for_health
 
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater
-
-
-def wait_for_health(url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
 
 
 def listening_addresses(pid: int) -> list[str]:
@@ -39,7 +25,7 @@ def listening_addresses(pid: int) -> list[str]:
 
 
 def main(url: str, master_address: str, out: str) -> None:
-    wait_for_health(url)
+    wait_for_health(url, timeout=300)
     result: dict = {}
     try:
         VLLMUpdater(engine=HTTPEngine(url, api_key="not-the-key"), master_address=master_address).push_weights(

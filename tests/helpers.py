@@ -255,6 +255,26 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_for_health(url: str, timeout: float, alive=lambda: True, log: str = "its log") -> None:
+    """Poll ``url``/health once a second until it answers, for at most ``timeout`` seconds
+    (``alive()`` false ends the wait: the server exited)."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"vLLM server {url} exited; see {log}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vLLM server at {url} not healthy after {timeout} s; see {log}")
+
+
 class VLLMServer:
     """``vllm serve`` (its module spelling: the CPU build's console script cannot start) as a subprocess."""
 
@@ -304,21 +324,7 @@ class VLLMServer:
         self.process = subprocess.Popen(self._command, env=self._env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_until_healthy(self, timeout: float = 240.0) -> None:
-        import time
-
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).ok:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM server at {self.url} not healthy after {timeout} s; see {self.log.name}")
+        wait_for_health(self.url, timeout, alive=lambda: self.process.poll() is None, log=self.log.name)
 
     def processes(self) -> list[int]:
         """The server's pid and those of every vLLM process below it."""
@@ -462,6 +468,20 @@ def start_server(model_dir: Path, tmp_path_factory, **kwargs) -> VLLMServer:
         server.stop()
         raise
     return server
+
+
+class CallsAtBatch(TinyCausalLM):
+    """Calls ``calls[batch_idx]()`` at the start of that training step (a test's way of acting
+    in the middle of a run: take an engine down, restart a server)."""
+
+    def __init__(self, calls: dict, lr: float = 1e-2) -> None:
+        super().__init__(tiny_qwen2(seed=0), lr=lr)
+        self.calls = calls
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx in self.calls:
+            self.calls[batch_idx]()
+        return super().training_step(batch, batch_idx)
 
 
 class RolloutCausalLM(TinyCausalLM):

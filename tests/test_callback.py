@@ -7,6 +7,7 @@ import copy
 
 import pytest
 from helpers import (
+    CallsAtBatch,
     FakeEngine,
     TinyCausalLM,
     assert_serves,
@@ -106,22 +107,18 @@ class FlakyEngine(FakeEngine):
         super().start_weight_update()
 
 
-class GoesDownAtStep2(TinyCausalLM):
-    """Takes the engine down before the push of step 2 and brings it back before step 4's."""
+def goes_down_at_step_2(engine: FlakyEngine) -> CallsAtBatch:
+    """A module that takes the engine down before the push of step 2 and brings it back before step 4's."""
 
-    def __init__(self, engine: FlakyEngine) -> None:
-        super().__init__(tiny_qwen2(seed=0), lr=1e-3)
-        self.engine = engine
+    def set_down(down: bool) -> None:
+        engine.down = down
 
-    def training_step(self, batch, batch_idx):
-        if batch_idx in (1, 3):
-            self.engine.down = batch_idx == 1
-        return super().training_step(batch, batch_idx)
+    return CallsAtBatch({1: lambda: set_down(True), 3: lambda: set_down(False)}, lr=1e-3)
 
 
 def test_with_warn_failed_pushes_are_counted_and_the_next_push_point_reconnects(tmp_path):
     engine = FlakyEngine(tiny_qwen2(seed=0))
-    module = GoesDownAtStep2(engine)
+    module = goes_down_at_step_2(engine)
     sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=5, on_sync_error="warn")
     trainer = cpu_trainer(tmp_path, [sync], max_steps=5)
 
@@ -138,7 +135,7 @@ def test_by_default_a_failed_push_ends_training(tmp_path):
     engine = FlakyEngine(tiny_qwen2(seed=0))
     sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=5)
     with pytest.raises(WeightSyncTimeoutError, match="restarting"):
-        cpu_trainer(tmp_path, [sync], max_steps=5).fit(GoesDownAtStep2(engine), token_batches(num_batches=5))
+        cpu_trainer(tmp_path, [sync], max_steps=5).fit(goes_down_at_step_2(engine), token_batches(num_batches=5))
     assert sync.weight_version == 2
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    TinyCausalLM,
+    CallsAtBatch,
     assert_serves,
     cpu_trainer,
     tensorboard_scalars,
@@ -99,19 +99,6 @@ class KillsTheServerMidPush(HTTPEngine):
             self.server.kill()
 
 
-class RestartsTheServer(TinyCausalLM):
-    """Restarts the killed server on the same URL in training step 3."""
-
-    def __init__(self, restart) -> None:
-        super().__init__(tiny_qwen2(seed=0), lr=1e-2)
-        self.restart = restart
-
-    def training_step(self, batch, batch_idx):
-        if batch_idx == 2:
-            self.restart()
-        return super().training_step(batch, batch_idx)
-
-
 def test_with_warn_training_outlives_a_server_killed_mid_push_and_its_restart(server, tmp_path):
     """The shared server is killed, then started again on the same URL (later tests use it as before)."""
 
@@ -120,7 +107,7 @@ def test_with_warn_training_outlives_a_server_killed_mid_push_and_its_restart(se
         server.wait_until_healthy()
 
     engine = KillsTheServerMidPush(server, kill_at=2)  # fit start lands, step 1's push meets the kill
-    module = RestartsTheServer(restart)
+    module = CallsAtBatch({2: restart})  # restarts the killed server in training step 3
     sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, timeout_seconds=20, on_sync_error="warn")
     trainer = cpu_trainer(tmp_path, [sync], max_steps=3)
     with pytest.warns(UserWarning, match="Pushing weights to vLLM failed"):
