@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, W
 
 from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
+from lightning_vllm.engines.base import version_number
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.transports import resolve_backend, trainer_init_info
 from lightning_vllm.transports.plugin import register_backends
@@ -49,7 +50,7 @@ class EngineConnection:
     """A formed transfer group with one engine, and what goes on its wire.
 
     ``reported_version`` is the weight version the engine served when the group
-    formed (``None`` if it is not a number), so that an updater that connects to an
+    formed (0 if it is not a number: none pushed), so that an updater that connects to an
     engine another trainer already pushed to continues after it.
 
     Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`.
@@ -64,7 +65,7 @@ class EngineConnection:
         transfer: TrainerWeightTransferEngine[Any],
         wire: ModelMetadata,
         ties_word_embeddings: bool,
-        reported_version: int | None = None,
+        reported_version: int = 0,
     ) -> None:
         self.engine = engine
         self.reported_version = reported_version
@@ -95,7 +96,7 @@ class EngineConnection:
 
         backend = _checked_backend(engine, settings, bounded)
         wire, ties = _wire_metadata(engine, metadata, bounded)
-        reported_version = _numbered(bounded(engine.get_weight_version, f"{engine.description}'s weight version"))
+        reported_version = version_number(bounded(engine.get_weight_version, f"{engine.description}'s weight version"))
         if reported_version:
             log.info(
                 "%s serves weight version %d: the next push counts on from it.", engine.description, reported_version
@@ -213,12 +214,6 @@ class EngineConnection:
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return call_with_timeout(fn, *args, timeout=self.settings.timeout_seconds, what=what)
-
-
-def _numbered(version: str | None) -> int | None:
-    """A version the engine reports, as the number this package commits (``None``: not one of ours)."""
-    text = str(version).strip() if version is not None else ""
-    return int(text) if text.isdecimal() else None
 
 
 def _checked_backend(engine: EngineTarget, settings: ConnectionSettings, bounded: Callable[..., Any]) -> str:

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.engines import EngineTarget, Generation
+from lightning_vllm.engines.base import version_number
 from lightning_vllm.errors import EngineDeadError, StaleRolloutsError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits, checked_prompts
 from lightning_vllm.ranks import TrainerRanks
@@ -31,17 +32,6 @@ if TYPE_CHECKING:
 
 # How often a waiting generate asks whether the engine died (a cheap flag read).
 _DEATH_POLL_SECONDS = 0.2
-
-
-def version_number(weight_version: str | None) -> int:
-    """A weight version string as a number; vLLM's ``"default"`` (never pushed) is 0.
-
-    Example::
-
-        >>> version_number("7"), version_number("default"), version_number(None)
-        (7, 0, 0)
-    """
-    return int(weight_version) if weight_version is not None and weight_version.isdigit() else 0
 
 
 class RolloutSampler:

@@ -226,7 +226,7 @@ class VLLMUpdater:
         connection = EngineConnection.open(self._engines[worker_id], self.model_metadata, settings)
         self._connections[worker_id] = connection
         # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.
-        self._version = max(self._version, connection.reported_version or 0)
+        self._version = max(self._version, connection.reported_version)
         return connection
 
     def close(self) -> None:

@@ -159,8 +159,9 @@ def served_logprobs(engine) -> list[list[float]]:
 def served_version(engine) -> int:
     """The weight version ``engine`` (a ``vllm.LLM`` or an adapter) serves, as a number (0: none
     pushed). Engines are shared between tests, and versions go on from what an engine serves."""
-    version = engine.get_weight_version()
-    return int(version) if version is not None and str(version).isdecimal() else 0
+    from lightning_vllm.engines.base import version_number
+
+    return version_number(engine.get_weight_version())
 
 
 def assert_serves(engine, model) -> None:

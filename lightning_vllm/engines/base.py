@@ -157,3 +157,14 @@ def generations_from_outputs(outputs: Any, fallback_version: str | None) -> list
                 )
             )
     return result
+
+
+def version_number(weight_version: str | None) -> int:
+    """A weight version string as a number; vLLM's ``"default"`` (never pushed) is 0.
+
+    Example::
+
+        >>> version_number("7"), version_number("default"), version_number(None)
+        (7, 0, 0)
+    """
+    return int(weight_version) if weight_version is not None and weight_version.isdigit() else 0
