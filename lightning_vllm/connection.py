@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
 from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
-from lightning_vllm.engines.base import version_number
+from lightning_vllm.engines.base import PolicyAdapter, version_number
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.transports import resolve_backend, trainer_init_info
-from lightning_vllm.transports.plugin import register_backends
+from lightning_vllm.transports.plugin import GLOO, register_backends
 from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
+from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraMode, adapter_problems
 from lightning_vllm.weights.checks import check_tied_output_embedding, loaded_by_engine
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class ConnectionSettings:
     timeout_seconds: float
     pause_mode: PauseMode
     reset_prefix_cache: bool
+    lora: LoraMode = "auto"
 
 
 class EngineConnection:
@@ -51,7 +55,9 @@ class EngineConnection:
 
     ``reported_version`` is the weight version the engine served when the group
     formed (0 if it is not a number: none pushed), so that an updater that connects to an
-    engine another trainer already pushed to continues after it.
+    engine another trainer already pushed to continues after it. ``has_policy_base`` says
+    whether this connection gave the engine the policy's base weights (with an adapter),
+    after which an adapter push sends the adapter alone.
 
     Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`.
     Every call to the engine is bounded by the settings' ``timeout_seconds``.
@@ -66,6 +72,7 @@ class EngineConnection:
         wire: ModelMetadata,
         ties_word_embeddings: bool,
         reported_version: int = 0,
+        backend: str = GLOO,
     ) -> None:
         self.engine = engine
         self.reported_version = reported_version
@@ -74,6 +81,12 @@ class EngineConnection:
         self.transfer = transfer
         self.wire = wire
         self.ties_word_embeddings = ties_word_embeddings
+        self.backend = backend
+        self.has_policy_base = False
+        self.last_num_bytes = 0
+        # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
+        # so engines sharing a host, and later connections, never read each other's adapter.
+        self.adapter = PolicyAdapter(key=uuid.uuid4().hex)
 
     @classmethod
     def open(cls, engine: EngineTarget, metadata: ModelMetadata, settings: ConnectionSettings) -> EngineConnection:
@@ -119,26 +132,64 @@ class EngineConnection:
         bounded(engine.resume_generation, f"{engine.description} to resume generation")
         log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
         transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=client)
-        return cls(engine, settings, client, transfer, wire, ties, reported_version)
+        return cls(engine, settings, client, transfer, wire, ties, reported_version, backend)
 
     @property
     def num_bytes(self) -> int:
-        """The bytes one push moves to this engine."""
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.wire.values())
+        """The bytes one full push moves to this engine."""
+        return wire_bytes(self.wire)
+
+    def adapter_problems(self, module: torch.nn.Module) -> list[str]:
+        """Why this engine cannot be sent ``module``'s LoRA adapter alone (empty when it can)."""
+        engine = self.engine
+        if self.backend != GLOO:
+            return [f"adapter pushes need the gloo backend; the {engine.description} engine uses {self.backend!r}"]
+        if not hasattr(engine, "lora_limits") or not hasattr(engine, "serve_adapter"):
+            return [f"the {engine.description} engine target has no lora_limits() and serve_adapter()"]
+        limits = self._call(engine.lora_limits, what=f"{engine.description}'s LoRA settings")
+        expected = self._call(engine.expected_weights, what=f"{engine.description}'s model facts")
+        problems = adapter_problems(module, limits, expected, engine.description)
+        check_serves_adapters = getattr(engine, "check_serves_adapters", None)
+        if not problems and check_serves_adapters is not None:
+            try:
+                self._call(check_serves_adapters, what=f"{engine.description} to describe its LoRA routes")
+            except EngineConfigError as error:
+                problems.append(str(error))
+        return problems
 
     def check(self, source: WeightSource, offered: ModelMetadata) -> None:
         """Check that ``source`` (whose metadata is ``offered``) fits this engine; nothing is sent.
 
+        An adapter push (a source with an ``adapter_config``) is checked on its base
+        weights, if it carries them; the adapter itself was judged when it was chosen.
+
         Raises:
             WeightsMismatchError: names, shapes, dtypes or tied embeddings do not fit.
         """
-        offered_here = loaded_by_engine(offered, self.ties_word_embeddings)
+        base = {name: meta for name, meta in offered.items() if not name.startswith(ADAPTER_PREFIX)}
+        if getattr(source, "adapter_config", None) is not None and not base:
+            return
+        offered_here = loaded_by_engine(base, self.ties_word_embeddings)
         check_weights(self.wire, offered_here, what="The weights pushed")
         if self.ties_word_embeddings:
             check_tied_output_embedding(source, offered)
 
-    def push(self, source: WeightSource, version: int) -> None:
-        """Send ``source`` and commit it as ``version``.
+    def _push_wire(self, source: WeightSource) -> ModelMetadata:
+        """What one push of ``source`` puts on the wire: the engine's weights, and an adapter's
+        tensors in the dtype of the weights they adapt."""
+        adapter = {meta.name: meta for meta in source.metadata() if meta.name.startswith(ADAPTER_PREFIX)}
+        if not adapter:
+            return self.wire
+        limits = self.engine.lora_limits()  # type: ignore[attr-defined]  # checked by adapter_problems
+        wire = dict(self.wire) if len(adapter) < len(source.metadata()) else {}
+        for name, meta in adapter.items():
+            adapted = name.removeprefix(ADAPTER_PREFIX).rsplit(".", 2)[0] + ".weight"
+            dtype = (limits.lora_dtype if limits else None) or self.wire.get(adapted, (meta.dtype,))[0]
+            wire[name] = (dtype, torch.Size(meta.shape))
+        return wire
+
+    def push(self, source: WeightSource, version: int) -> int:
+        """Send ``source`` and commit it as ``version``; returns the bytes sent.
 
         With the gloo backend the workers receive the whole update while the engine
         keeps generating with its current weights, and generation is paused only
@@ -146,15 +197,23 @@ class EngineConnection:
         With vLLM's own backends, which load while receiving, generation is paused
         around the whole transfer. A push that fails closes the connection (the next
         push opens a new one), and the engine resumes generation either way.
+
+        A source with an ``adapter_config`` carries a LoRA adapter: the workers register
+        it in memory, and from the commit on the engine generates through it.
         """
         pause_for_transfer = not getattr(self.transfer, "loads_at_finish", False)
         if pause_for_transfer:
             self._pause()
+        config = getattr(source, "adapter_config", None)
+        adapter = self.adapter if config is not None else None
+        wire = self._push_wire(source)
+        sent = WireWeights(source, wire)
+        sent.adapter_message = adapter.message(config) if adapter is not None and config is not None else None
         # vLLM's trainer engines replay their `source` and end the update with
         # `client.finish_weight_update()`: both are set for this push only.
-        self.transfer.source = WireWeights(source, self.wire)
+        self.transfer.source = sent
         self.transfer.client = self.client.committing(
-            str(version), lambda: self._commit_window(pause=not pause_for_transfer)
+            str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
         )
         try:
             self.transfer.send_weights()
@@ -168,15 +227,26 @@ class EngineConnection:
             self.transfer.client = self.client
             if pause_for_transfer:
                 self._resume()
+        if adapter is None:
+            self.has_policy_base = False  # merged weights replaced the base
+        elif any(not name.startswith(ADAPTER_PREFIX) for name in wire):
+            self.has_policy_base = True  # the base weights went with the adapter
+        self.last_num_bytes = wire_bytes(wire)
+        return self.last_num_bytes
 
     @contextmanager
-    def _commit_window(self, pause: bool) -> Iterator[None]:
+    def _commit_window(self, pause: bool, adapter: PolicyAdapter | None = None) -> Iterator[None]:
         """Around the call that finishes (and on gloo, loads) an update: generation paused if
-        ``pause``, and the prefix cache reset before anything is generated with the new weights."""
+        ``pause``; then, before anything is generated with the new weights, generation is
+        pointed at the adapter the update carried (or back at the base model) and the
+        prefix cache is reset."""
         if pause:
             self._pause()
         try:
             yield
+            if adapter is not None or getattr(self.engine, "adapter", None) is not None:
+                serve_adapter = self.engine.serve_adapter  # type: ignore[attr-defined]  # see adapter_problems
+                self._call(serve_adapter, adapter, what=f"{self.engine.description} to serve the adapter")
             if self.settings.reset_prefix_cache:
                 self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
         except BaseException:
@@ -214,6 +284,11 @@ class EngineConnection:
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return call_with_timeout(fn, *args, timeout=self.settings.timeout_seconds, what=what)
+
+
+def wire_bytes(wire: ModelMetadata) -> int:
+    """The bytes of the tensors of ``wire``."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in wire.values())
 
 
 def _checked_backend(engine: EngineTarget, settings: ConnectionSettings, bounded: Callable[..., Any]) -> str:

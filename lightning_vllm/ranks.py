@@ -162,8 +162,16 @@ class LockstepWeights(WeightSource):
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
         self._left_in_group = 0
 
+    @property
+    def adapter_config(self) -> dict[str, Any] | None:
+        """The source's LoRA adapter config, when it carries an adapter (see ``weights.adapter``)."""
+        return getattr(self.source, "adapter_config", None)
+
     def metadata(self) -> list[ParamMeta]:
         return self.source.metadata()
+
+    def groups(self) -> list[list[str]]:
+        return self.source.groups()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._tensors = iter(self.source)
@@ -231,9 +239,10 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
     Raises:
         WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
     """
+    view = _agreed_lora_view(updater, module, ranks)
     weights: LockstepWeights | None = None
     try:
-        weights = LockstepWeights(updater._maybe_map_weights(module), ranks)
+        weights = LockstepWeights(updater.source_for_view(module, view), ranks)
         weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
         if ranks.rank == 0:
             stats = updater.push_weights(weights)
@@ -248,6 +257,30 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
             weights = LockstepWeights(_NoWeights(), ranks)
         weights.fail(error)
         raise
+
+
+def _agreed_lora_view(updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks) -> str:
+    """How this push sends a LoRA policy (``VLLMUpdater.lora_view``), decided on rank 0 for every rank.
+
+    The ranks must iterate the same tensors (adapter alone, or base then adapter) to
+    stay in step in their gathers; whether an engine can serve the adapter, or still
+    needs the base weights, is known on rank 0 only. A policy that cannot be sent as
+    an adapter needs no exchange: every rank knows that by itself.
+    """
+    if not updater.may_send_adapter(module):
+        return "merged"
+    view, error = "", None
+    if ranks.rank == 0:
+        try:
+            view = updater.lora_view(module)
+        except Exception as caught:  # shared so the other ranks stop too, before any gather
+            error, view = caught, f"!{type(caught).__name__}: {caught}"
+    shared = ranks.broadcast_bytes(view.encode()).decode()
+    if error is not None:
+        raise error
+    if shared.startswith("!"):
+        raise PushAborted(f"The push failed on trainer rank 0: {shared[1:]}")
+    return shared
 
 
 class _NoWeights(WeightSource):

@@ -14,7 +14,9 @@ The trainer sends the key with ``HTTPEngine(url, api_key=...)`` or the same
 ``VLLM_API_KEY`` variable in its environment. See ``docs/security.md``.
 
 :class:`PauseLease` makes a server resume by itself when the trainer that paused it
-dies before resuming it (add it with a second ``--middleware`` option).
+dies before resuming it (add it with a second ``--middleware`` option), and
+:class:`PushedAdapters` lets the server answer with the LoRA adapter a trainer pushed
+(adapter pushes, ``docs/lora.md``).
 """
 
 from __future__ import annotations
@@ -84,12 +86,8 @@ class RequireAPIKey:
         if scope["type"] != "http" or self._allowed(scope):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            {"error": {"message": "This route needs the server's API key (Authorization: Bearer <key>).", "code": 401}}
-        ).encode()
-        headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        message = "This route needs the server's API key (Authorization: Bearer <key>)."
+        await _answer(send, 401, {"error": {"message": message, "code": 401}}, [(b"www-authenticate", b"Bearer")])
 
     def _allowed(self, scope: Scope) -> bool:
         if scope.get("method") in ("GET", "HEAD") and scope.get("path") in OPEN_PROBES:
@@ -157,3 +155,70 @@ class PauseLease:
             seconds,
         )
         await engine_client.resume_generation()
+
+
+ADAPTER_ROUTE = "/lightning_vllm/adapter"
+"""The route of :class:`PushedAdapters`: ``GET`` tells it is there, ``POST {"name", "id", "key"}`` serves an adapter."""
+
+
+class PushedAdapters:
+    """ASGI middleware: answer, under a model name, with the LoRA adapter a trainer pushed.
+
+    An adapter push (``VLLMWeightSync(lora="adapter")``) sends the adapter over the
+    weight transport; the server's workers stage it on their own host. vLLM's server
+    maps a request's ``model`` to an adapter only through ``/v1/load_lora_adapter``,
+    which needs a path and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; this middleware
+    records the name, id and key the trainer pushed (``POST /lightning_vllm/adapter``),
+    so ``/v1/completions`` with ``"model": "lightning-vllm-policy"`` samples from the
+    pushed adapter. Nothing is loaded here and nothing is unpickled: the body is three
+    JSON fields, and the path is made here from the key.
+
+    Args:
+        app: the ASGI application (vLLM passes it).
+
+    Example (the server side)::
+
+        VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "gloo"}' \\
+            --enable-lora --max-lora-rank 16 --middleware lightning_vllm.server.PushedAdapters
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") != ADAPTER_ROUTE:
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") == "GET":
+            await _answer(send, 200, {"in_memory_adapters": True})
+            return
+        from lightning_vllm.engines.base import PolicyAdapter  # the engines import this module
+
+        try:
+            body = json.loads(await _read_body(receive))
+            adapter = PolicyAdapter(key=str(body["key"]), name=str(body["name"]), lora_id=int(body["id"]))
+            request = adapter.lora_request()  # checks the key
+        except (ValueError, KeyError, TypeError) as error:
+            message = f"Expected JSON {{'name', 'id', 'key'}}: {error}"
+            await _answer(send, 400, {"error": {"message": message, "code": 400}})
+            return
+        scope["app"].state.openai_serving_models.lora_requests[adapter.name] = request
+        log.info("Answering as %r with the LoRA adapter a trainer pushed (%s).", adapter.name, request.lora_path)
+        await _answer(send, 200, {"name": adapter.name, "id": adapter.lora_id})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _answer(
+    send: Send, status: int, payload: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [(b"content-type", b"application/json"), *(headers or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps(payload).encode()})

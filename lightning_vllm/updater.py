@@ -8,6 +8,7 @@ TorchRL finds the names it knows.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -27,9 +28,13 @@ from lightning_vllm.settings import (
     validate_bucket_size,
     validate_timeout,
 )
+from lightning_vllm.torchrl_interface import TorchRLInterface
 from lightning_vllm.transports import resolve_backend
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
+from lightning_vllm.weights.adapter import LoraMode, adapter_source, lora_policy, validate_lora_mode
 from lightning_vllm.weights.model import as_metadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class SyncStats:
     num_bytes: int
 
 
-class VLLMUpdater:
+class VLLMUpdater(TorchRLInterface):
     """Pushes a policy's weights into a vLLM engine over vLLM's weight-transfer protocol.
 
     For each engine the updater joins one collective group with its workers (trainer
@@ -74,6 +79,11 @@ class VLLMUpdater:
         pause_mode: how engines that serve while training (``AsyncLLM``, servers) treat
             requests in flight during a push: ``"keep"`` freezes and resumes them (nothing
             lost), ``"wait"`` finishes them first, ``"abort"`` drops them.
+        lora: how a PEFT LoRA policy is pushed: ``"adapter"`` sends the adapter alone (the
+            first push of each connection also sends the base weights once) and the engines
+            generate through it; ``"merged"`` sends merged full weights; ``"auto"`` sends the
+            adapter when every engine can serve it (``enable_lora=True``, gloo) and merged
+            weights otherwise. See ``docs/lora.md``.
 
     Example::
 
@@ -100,6 +110,7 @@ class VLLMUpdater:
         model_attribute: str | None = None,
         reset_prefix_cache: bool = True,
         pause_mode: PauseMode = "keep",
+        lora: LoraMode = "auto",
     ) -> None:
         if master_port is not None and not 0 <= master_port < 65536:
             raise ValueError(f"Invalid value for master_port={master_port}. Must be in [0, 65535], or None.")
@@ -110,6 +121,7 @@ class VLLMUpdater:
         resolve_backend(backend, engine_device="cpu")  # checks the name early
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"Invalid value for pause_mode={pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
+        validate_lora_mode(lora)
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
         self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
@@ -120,6 +132,7 @@ class VLLMUpdater:
         self.model_attribute = model_attribute
         self.reset_prefix_cache = reset_prefix_cache
         self.pause_mode: PauseMode = pause_mode
+        self.lora: LoraMode = lora
         self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
         self._connections: dict[int, EngineConnection] = {}
         self._version = 0
@@ -235,61 +248,6 @@ class VLLMUpdater:
             _, connection = self._connections.popitem()
             connection.close()
 
-    # -- versions, hooks and the collector ------------------------------------------
-
-    @property
-    def weight_version(self) -> int:
-        """The version of the weights last pushed (0 before the first push)."""
-        return self._version
-
-    @weight_version.setter
-    def weight_version(self, value: int) -> None:
-        if value < 0:
-            raise ValueError(f"Invalid value for weight_version={value}. Must be >= 0.")
-        self._version = int(value)
-
-    def increment_version(self) -> None:
-        """Count one more weight version without pushing (TorchRL's collectors call this)."""
-        self._version += 1
-
-    def register_post_hook(self, hook: Callable[[], Any]) -> None:
-        """Run ``hook()`` after every successful push, in registration order; never after a failed one."""
-        if not callable(hook):
-            raise TypeError(f"A post hook must be callable, got {type(hook).__name__}.")
-        self._post_hooks.append(hook)
-
-    @property
-    def post_hooks(self) -> list[Callable[[], Any]]:
-        """The hooks run after each successful push."""
-        return list(self._post_hooks)
-
-    def register_collector(self, collector: Any) -> None:
-        """Attach the collector (or any container) that owns this updater, once.
-
-        It is held weakly. As in TorchRL, its ``increment_version`` (if any) runs after
-        each successful push, for as long as the collector lives.
-
-        Raises:
-            RuntimeError: a collector is already registered.
-        """
-        if self._collector_ref is not None:
-            raise RuntimeError("Cannot register collector twice.")
-        self._collector_ref = weakref.ref(collector)
-        if hasattr(collector, "increment_version"):
-            increment = weakref.WeakMethod(collector.increment_version)
-
-            def increment_collector_version() -> None:
-                method = increment()
-                if method is not None:
-                    method()
-
-            self.register_post_hook(increment_collector_version)
-
-    @property
-    def collector(self) -> Any:
-        """The registered collector, or ``None`` if none was registered or it is gone."""
-        return self._collector_ref() if self._collector_ref is not None else None
-
     # -- pushing ----------------------------------------------------------------
 
     def __call__(self, weights: Any = None, worker_ids: Any = None) -> SyncStats:
@@ -321,12 +279,12 @@ class VLLMUpdater:
             WeightSyncError: a transfer failed (that engine keeps its previous version).
         """
         weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
-        source = self._maybe_map_weights(weights)
         targets = self._resolve_worker_ids(worker_ids)
-        offered = source_metadata(source)
-        if self.model_metadata is None:
-            self.model_metadata = offered
+        source = self.source_for_view(weights, self.lora_view(weights, targets))
+        if self.model_metadata is None:  # (an adapter view set it from the merged weights)
+            self.model_metadata = source_metadata(source)
         connections = [self._connections.get(worker_id) or self._connect(worker_id) for worker_id in targets]
+        offered = source_metadata(source)
         for connection in connections:  # every check before the first byte moves
             connection.check(source, offered)
         version = self._version + 1
@@ -339,11 +297,70 @@ class VLLMUpdater:
         finally:
             if num_committed:  # the version is used once any engine has committed it
                 self._version = version
-        num_bytes = sum(connection.num_bytes for connection in connections)
+        num_bytes = sum(connection.last_num_bytes for connection in connections)
         self.last_sync = SyncStats(version, time.perf_counter() - start, num_bytes)
         for hook in self._post_hooks:
             hook()
         return self.last_sync
+
+    # -- LoRA policies ------------------------------------------------------------
+
+    def may_send_adapter(self, weights: Any) -> bool:
+        """Whether a push of ``weights`` may send a LoRA adapter alone (then :meth:`lora_view` decides)."""
+        return self.lora != "merged" and lora_policy(weights, self.model_attribute) is not None
+
+    def lora_view(self, weights: Any, worker_ids: Sequence[int] | None = None) -> str:
+        """How a push of ``weights`` is sent: ``"merged"`` (full weights, as given), ``"adapter"``
+        (the LoRA adapter alone) or ``"base_and_adapter"`` (an engine lacks the policy's base weights).
+
+        Connects to the engines if needed.
+
+        Raises:
+            EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
+            ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy sent from a
+                plain, DDP or FSDP2 module.
+        """
+        if isinstance(weights, WeightSource) or self.lora == "merged":
+            return "merged"  # a ready source is sent as it is
+        model = lora_policy(weights, self.model_attribute)
+        if model is None:
+            if self.lora == "adapter":
+                raise ValueError(
+                    "lora='adapter' needs a PEFT LoRA policy (a PeftModel with LoRA layers), plain, under DDP or "
+                    "sharded with FSDP2; FSDP1 and ZeRO-3 policies are sent merged (lora='merged')."
+                )
+            return "merged"
+        if self.model_metadata is None:
+            self.model_metadata = source_metadata(self._maybe_map_weights(weights))
+        targets = self._resolve_worker_ids(None) if worker_ids is None else worker_ids
+        connections = [self._connections.get(worker_id) or self._connect(worker_id) for worker_id in targets]
+        problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(model)]
+        if problems:
+            if self.lora == "adapter":
+                raise EngineConfigError(
+                    f"lora='adapter' but the adapter cannot be served: {'; '.join(problems)}. Fix that, or pass "
+                    "lora='merged' (or 'auto', which then sends merged weights)."
+                )
+            log.info("Pushing merged LoRA weights, not the adapter alone: %s", "; ".join(problems))
+            return "merged"
+        return "adapter" if all(connection.has_policy_base for connection in connections) else "base_and_adapter"
+
+    def source_for_view(self, weights: Any, view: str) -> WeightSource:
+        """The source a push of ``weights`` reads for ``view`` (see :meth:`lora_view`)."""
+        if view == "merged":
+            return self._maybe_map_weights(weights)
+        model = lora_policy(weights, self.model_attribute)
+        assert model is not None, "lora_view chose an adapter view for a LoRA policy"
+        return adapter_source(model, with_base=view == "base_and_adapter")
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` to generate with from the policy's adapter (``None`` until an
+        adapter push, or when merged weights are pushed): pass it to ``llm.generate``."""
+        engine = self.engine
+        if engine is None or getattr(engine, "adapter", None) is None:
+            return None
+        return engine.lora_request()  # type: ignore[attr-defined]
 
     def _get_server_weights(self) -> Any:
         """Not used, as in TorchRL's vLLMUpdater: weights must be passed to :meth:`push_weights`."""

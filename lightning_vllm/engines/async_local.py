@@ -106,7 +106,7 @@ class AsyncLLMEngine(EngineConfigFacts):
         async def one(prompt: list[int] | str) -> Any:
             final = None
             async for output in self.async_llm.generate(
-                as_prompt(prompt), sampling_params, request_id=uuid.uuid4().hex
+                as_prompt(prompt), sampling_params, request_id=uuid.uuid4().hex, lora_request=self.lora_request()
             ):
                 final = output
             return final

@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.prompts import PromptLimits
+from lightning_vllm.transports.lora_worker import adapter_directory
 from lightning_vllm.weights.checks import ExpectedWeights
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -41,12 +42,61 @@ class Generation:
     weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PolicyAdapter:
+    """The LoRA adapter through which an engine serves the policy after adapter pushes.
+
+    Every adapter push replaces it in place (same name, id and directory), as a full
+    push replaces the weights; requests through :meth:`lora_request` (or, on a server,
+    with this ``name`` as the model) sample from the adapter of the last commit. The
+    workers stage it in :func:`adapter_directory` of ``key`` on the engine's host.
+
+    Example::
+
+        >>> PolicyAdapter(key="0123abcd").lora_request().lora_name
+        'lightning-vllm-policy'
+    """
+
+    key: str
+    name: str = "lightning-vllm-policy"
+    lora_id: int = 1 << 30  # far from the small ids vLLM's server hands out to its own adapters
+
+    def lora_request(self) -> Any:
+        """The ``vllm.lora.request.LoRARequest`` to generate with; made on the engine's host."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(self.name, self.lora_id, adapter_directory(self.key))
+
+    def message(self, config: dict[str, Any]) -> dict[str, Any]:
+        """What an update carrying this adapter tells the workers."""
+        return {"key": self.key, "config": config}
+
+
+class ServesAdapter:
+    """The part of an engine adapter that remembers whether generation goes through the policy's LoRA."""
+
+    adapter: PolicyAdapter | None = None
+
+    def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
+        """Generate through ``adapter`` from now on (``None``: through the base model)."""
+        self.adapter = adapter
+
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` generation passes, ``None`` while the base model serves the policy."""
+        return self.adapter.lora_request() if self.adapter is not None else None
+
+
 @runtime_checkable
 class EngineTarget(Protocol):
     """An adapter for one vLLM engine: its facts, its weight-sync control plane, and generation.
 
     The four ``*_weight_*`` methods are vLLM's ``VLLMWeightSyncClient`` protocol; each
     blocks until the engine has done it (the updater bounds every call with a timeout).
+
+    Adapter pushes of LoRA policies also need ``lora_limits() -> LoraLimits | None``
+    (the engine's LoRA settings) and what :class:`ServesAdapter` adds (``adapter``,
+    ``serve_adapter``); every adapter of this package has them, and a target without
+    them is sent merged weights.
     """
 
     @property

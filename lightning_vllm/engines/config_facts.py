@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from lightning_vllm.engines.base import ServesAdapter
 from lightning_vllm.prompts import PromptLimits
+from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 
@@ -18,7 +22,24 @@ def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
     )
 
 
-class EngineConfigFacts:
+def lora_limits_from(lora_config: Any) -> LoraLimits | None:
+    """An engine's :class:`LoraLimits` from vLLM's ``LoRAConfig`` (an object, or a dict from ``/server_info``)."""
+    if not lora_config:
+        return None
+    read = lora_config.get if isinstance(lora_config, dict) else lambda key: getattr(lora_config, key, None)
+    dtype = read("lora_dtype")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    targets = read("target_modules")
+    return LoraLimits(
+        max_lora_rank=int(read("max_lora_rank") or 0),
+        max_loras=int(read("max_loras") or 1),
+        lora_dtype=dtype if isinstance(dtype, torch.dtype) else None,
+        target_modules=tuple(targets) if targets else None,
+    )
+
+
+class EngineConfigFacts(ServesAdapter):
     """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``)."""
 
     _config: Any
@@ -39,6 +60,9 @@ class EngineConfigFacts:
 
     def expected_weights(self) -> ExpectedWeights | None:
         return expected_from_config(self._config)
+
+    def lora_limits(self) -> LoraLimits | None:
+        return lora_limits_from(self._config.lora_config)
 
     def prompt_limits(self) -> PromptLimits:
         model_config = self._config.model_config

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode
+from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter
+from lightning_vllm.engines.config_facts import lora_limits_from
 from lightning_vllm.errors import EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits
-from lightning_vllm.server import PAUSE_LEASE_HEADER
+from lightning_vllm.server import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_timeout
+from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 PAUSE_LEASE_MARGIN_SECONDS = 5.0
@@ -83,7 +85,13 @@ _NOT_SENT = (
 log = logging.getLogger(__name__)
 
 
-class HTTPEngine:
+_NO_ADAPTER_MIDDLEWARE = (
+    "the server cannot answer with a LoRA adapter a trainer pushed. Start it with "
+    "--middleware lightning_vllm.server.PushedAdapters (and --enable-lora), or push merged weights (lora='merged')."
+)
+
+
+class HTTPEngine(ServesAdapter):
     """Adapter for a vLLM server.
 
     Args:
@@ -136,9 +144,13 @@ class HTTPEngine:
         *,
         timeout: float | None = None,
         headers: dict[str, str] | None = None,
+        missing: str | None = None,
         **kwargs: Any,
     ) -> Any:
-        """One request; every failure becomes this package's error, with the server's own message."""
+        """One request; every failure becomes this package's error, with the server's own message.
+
+        ``missing`` is what a 404 means, when it is not a server outside dev mode.
+        """
         import requests
 
         url = f"{self.base_url}/{path.lstrip('/')}"
@@ -166,7 +178,8 @@ class HTTPEngine:
             )
         if response.status_code == 404:
             raise EngineConfigError(
-                f"{url} does not exist: the server is not a vLLM server in dev mode. Start it with {SERVER_COMMAND}"
+                f"{url} does not exist: "
+                + (missing or f"the server is not a vLLM server in dev mode. Start it with {SERVER_COMMAND}")
             )
         if not response.ok:
             raise WeightSyncError(
@@ -218,6 +231,23 @@ class HTTPEngine:
     def is_dead(self) -> bool:
         """A server that is gone refuses connections, which each request reports at once."""
         return False
+
+    def lora_limits(self) -> LoraLimits | None:
+        return lora_limits_from(self._config.get("lora_config"))
+
+    def check_serves_adapters(self) -> None:
+        """Raise :class:`EngineConfigError` unless the server can answer to an in-memory adapter.
+
+        That takes ``lightning_vllm.server.PushedAdapters``: vLLM's own route needs a path the server reads.
+        """
+        self._request("GET", ADAPTER_ROUTE, missing=_NO_ADAPTER_MIDDLEWARE)
+
+    def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
+        """Have the server answer to the adapter's name (``PushedAdapters``), then generate through it."""
+        if adapter is not None:
+            body = {"name": adapter.name, "id": adapter.lora_id, "key": adapter.key}
+            self._request("POST", ADAPTER_ROUTE, json=body, missing=_NO_ADAPTER_MIDDLEWARE)
+        self.adapter = adapter
 
     def prompt_limits(self) -> PromptLimits:
         model_config, hf_config = self._config["model_config"], self._model_dir_config
@@ -277,7 +307,7 @@ class HTTPEngine:
         ``sampling_params`` the route accepts is sent (see :func:`completion_fields`).
         """
         body = {
-            "model": self.served_model,
+            "model": self.adapter.name if self.adapter is not None else self.served_model,
             "prompt": list(prompts),
             "return_token_ids": True,
             **completion_fields(sampling_params),

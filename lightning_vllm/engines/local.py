@@ -64,7 +64,9 @@ class LocalLLMEngine(EngineConfigFacts):
         """Nothing to resume."""
 
     def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
-        outputs = self.llm.generate([as_prompt(p) for p in prompts], sampling_params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [as_prompt(p) for p in prompts], sampling_params, use_tqdm=False, lora_request=self.lora_request()
+        )
         return generations_from_outputs(outputs, self.get_weight_version())
 
 

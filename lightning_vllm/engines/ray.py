@@ -20,9 +20,10 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode
+from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter
 from lightning_vllm.engines.local import LocalLLMEngine
 from lightning_vllm.prompts import PromptLimits
+from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights
 
 
@@ -47,6 +48,7 @@ class VLLMActor(LocalLLMEngine):
             "num_workers": self.num_workers(),
             "expected_weights": self.expected_weights(),
             "prompt_limits": self.prompt_limits(),
+            "lora_limits": self.lora_limits(),
         }
 
 
@@ -61,7 +63,7 @@ def is_actor_handle(engine: Any) -> bool:
     return isinstance(engine, ActorHandle)
 
 
-class RayEngine:
+class RayEngine(ServesAdapter):
     """Adapter for a Ray actor running :class:`VLLMActor` (or any actor with the same methods)."""
 
     def __init__(self, handle: Any) -> None:
@@ -100,6 +102,14 @@ class RayEngine:
 
     def prompt_limits(self) -> PromptLimits:
         return self.facts["prompt_limits"]
+
+    def lora_limits(self) -> LoraLimits | None:
+        return self.facts["lora_limits"]
+
+    def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
+        """The actor generates, so it is the one told which adapter to use."""
+        self._call("serve_adapter", adapter)
+        self.adapter = adapter
 
     def is_dead(self) -> bool:
         """A dead actor fails its calls with ``RayActorError``; a busy one cannot be asked."""

@@ -75,6 +75,13 @@ class LoraMergedWeights(_ParameterWeights):
         return (tensor for _, tensor in merged_lora_weights(self.module))
 
 
+class LoraBaseWeights(_ParameterWeights):
+    """A PEFT LoRA model's base weights under the base model's names, without the adapters' delta."""
+
+    def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return lora_parameters(self.module)
+
+
 class MappingWeights(WeightSource):
     """Weights given as a dict or a TensorDict (nested keys joined with ``"."``)."""
 
@@ -173,6 +180,9 @@ class WireWeights(WeightSource):
         wire: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
     """
 
+    # The LoRA adapter among the tensors, as the workers are told (set by the connection).
+    adapter_message: dict[str, Any] | None = None
+
     def __init__(self, source: WeightSource, wire: Mapping[str, tuple[torch.dtype, Any]]) -> None:
         self.source = source
         self.wire_dtypes = {name: dtype for name, (dtype, _) in wire.items()}
@@ -183,6 +193,11 @@ class WireWeights(WeightSource):
             for meta in self.source.metadata()
             if meta.name in self.wire_dtypes
         ]
+
+    def groups(self) -> list[list[str]]:
+        # The source's own grouping (a base-then-adapter source keeps the two apart), minus what is not sent.
+        kept = ([name for name in group if name in self.wire_dtypes] for group in self.source.groups())
+        return [group for group in kept if group]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((name, tensor) for name, tensor in self.source if name in self.wire_dtypes)

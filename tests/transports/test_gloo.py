@@ -31,6 +31,7 @@ def test_update_info_round_trips_through_plain_data():
         "shapes": [[2, 3], [4]],
         "bucket_ends": [1, 2],
         "segment_ends": [1, 2],
+        "adapter": None,
     }
     received = GlooWeightTransferUpdateInfo(**payload)
     assert received.specs() == specs

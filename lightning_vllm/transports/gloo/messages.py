@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from typing_extensions import Self
@@ -64,6 +64,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ``bucket_ends[i]`` is the index one past the last tensor of bucket ``i``, and
     ``segment_ends`` the same for the segments (one broadcast each) inside the
     buckets; every bucket end is also a segment end.
+
+    ``adapter`` is set when the update carries a LoRA adapter: ``{"name", "id",
+    "config"}`` (its name and id in vLLM, and its PEFT config as JSON values); its
+    tensors are the ones named ``base_model.model.*``, the others are base weights.
     """
 
     names: list[str]
@@ -71,6 +75,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]]
     bucket_ends: list[int]
     segment_ends: list[int]
+    adapter: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         num_tensors = len(self.names)
@@ -108,7 +113,11 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
     @classmethod
     def from_plan(
-        cls, specs: Sequence[TensorSpec], buckets: Sequence[Bucket], segment_ends: Sequence[int] | None = None
+        cls,
+        specs: Sequence[TensorSpec],
+        buckets: Sequence[Bucket],
+        segment_ends: Sequence[int] | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> Self:
         """The message for a plan; without ``segment_ends``, each bucket is one segment."""
         bucket_ends = [bucket.stop for bucket in buckets]
@@ -118,6 +127,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             shapes=[list(spec.shape) for spec in specs],
             bucket_ends=bucket_ends,
             segment_ends=list(segment_ends) if segment_ends is not None else bucket_ends,
+            adapter=adapter,
         )
 
 

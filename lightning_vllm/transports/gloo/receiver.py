@@ -30,6 +30,7 @@ class PostedUpdate:
     def __init__(self, timeout_seconds: float) -> None:
         self.timeout_seconds = timeout_seconds
         self.num_buffers = 0
+        self.adapter: dict[str, Any] | None = None  # the LoRA adapter the update carries, if any
         self._posted: list[tuple[list[Any], NamedTensors]] = []
 
     def add(self, works: list[Any], tensors: NamedTensors) -> None:
@@ -106,6 +107,8 @@ class GlooReceiver:
         :class:`PostedUpdate` (``into``), so its buckets get buffers of their own.
         """
         posted = into if into is not None else PostedUpdate(self.timeout_seconds)
+        if update_info.adapter is not None:
+            posted.adapter = update_info.adapter
         specs = update_info.specs()
         for bucket in update_info.buckets(specs):
             buffer = self._receive_buffer(posted.num_buffers, bucket.num_bytes)

@@ -179,7 +179,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return
         self._connected_group()  # before the engine starts an update it could not finish
         self._start_update()
-        self.send_update(groups, tensors)
+        self.send_update(groups, tensors, adapter=getattr(self.source, "adapter_message", None))
         self.client.finish_weight_update()
 
     def _start_update(self) -> None:
@@ -203,7 +203,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             log.warning("Closed a weight update left open by an earlier trainer (%s); starting a new one.", error)
             client.start_weight_update()
 
-    def send_update(self, groups: Sequence[Sequence[TensorSpec]], tensors: Iterator[torch.Tensor]) -> None:
+    def send_update(
+        self,
+        groups: Sequence[Sequence[TensorSpec]],
+        tensors: Iterator[torch.Tensor],
+        adapter: dict[str, Any] | None = None,
+    ) -> None:
         """One ``update_weights`` call and the broadcasts that carry its tensors.
 
         Must run between the client's ``start_weight_update`` and
@@ -214,12 +219,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         Args:
             groups: the tensor specs, one list per layer group, in send order.
             tensors: the tensors of ``groups``, in the same order.
+            adapter: the LoRA adapter among them, if any (see ``GlooWeightTransferUpdateInfo``).
         """
         process_group = self._connected_group()
         specs = [spec for group in groups for spec in group]
         buckets = plan_buckets(groups, self.bucket_size_bytes)
         segment_ends = plan_segments(specs, buckets, min(self.coalesce_bytes, self.bucket_size_bytes))
-        update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets, segment_ends)
+        update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets, segment_ends, adapter)
         receive = BackgroundCall(
             self.client.update_weights, asdict(update_info), what="vLLM workers to load the weights"
         )

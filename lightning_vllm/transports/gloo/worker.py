@@ -11,6 +11,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 from lightning_vllm.transports.gloo.receiver import GlooReceiver, NamedTensors, PostedUpdate
 from lightning_vllm.transports.gloo.tied_embedding_fix import refresh_tied_embeddings
+from lightning_vllm.transports.lora_worker import ReceivedAdapter
+from lightning_vllm.weights.adapter import ADAPTER_PREFIX
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -34,6 +36,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     the new ones, never a mix, and a trainer that stops before that call leaves the
     model as it was. A finish with nothing received is a no-op; the updater uses it to
     close an update a stopped trainer left open.
+
+    An update may carry a LoRA adapter (``update_info.adapter``): it is checked against
+    the engine before anything is loaded, then, after any base weights of the same
+    update, staged on this host for vLLM's LoRA loader (``transports/lora_worker.py``).
     """
 
     init_info_cls = GlooWeightTransferInitInfo
@@ -81,12 +87,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if pending is None or not len(pending):
             return
         received = pending.wait()  # raises before the model is touched if any byte is missing
-        initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check():
-            for tensors in received:
-                self.model.load_weights(self._on_device(tensors))  # type: ignore[operator]  # every vLLM model has it
-        finalize_layerwise_reload(self.model, self.model_config)
-        refresh_tied_embeddings(self.model)
+        adapter = None
+        if pending.adapter is not None:  # checked before anything is loaded
+            adapter_tensors = {name: t for batch in received for name, t in batch if name.startswith(ADAPTER_PREFIX)}
+            adapter = ReceivedAdapter(self.model, self.vllm_config, pending.adapter, adapter_tensors)
+            received = [[(name, t) for name, t in batch if not name.startswith(ADAPTER_PREFIX)] for batch in received]
+        if any(received):
+            initialize_layerwise_reload(self.model)
+            with disable_mtp_completeness_check():
+                for tensors in received:
+                    if tensors:
+                        self.model.load_weights(self._on_device(tensors))  # type: ignore[operator]  # all vLLM models
+            finalize_layerwise_reload(self.model, self.model_config)
+            refresh_tied_embeddings(self.model)
+        if adapter is not None:
+            adapter.save()  # vLLM drops loaded adapters after each update and loads this one at its next request
 
     def _on_device(self, tensors: NamedTensors) -> NamedTensors:
         if self.device.type == "cpu":

@@ -1,0 +1,237 @@
+"""A PEFT LoRA policy sent as its adapter: what is sent, and whether an engine can serve it.
+
+vLLM serves LoRA adapters beside the base model (``enable_lora=True``). When the
+policy is a PEFT LoRA model whose base weights stay frozen, a push needs to move
+only the adapter's ``lora_A``/``lora_B`` tensors (about 1 % of a 7B model at rank
+16) and its config, instead of merged full weights. The engine must start from the
+policy's base weights, so the first push of each connection sends them once, with
+the adapter, in the same atomic update (:class:`WithAdapter`).
+
+Names follow PEFT's saved adapters (``base_model.model.<module>.lora_A.weight``),
+which is what vLLM's LoRA loader parses. vLLM's own ``PEFTHelper`` judges the config
+(rank, DoRA, bias, ...), so trainer and engine apply the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
+
+from lightning_vllm.weights.checks import ExpectedWeights
+from lightning_vllm.weights.model import canonical_name
+
+LoraMode = Literal["auto", "adapter", "merged"]
+"""How a PEFT LoRA policy is pushed: ``"adapter"`` sends the adapter alone (the engine
+serves it as a LoRA), ``"merged"`` sends base + adapter merged into full weights,
+``"auto"`` sends the adapter whenever every engine can serve it, merged weights otherwise."""
+
+LORA_MODES = ("auto", "adapter", "merged")
+ADAPTER_PREFIX = "base_model.model."
+# Config fields vLLM's PEFTHelper reads; the rest of a PEFT config (paths, init
+# options that only matter before training) is left out of the message.
+_CONFIG_FIELDS = (
+    "r", "lora_alpha", "target_modules", "bias", "modules_to_save", "use_rslora", "use_dora", "lora_bias",
+    "init_lora_weights", "alora_invocation_tokens", "layer_replication", "use_qalora", "rank_pattern",
+    "alpha_pattern",
+)  # fmt: skip
+
+
+def validate_lora_mode(lora: str) -> None:
+    """Raise a ``ValueError`` naming the accepted values if ``lora`` is not one of them."""
+    if lora not in LORA_MODES:
+        raise ValueError(f"Invalid value for lora={lora!r}. Must be 'auto', 'adapter' or 'merged'.")
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    """An engine's LoRA settings (``enable_lora=True`` and its options).
+
+    Attributes:
+        max_lora_rank: the largest adapter rank the engine accepts.
+        max_loras: adapters one batch may use at once (the policy's adapter takes one).
+        lora_dtype: the dtype the engine keeps adapters in; ``None`` for the serving dtype.
+        target_modules: the modules the engine restricts LoRA to, ``None`` for all it supports.
+    """
+
+    max_lora_rank: int
+    max_loras: int
+    lora_dtype: torch.dtype | None = None
+    target_modules: tuple[str, ...] | None = None
+
+
+def _lora_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """``(checkpoint name of the adapted module, PEFT LoRA layer)`` for every LoRA layer."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
+    return [
+        (canonical_name(f"{name}.weight").removesuffix(".weight"), layer)
+        for name, layer in module.named_modules()
+        if isinstance(layer, LoraLayer)
+    ]
+
+
+def active_adapter(module: torch.nn.Module) -> str:
+    """The name of the single active adapter of a PEFT model.
+
+    Raises:
+        ValueError: several adapters are active (vLLM serves one per request).
+    """
+    active = getattr(module, "active_adapters", None)
+    names = list(active() if callable(active) else active or ["default"])
+    if len(names) != 1:
+        raise ValueError(f"{len(names)} adapters are active ({names}); an adapter push sends exactly one.")
+    return str(names[0])
+
+
+def adapter_config(module: torch.nn.Module) -> dict[str, Any]:
+    """The active adapter's PEFT config as plain JSON values (what vLLM's ``PEFTHelper`` reads)."""
+    config = module.peft_config[active_adapter(module)].to_dict()  # type: ignore[index, union-attr, operator]
+    plain = {}
+    for key in _CONFIG_FIELDS:
+        value = config.get(key)
+        plain[key] = sorted(value) if isinstance(value, (set, frozenset)) else value
+    return plain
+
+
+def adapter_problems(
+    module: torch.nn.Module, limits: LoraLimits | None, expected: ExpectedWeights | None, engine: str
+) -> list[str]:
+    """Why ``engine`` cannot serve ``module``'s adapter as a LoRA (empty when it can).
+
+    Read from the trainer's model and the engine's settings before anything is sent;
+    the engine's workers check the modules again, exactly, before they load anything.
+    """
+    if limits is None:
+        return [
+            f"the {engine} engine was built without LoRA: build it with enable_lora=True and max_lora_rank "
+            "at least the adapter's rank"
+        ]
+    from vllm.lora.peft_helper import PEFTHelper
+
+    problems: list[str] = []
+    try:
+        name = active_adapter(module)
+        PEFTHelper.from_dict(adapter_config(module)).validate_legal(limits)  # type: ignore[arg-type]
+    except ValueError as error:  # vLLM's own rules: rank, DoRA, bias, modules_to_save, ...
+        return [f"vLLM refuses the adapter: {error}"]
+    for layer_name, layer in _lora_layers(module):
+        if name not in layer.lora_A:
+            continue
+        leaf = layer_name.rsplit(".", 1)[-1]
+        if not isinstance(layer.get_base_layer(), torch.nn.Linear):
+            problems.append(f"{layer_name} is a {type(layer.get_base_layer()).__name__}; vLLM adapts linear layers")
+        elif expected is not None and f"{layer_name}.weight" not in expected.weights:
+            problems.append(f"{layer_name} is not a linear layer the engine's model loads")
+        elif layer_name.endswith("lm_head"):
+            problems.append("vLLM does not serve LoRA on lm_head")
+        elif limits.target_modules is not None and leaf not in limits.target_modules:
+            problems.append(f"the engine limits LoRA to {list(limits.target_modules)}, not {leaf}")
+    frozen_changes = [
+        canonical_name(param_name)
+        for param_name, param in module.named_parameters()
+        if param.requires_grad and not _is_adapter_parameter(param_name)
+    ]
+    if frozen_changes:
+        problems.append(
+            f"{len(frozen_changes)} parameter(s) outside the adapter are trained (e.g. {frozen_changes[0]}), "
+            "and a LoRA cannot carry them"
+        )
+    return problems
+
+
+def _is_adapter_parameter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name or ".lora_magnitude" in name
+
+
+class AdapterWeights(WeightSource):
+    """The active adapter's ``lora_A``/``lora_B`` tensors, named as in a saved PEFT adapter.
+
+    ``adapter_config`` travels with them (vLLM needs rank, alpha and target modules).
+    Sharded (FSDP2) adapter tensors are gathered one at a time, in the same order on every rank.
+
+    Example::
+
+        >>> from peft import LoraConfig, get_peft_model  # doctest: +SKIP
+        >>> peft = get_peft_model(hf_model, LoraConfig(r=8, target_modules=["q_proj"]))  # doctest: +SKIP
+        >>> next(iter(AdapterWeights(peft)))[0]  # doctest: +SKIP
+        'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.adapter_config = adapter_config(module)
+        name = active_adapter(module)
+        self._params: list[tuple[str, torch.Tensor]] = []
+        for layer_name, layer in _lora_layers(module):
+            if name in layer.lora_A:
+                self._params.append((f"{ADAPTER_PREFIX}{layer_name}.lora_A.weight", layer.lora_A[name].weight))
+                self._params.append((f"{ADAPTER_PREFIX}{layer_name}.lora_B.weight", layer.lora_B[name].weight))
+        if not self._params:
+            raise ValueError(f"The model has no LoRA layer for its active adapter {name!r}.")
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in self._params]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, param in self._params:
+                yield name, materialize_full_tensor(param.detach())
+
+
+class WithAdapter(WeightSource):
+    """The policy's base weights, then its adapter: the first push of a connection.
+
+    The engine loads both in one update, so it never serves the adapter on other base weights.
+    """
+
+    def __init__(self, base: WeightSource, adapter: AdapterWeights) -> None:
+        self.base = base
+        self.adapter = adapter
+        self.adapter_config = adapter.adapter_config
+
+    def metadata(self) -> list[ParamMeta]:
+        return [*self.base.metadata(), *self.adapter.metadata()]
+
+    def groups(self) -> list[list[str]]:
+        # vLLM's layer-wise grouping would interleave the two by layer index; keep them apart.
+        return [*self.base.groups(), *self.adapter.groups()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.base
+        yield from self.adapter
+
+
+def lora_policy(weights: Any, model_attribute: str | None = None) -> torch.nn.Module | None:
+    """The PEFT LoRA model inside ``weights`` whose adapter can be sent alone, else ``None``.
+
+    That is a PEFT model with LoRA layers, plain, under DDP or sharded with FSDP2;
+    FSDP1 and ZeRO-3 wrappers are sent merged.
+    """
+    from lightning_vllm.weights.fsdp import holds_fsdp_units
+    from lightning_vllm.weights.lora import has_lora
+    from lightning_vllm.weights.model import find_hf_model
+    from lightning_vllm.weights.zero3 import is_zero3_partitioned
+
+    if not isinstance(weights, torch.nn.Module) or holds_fsdp_units(weights):
+        return None
+    try:
+        model = find_hf_model(weights, model_attribute)
+    except ValueError:
+        return None
+    if not has_lora(model) or is_zero3_partitioned(model) or not hasattr(model, "peft_config"):
+        return None
+    return model
+
+
+def adapter_source(model: torch.nn.Module, with_base: bool) -> WeightSource:
+    """What an adapter push of ``model`` sends: its adapter, after its base weights if ``with_base``."""
+    from lightning_vllm.weights.sources import LoraBaseWeights
+
+    adapter = AdapterWeights(model)
+    return WithAdapter(LoraBaseWeights(model), adapter) if with_base else adapter
