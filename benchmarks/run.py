@@ -35,6 +35,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 from callback_cost import CallbackCost, measure_callback_cost  # noqa: E402
+from lora import LoraResult, lora_line, lora_table, measure_lora  # noqa: E402
 from methods import METHODS, SyncMethods, peak_extra_rss_bytes  # noqa: E402
 from models import MANY_TENSORS, SIZES, ModelSize, build_model, num_parameters, save  # noqa: E402
 from report import (  # noqa: E402
@@ -160,6 +161,7 @@ def results_markdown(
     many: ModelResult,
     cost: CallbackCost | None,
     sharded: list[dict],
+    lora: list[LoraResult],
     args: argparse.Namespace,
     image: str,
 ) -> str:
@@ -215,6 +217,18 @@ every rank gathering layer group after layer group and rank 0 sending, bucket
 
 {sharded_table(sharded)}
 
+### LoRA policies: the adapter alone against merged weights
+
+A PEFT policy with rank-8 adapters on the attention and MLP projections, pushed
+into one LoRA-enabled engine (`enable_lora=True`, `max_lora_rank=8`) either merged
+(`lora="merged"`) or as its adapter (`lora="adapter"`), alternating
+(`benchmarks/lora.py`). "push + first request" adds the first one-token request after
+the push, in which vLLM loads the adapter (or runs on the new merged weights).
+
+{lora_table(lora)}
+
+`{lora_line(lora[-1])}`
+
 ```
 {ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded))}
 ```
@@ -231,6 +245,9 @@ def main() -> None:
     )
     parser.add_argument("--sharded-size", default="100M", choices=list(SIZES), help="model of the sharded push")
     parser.add_argument("--sharded-bucket-mib", type=int, default=32, help="bucket of the sharded push")
+    parser.add_argument(
+        "--lora-sizes", nargs="+", default=["100M", "400M"], choices=list(SIZES), help="sizes of the LoRA runs"
+    )
     parser.add_argument("--page", type=Path, help="the page to fill (default: docs/benchmarks.md)")
     parser.add_argument(
         "--quick", action="store_true", help="smallest size, one run, the page in a temporary folder unless --page"
@@ -239,6 +256,7 @@ def main() -> None:
     if args.quick:
         args.sizes, args.runs, args.callback_steps = [next(iter(SIZES))], 1, 2
         args.sharded_size = next(iter(SIZES))
+        args.lora_sizes = [next(iter(SIZES))]
         args.page = args.page or Path(tempfile.mkdtemp(prefix="lightning_vllm_bench_")) / "benchmarks.md"
     args.page = args.page or REPOSITORY / "docs" / "benchmarks.md"
     bucket_size_bytes = args.bucket_mib * 2**20
@@ -259,15 +277,19 @@ def main() -> None:
         many, _ = measure_model(
             MANY_TENSORS, Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes, cost_steps=0
         )
+        lora = [measure_lora(SIZES[name], Path(tmp), args.runs, bucket_size_bytes) for name in args.lora_sizes]
 
     print(f"\n== sharded push: {args.sharded_size} over 2 ranks", flush=True)
     sharded = measure_sharded(args.sharded_size, args.sharded_bucket_mib * 2**20)
     image = args.page.parent / "images" / "benchmarks.png"
     plot(results, METHODS, image)
-    markdown = results_markdown(results, many, cost, sharded, args, image.relative_to(args.page.parent).as_posix())
+    markdown = results_markdown(
+        results, many, cost, sharded, lora, args, image.relative_to(args.page.parent).as_posix()
+    )
     replace_results(args.page, markdown)
     print(markdown)
     print(f"Wrote {args.page} and {image}")
+    print(lora_line(lora[-1]))
     print(ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded)))
 
 

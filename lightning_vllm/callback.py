@@ -19,6 +19,7 @@ from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.rollouts import RolloutSampler
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.updater import SyncStats, VLLMUpdater
+from lightning_vllm.weights.adapter import LoraMode
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class VLLMWeightSync(Callback):
         bucket_size_bytes: largest packed bucket on the wire.
         pause_mode: what engines serving during a push do with requests in flight
             (``"keep"``, ``"wait"``, ``"abort"``; see ``VLLMUpdater``).
+        lora: how a PEFT LoRA policy is pushed: ``"auto"`` (the adapter alone when every engine
+            can serve it, merged weights otherwise), ``"adapter"`` or ``"merged"`` (see
+            ``VLLMUpdater`` and ``docs/lora.md``).
         max_staleness: the most versions a rollout may lag the trainer; ``None`` for no limit.
         generate_timeout_seconds: the longest one :meth:`generate` may take (10 minutes by
             default: long rollouts are legitimate, a frozen engine is not).
@@ -107,7 +111,7 @@ class VLLMWeightSync(Callback):
 
     Raises:
         ValueError: for a negative interval, both ``engine`` and ``updater``, or an unknown
-            ``on_sync_error``.
+            ``on_sync_error`` or ``lora``.
 
     Example::
 
@@ -131,6 +135,7 @@ class VLLMWeightSync(Callback):
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
         pause_mode: PauseMode = "keep",
+        lora: LoraMode = "auto",
         max_staleness: int | None = None,
         generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
         updater: VLLMUpdater | None = None,
@@ -155,6 +160,7 @@ class VLLMWeightSync(Callback):
             timeout_seconds=timeout_seconds,
             bucket_size_bytes=bucket_size_bytes,
             model_attribute=model_attribute,
+            lora=lora,
         )
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self._last_global_step_pushed = -1

@@ -190,7 +190,7 @@ class PushedAdapters:
             await self.app(scope, receive, send)
             return
         if scope.get("method") == "GET":
-            await _answer(send, 200, {"in_memory_adapters": True})
+            await _answer(send, 200, {"pushed_adapters": True})
             return
         from lightning_vllm.engines.base import PolicyAdapter  # the engines import this module
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from helpers import build_llm, save_model, shutdown, tiny_qwen2  # noqa: E402
+from helpers import LORA_ENGINE, build_llm, save_model, shutdown, tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llm(model_dir: Path):
     """A real vLLM engine (multiprocess engine core) with the gloo weight-transfer backend."""
-    engine = build_llm(model_dir, backend="gloo", worker_extension_cls="worker_probe.WorkerProbe")
+    engine = build_llm(model_dir, backend="gloo", worker_extension_cls="worker_probe.WorkerProbe", **LORA_ENGINE)
     yield engine
     shutdown(engine)

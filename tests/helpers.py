@@ -62,6 +62,11 @@ def require_engine_tier() -> None:
         )
 
 
+# The shared test engines serve LoRA adapters too (a policy's adapter takes one slot), so that
+# adapter pushes are tested on the same engines as full pushes.
+LORA_ENGINE = dict(enable_lora=True, max_lora_rank=8, max_loras=1)
+
+
 def engine_kwargs(model_dir: Path, backend: str | None = "gloo", **overrides) -> dict:
     """Arguments of a small CPU vLLM engine on ``model_dir`` (``vllm.LLM``, ``AsyncEngineArgs``, ``VLLMActor``)."""
     require_engine_tier()
@@ -96,12 +101,13 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown(timeout=1.0)
 
 
-def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
+def vllm_prompt_logprobs(llm, prompts=PROMPTS, lora_request=None) -> list[list[float]]:
     """vLLM's log-probability of every prompt token after the first, per prompt."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    prompts_in = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = llm.generate(prompts_in, params, use_tqdm=False, lora_request=lora_request)
     result = []
     for prompt, output in zip(prompts, outputs):
         per_token = output.prompt_logprobs[1:]
@@ -290,6 +296,7 @@ class VLLMServer:
         host: str = "127.0.0.1",
         netns: str | None = None,
         port: int | None = None,
+        lora: bool = False,
     ) -> None:
         import subprocess
         import sys
@@ -311,6 +318,9 @@ class VLLMServer:
             env["VLLM_API_KEY"] = api_key
             command += ["--middleware", "lightning_vllm.server.RequireAPIKey"]
             command += ["--middleware", "lightning_vllm.server.PauseLease"]
+        if lora:  # serves the adapters trainers push (see docs/lora.md)
+            command += ["--enable-lora", "--max-lora-rank", str(LORA_ENGINE["max_lora_rank"]), "--max-loras", "1"]
+            command += ["--middleware", "lightning_vllm.server.PushedAdapters"]
         if netns is not None:  # run inside a network namespace the test made
             command = ["ip", "netns", "exec", netns, *command]
         self.log = open(log_path, "w")

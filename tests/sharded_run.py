@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 from helpers import (  # noqa: E402
+    LORA_ENGINE,
     RolloutCausalLM,
     TinyCausalLM,
     build_llm,
@@ -34,6 +35,7 @@ from helpers import (  # noqa: E402
     hf_prompt_logprobs,
     max_abs_diff,
     shutdown,
+    tensorboard_scalars,
     tiny_qwen2,
     token_batches,
     vllm_prompt_logprobs,
@@ -105,15 +107,16 @@ def trainer_for(out_dir: Path, sync: VLLMWeightSync, max_steps: int):
 
 
 def lora_run(out_dir: Path, llm, rank: int) -> dict:
-    """A PEFT LoRA policy under FSDP2 (bfloat16 compute, CPU offload), then one more push by hand,
-    around which the live (sharded) module must not change by a bit."""
+    """A PEFT LoRA policy under FSDP2 (bfloat16 compute, CPU offload) pushed as its adapter (gathered
+    across ranks), then one more push by hand, around which the live (sharded) module must not change
+    by a bit."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(44)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     module = ShardedLoraCausalLM(get_peft_model(tiny_qwen2(seed=0), config), lr=1e-2)
-    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)
-    trainer_for(out_dir, sync, max_steps=4).fit(module, token_batches(num_batches=8))
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20, lora="adapter")
+    trainer_for(out_dir / "lora", sync, max_steps=4).fit(module, token_batches(num_batches=8))
     before = {name: param.to_local().clone() for name, param in module.model.named_parameters()}
     ranks = TrainerRanks(timeout_seconds=20)
     push_from_every_rank(sync.updater, module, ranks)
@@ -126,7 +129,13 @@ def lora_run(out_dir: Path, llm, rank: int) -> dict:
     }
     merged = merged_full_model(module)
     if rank == 0:
-        result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(merged))
+        served = vllm_prompt_logprobs(llm, lora_request=sync.updater.lora_request)
+        result["max_logprob_diff"] = max_abs_diff(served, hf_prompt_logprobs(merged))
+        pushed = [value for _, value in tensorboard_scalars(out_dir / "lora", "vllm/sync_bytes")]
+        result["bytes"] = [*pushed, sync.updater.last_sync.num_bytes]
+        result["adapter_bytes"] = sum(
+            param.numel() * 4 for name, param in module.model.named_parameters() if ".lora_" in name
+        )
     return result
 
 
@@ -175,7 +184,7 @@ def ddp_run(out_dir: Path, llm, rank: int) -> dict:
 def run(model_dir: Path, out_dir: Path) -> None:
     # Lightning's launcher starts rank 1 by running this script again with LOCAL_RANK=1.
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    llm = build_llm(model_dir) if rank == 0 else None
+    llm = build_llm(model_dir, **LORA_ENGINE) if rank == 0 else None
     result: dict = {"rank": rank, "ddp": ddp_run(out_dir, llm, rank)}
     module = ShardedCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=20)

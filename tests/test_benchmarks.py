@@ -43,6 +43,7 @@ def test_the_suite_runs_at_its_smallest_size_and_ends_with_the_ratios_line(tmp_p
     assert "ours / streaming\n25M " in text
     assert "| many-tensors |" in text and "The callback's cost" in text
     assert "A sharded policy: memory per rank" in text and "| 1 | 49 |" in text
+    assert "| 25M | adapter |" in text and "lora 25M: merged_over_adapter_bytes=" in completed.stdout
     assert (tmp_path / "images" / "benchmarks.png").stat().st_size > 10_000
 
 

@@ -126,3 +126,46 @@ def test_pauses_without_a_lease_or_that_failed_are_left_alone():
 
 def test_a_new_pause_replaces_the_lease_running():
     assert lease_scenario([("/pause", 0.2, 200), ("/pause", 10.0, 200)], wait=0.5) == 0
+
+
+def pushed_adapters_call(method: str, body: bytes = b"", path: str = "/lightning_vllm/adapter"):
+    """One request through ``PushedAdapters`` in front of an app whose state has vLLM's serving models."""
+    from types import SimpleNamespace
+
+    from lightning_vllm.server import PushedAdapters
+
+    models = SimpleNamespace(lora_requests={})
+    app = SimpleNamespace(state=SimpleNamespace(openai_serving_models=models))
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": [], "app": app}
+    asyncio.run(PushedAdapters(inner_app)(scope, receive, send))
+    return sent[0]["status"], sent[1]["body"], models.lora_requests
+
+
+def test_pushed_adapters_answers_under_the_name_the_trainer_gives():
+    from lightning_vllm.transports.lora_worker import adapter_directory
+
+    assert pushed_adapters_call("GET")[:2] == (200, b'{"pushed_adapters": true}')
+    status, _, served = pushed_adapters_call("POST", b'{"name": "policy", "id": 7, "key": "abc123"}')
+    assert status == 200
+    request = served["policy"]
+    assert (request.lora_name, request.lora_int_id, request.lora_path) == ("policy", 7, adapter_directory("abc123"))
+
+
+@pytest.mark.parametrize(
+    "body", [b"not json", b'{"name": "policy"}', b'{"name": "p", "id": 1, "key": "../../etc"}'], ids=str
+)
+def test_pushed_adapters_refuses_a_bad_body_and_a_path_outside_its_directory(body):
+    status, answer, served = pushed_adapters_call("POST", body)
+    assert status == 400 and b"Expected JSON" in answer and served == {}
+
+
+def test_pushed_adapters_leaves_other_routes_alone():
+    assert pushed_adapters_call("POST", path="/v1/completions")[:2] == (200, b"served")

@@ -30,7 +30,9 @@ def run(model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
 
 
-def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_and_lora_is_merged(model_dir, tmp_path):
+def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_sends_its_adapter(
+    model_dir, tmp_path
+):
     rank0, rank1 = run(model_dir, tmp_path)
     # DDP first: rank 0 pushed at fit start and at steps 2 and 4; rank 1 never talked to vLLM.
     ddp0, ddp1 = rank0["ddp"], rank1["ddp"]
@@ -59,6 +61,10 @@ def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_and_l
     # merged float32 master weights, and the live module is untouched by a push.
     lora0, lora1 = rank0["lora"], rank1["lora"]
     assert lora0["max_logprob_diff"] < TOLERANCE
+    # During fit (steps 2 and 4) the adapter alone, gathered from both ranks' shards; the push by hand
+    # after fit connects again (fit's end closed the connection), so it sends the base weights once more.
+    *in_fit, by_hand = lora0["bytes"]
+    assert in_fit[-2:] == [lora0["adapter_bytes"]] * 2 and 10 * lora0["adapter_bytes"] < by_hand
     # Fit start, steps 2 and 4 and one more, counting on from the FSDP2 run's 6 on the same engine.
     assert lora0["weight_version"] == lora1["weight_version"] == 6 + 4
     assert lora0["live_module_untouched"] and lora1["live_module_untouched"]

@@ -121,7 +121,7 @@ def adapter_problems(
     except ValueError as error:  # vLLM's own rules: rank, DoRA, bias, modules_to_save, ...
         return [f"vLLM refuses the adapter: {error}"]
     for layer_name, layer in _lora_layers(module):
-        if name not in layer.lora_A:
+        if name not in layer.lora_A and name not in getattr(layer, "lora_embedding_A", {}):
             continue
         leaf = layer_name.rsplit(".", 1)[-1]
         if not isinstance(layer.get_base_layer(), torch.nn.Linear):

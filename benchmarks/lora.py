@@ -1,0 +1,142 @@
+"""LoRA policies: an adapter push against a merged push, into the same LoRA-enabled engine.
+
+For each size, one vLLM engine (CPU, bfloat16, gloo, ``enable_lora=True``,
+``max_lora_rank=8``) and one PEFT policy (rank 8 on the attention and MLP
+projections: q, k, v, o, gate, up, down). Both methods push the same policy, in
+alternation, ``runs`` times after an untimed warm-up each (the adapter's warm-up is
+the push that sends the base weights once):
+
+- ``merged``: ``VLLMUpdater(lora="merged")``, base + adapter merged into full weights;
+- ``adapter``: ``VLLMUpdater(lora="adapter")``, the adapter's tensors alone.
+
+Each run is timed twice: the push alone, and the push followed by the first request
+that uses the new weights (one prompt, one token), since vLLM loads an adapter at
+the first request after an update.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from models import ModelSize, build_model, save
+
+RANK = 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+METHODS = ("merged", "adapter")
+
+
+@dataclass
+class LoraResult:
+    """One size's figures: bytes per push and seconds per run, by method."""
+
+    name: str
+    num_bytes: dict[str, int] = field(default_factory=dict)
+    push_seconds: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in METHODS})
+    served_seconds: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in METHODS})
+
+    def median(self, method: str, served: bool = False) -> float:
+        return statistics.median((self.served_seconds if served else self.push_seconds)[method])
+
+
+def lora_policy(size: ModelSize) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, init_lora_weights=False)
+    return get_peft_model(build_model(size), config)
+
+
+def start_lora_engine(model_dir: Path) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=128,
+        seed=0,
+        weight_transfer_config={"backend": "gloo"},
+        enable_lora=True,
+        max_lora_rank=RANK,
+        max_loras=1,
+    )
+
+
+def measure_lora(size: ModelSize, workdir: Path, num_runs: int, bucket_size_bytes: int) -> LoraResult:
+    from vllm import SamplingParams
+
+    from lightning_vllm import VLLMUpdater
+
+    policy = lora_policy(size)
+    model_dir = save(build_model(size), workdir / f"{size.name}-lora" / "model")
+    print(f"\n== LoRA r={RANK} on {size.name}: adapter against merged pushes", flush=True)
+    llm = start_lora_engine(model_dir)
+    result = LoraResult(size.name)
+    try:
+        updaters = {
+            method: VLLMUpdater(engine=llm, lora=method, bucket_size_bytes=bucket_size_bytes) for method in METHODS
+        }
+        one_token = SamplingParams(max_tokens=1, temperature=0.0)
+
+        def run(method: str) -> tuple[float, float]:
+            updater = updaters[method]
+            start = time.perf_counter()
+            stats = updater.push_weights(policy)
+            pushed = time.perf_counter()
+            updater.engine.generate([[1, 2, 3, 4]], one_token)  # type: ignore[union-attr]  # through the adapter
+            result.num_bytes[method] = stats.num_bytes
+            return pushed - start, time.perf_counter() - start
+
+        for method in METHODS:  # warm-up; the adapter's first push also sends the base weights
+            run(method)
+            run(method)
+        for index in range(num_runs):
+            for method in METHODS[index % 2 :] + METHODS[: index % 2]:
+                push, served = run(method)
+                result.push_seconds[method].append(push)
+                result.served_seconds[method].append(served)
+            print(
+                f"   run {index + 1}/{num_runs}: "
+                + ", ".join(f"{m} {result.push_seconds[m][-1]:.3f}s" for m in METHODS),
+                flush=True,
+            )
+        for updater in updaters.values():
+            updater.close()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        gc.collect()
+    return result
+
+
+def lora_table(results: list[LoraResult]) -> str:
+    rows = [
+        "| model | method | MB per push | push s (median) | push + first request s "
+        "| merged / adapter: bytes | seconds |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        for method in METHODS:
+            ratio_bytes = result.num_bytes["merged"] / result.num_bytes[method]
+            ratio_seconds = result.median("merged") / result.median(method)
+            rows.append(
+                f"| {result.name} | {method} | {result.num_bytes[method] / 1e6:.2f} | {result.median(method):.3f} | "
+                f"{result.median(method, served=True):.3f} | {ratio_bytes:.1f} | {ratio_seconds:.1f} |"
+            )
+    return "\n".join(rows)
+
+
+def lora_line(largest: LoraResult) -> str:
+    """One line of the largest size's ratios (merged over adapter: higher is better)."""
+    bytes_ratio = largest.num_bytes["merged"] / largest.num_bytes["adapter"]
+    return (
+        f"lora {largest.name}: merged_over_adapter_bytes={bytes_ratio:.1f} "
+        f"merged_over_adapter_seconds={largest.median('merged') / largest.median('adapter'):.1f} "
+        f"with_first_request={largest.median('merged', True) / largest.median('adapter', True):.1f}"
+    )
