@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,24 +53,10 @@ def lora_policy(size: ModelSize) -> torch.nn.Module:
     return get_peft_model(build_model(size), config)
 
 
-def start_lora_engine(model_dir: Path) -> Any:
-    from vllm import LLM
-
-    return LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=128,
-        seed=0,
-        weight_transfer_config={"backend": "gloo"},
-        enable_lora=True,
-        max_lora_rank=RANK,
-        max_loras=1,
-    )
-
-
-def measure_lora(size: ModelSize, workdir: Path, num_runs: int, bucket_size_bytes: int) -> LoraResult:
+def measure_lora(
+    size: ModelSize, workdir: Path, num_runs: int, bucket_size_bytes: int, start_engine: Callable[..., Any]
+) -> LoraResult:
+    """Both methods on ``size``, in an engine from ``start_engine(model_dir, **LoRA settings)`` (``run.py``'s)."""
     from vllm import SamplingParams
 
     from lightning_vllm import VLLMUpdater
@@ -77,7 +64,7 @@ def measure_lora(size: ModelSize, workdir: Path, num_runs: int, bucket_size_byte
     policy = lora_policy(size)
     model_dir = save(build_model(size), workdir / f"{size.name}-lora" / "model")
     print(f"\n== LoRA r={RANK} on {size.name}: adapter against merged pushes", flush=True)
-    llm = start_lora_engine(model_dir)
+    llm = start_engine(model_dir, enable_lora=True, max_lora_rank=RANK, max_loras=1)
     result = LoraResult(size.name)
     try:
         updaters = {

@@ -57,7 +57,7 @@ from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES  # noqa: E402
 REPOSITORY = BENCHMARKS.parent
 
 
-def start_engine(model_dir: Path) -> object:
+def start_engine(model_dir: Path, **overrides: object) -> object:
     from vllm import LLM
 
     return LLM(
@@ -69,6 +69,7 @@ def start_engine(model_dir: Path) -> object:
         seed=0,
         weight_transfer_config={"backend": "gloo"},
         worker_extension_cls="floor_worker.FloorWorkerExtension",
+        **overrides,
     )
 
 
@@ -277,7 +278,9 @@ def main() -> None:
         many, _ = measure_model(
             MANY_TENSORS, Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes, cost_steps=0
         )
-        lora = [measure_lora(SIZES[name], Path(tmp), args.runs, bucket_size_bytes) for name in args.lora_sizes]
+        lora = [
+            measure_lora(SIZES[name], Path(tmp), args.runs, bucket_size_bytes, start_engine) for name in args.lora_sizes
+        ]
 
     print(f"\n== sharded push: {args.sharded_size} over 2 ranks", flush=True)
     sharded = measure_sharded(args.sharded_size, args.sharded_bucket_mib * 2**20)

@@ -30,9 +30,7 @@ def run(model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
 
 
-def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_sends_its_adapter(
-    model_dir, tmp_path
-):
+def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_sends_its_adapter(model_dir, tmp_path):
     rank0, rank1 = run(model_dir, tmp_path)
     # DDP first: rank 0 pushed at fit start and at steps 2 and 4; rank 1 never talked to vLLM.
     ddp0, ddp1 = rank0["ddp"], rank1["ddp"]
