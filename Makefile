@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install test test-fast lint demo bench soak clean
+.PHONY: install test test-fast lint demo demo-lora bench soak clean
 
 install: $(STAMP)
 
@@ -41,6 +41,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/grpo_tiny.py
+
+# The same demo training a rank-8 LoRA adapter: each push sends the adapter alone (docs/lora.md).
+demo-lora: $(STAMP)
+	$(PY) examples/grpo_tiny.py --lora-rank 8
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

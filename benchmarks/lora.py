@@ -2,9 +2,11 @@
 
 For each size, one vLLM engine (CPU, bfloat16, gloo, ``enable_lora=True``,
 ``max_lora_rank=8``) and one PEFT policy (rank 8 on the attention and MLP
-projections: q, k, v, o, gate, up, down). Both methods push the same policy, in
-alternation, ``runs`` times after an untimed warm-up each (the adapter's warm-up is
-the push that sends the base weights once):
+projections: q, k, v, o, gate, up, down). Both methods push the same policy through
+one updater, ``runs`` times each after two untimed warm-ups (the adapter's first
+warm-up is the push that sends the base weights once). They run one block after the
+other, not alternating: a merged push replaces the base weights, so the adapter push
+after it would send them again.
 
 - ``merged``: ``VLLMUpdater(lora="merged")``, base + adapter merged into full weights;
 - ``adapter``: ``VLLMUpdater(lora="adapter")``, the adapter's tensors alone.
@@ -67,13 +69,10 @@ def measure_lora(
     llm = start_engine(model_dir, enable_lora=True, max_lora_rank=RANK, max_loras=1)
     result = LoraResult(size.name)
     try:
-        updaters = {
-            method: VLLMUpdater(engine=llm, lora=method, bucket_size_bytes=bucket_size_bytes) for method in METHODS
-        }
+        updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes)
         one_token = SamplingParams(max_tokens=1, temperature=0.0)
 
         def run(method: str) -> tuple[float, float]:
-            updater = updaters[method]
             start = time.perf_counter()
             stats = updater.push_weights(policy)
             pushed = time.perf_counter()
@@ -81,21 +80,17 @@ def measure_lora(
             result.num_bytes[method] = stats.num_bytes
             return pushed - start, time.perf_counter() - start
 
-        for method in METHODS:  # warm-up; the adapter's first push also sends the base weights
+        for method in METHODS:
+            updater.lora = method  # type: ignore[assignment]
+            run(method)  # warm-up; the adapter's first push also sends the base weights
             run(method)
-            run(method)
-        for index in range(num_runs):
-            for method in METHODS[index % 2 :] + METHODS[: index % 2]:
+            for _ in range(num_runs):
                 push, served = run(method)
                 result.push_seconds[method].append(push)
                 result.served_seconds[method].append(served)
-            print(
-                f"   run {index + 1}/{num_runs}: "
-                + ", ".join(f"{m} {result.push_seconds[m][-1]:.3f}s" for m in METHODS),
-                flush=True,
-            )
-        for updater in updaters.values():
-            updater.close()
+            runs = ", ".join(f"{seconds:.3f}" for seconds in result.push_seconds[method])
+            print(f"   {method}: {result.num_bytes[method] / 1e6:.2f} MB, push seconds {runs}", flush=True)
+        updater.close()
     finally:
         llm.llm_engine.engine_core.shutdown()
         gc.collect()

@@ -15,6 +15,7 @@ Run it with ``make demo``, or::
 
     python examples/grpo_tiny.py --steps 60
     python examples/grpo_tiny.py --devices 2   # two trainer processes, the policy sharded with FSDP2
+    python examples/grpo_tiny.py --lora-rank 8   # train a LoRA adapter; pushes send the adapter alone
 
 The same run from a LightningCLI YAML file: ``python examples/grpo_tiny.py fit --config examples/grpo_tiny.yaml``.
 """
@@ -101,6 +102,8 @@ class TinyGRPO(LightningModule):
         max_new_tokens: completion length.
         temperature: sampling temperature for rollouts.
         lr: learning rate.
+        lora_rank: train a PEFT LoRA adapter of this rank (attention and MLP projections) on the
+            frozen policy instead of every weight; each push then sends the adapter alone.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class TinyGRPO(LightningModule):
         max_new_tokens: int = 6,
         temperature: float = 1.0,
         lr: float = 3e-3,
+        lora_rank: int = 0,
     ) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,6 +122,13 @@ class TinyGRPO(LightningModule):
         if not (Path(model_dir) / "config.json").is_file():
             build_tiny_policy(Path(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).train()
+        if lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            self.model = get_peft_model(
+                self.model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets)
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def prompt_ids(self, letter: str) -> list[int]:
@@ -157,7 +168,8 @@ class TinyGRPO(LightningModule):
         if self.device_mesh is None or isinstance(self.model, FSDPModule):
             return
         mesh = self.device_mesh["data_parallel"]
-        for layer in self.model.model.layers:
+        hf = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT or not
+        for layer in hf.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
@@ -168,9 +180,10 @@ class TinyGRPO(LightningModule):
         return torch.optim.Adam(self.model.parameters(), lr=self.hparams.lr)
 
 
-def engine_args(model_dir: Path) -> dict:
-    """``vllm.LLM`` arguments for the tiny policy on CPU (the callback builds the engine)."""
-    return {
+def engine_args(model_dir: Path, lora_rank: int = 0) -> dict:
+    """``vllm.LLM`` arguments for the tiny policy on CPU (the callback builds the engine), serving
+    LoRA adapters up to ``lora_rank`` when it is not 0."""
+    args: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": "float32",
         "enforce_eager": True,
@@ -178,6 +191,9 @@ def engine_args(model_dir: Path) -> dict:
         "seed": 0,
         "weight_transfer_config": {"backend": "gloo"},
     }
+    if lora_rank:  # vLLM's max_lora_rank takes 1, 8, 16, 32, ...
+        args.update(enable_lora=True, max_lora_rank=next(r for r in (8, 16, 32, 64, 128) if r >= lora_rank))
+    return args
 
 
 class ShowSamples(Callback):
@@ -244,12 +260,20 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument(
         "--devices", type=int, default=1, help="trainer processes; 2 or more shard the policy with FSDP2"
     )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank; pushes send the adapter alone"
+    )
     args = parser.parse_args(argv)
     quiet_vllm(args.verbose_vllm)
 
     model_dir = build_tiny_policy(Path(tempfile.mkdtemp(prefix="grpo-tiny-")))
-    module = TinyGRPO(str(model_dir))
-    sync = VLLMWeightSync(engine=engine_args(model_dir), every_n_train_steps=args.every_n_train_steps, max_staleness=1)
+    module = TinyGRPO(str(model_dir), lora_rank=args.lora_rank, lr=3e-2 if args.lora_rank else 3e-3)
+    sync = VLLMWeightSync(
+        engine=engine_args(model_dir, args.lora_rank),
+        every_n_train_steps=args.every_n_train_steps,
+        max_staleness=1,
+        lora="adapter" if args.lora_rank else "auto",  # "adapter": say so if the adapter cannot be pushed alone
+    )
     logger = TensorBoardLogger(args.log_dir, name="grpo_tiny")
     strategy: Any = "auto"
     if args.devices > 1:

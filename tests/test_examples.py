@@ -44,14 +44,15 @@ def test_minimal_example(tmp_path):
     assert "after training:  " in completed.stdout
 
 
-def test_grpo_tiny_on_two_processes_with_fsdp2_logs_and_plots(tmp_path):
-    completed = run(
-        [str(EXAMPLES / "grpo_tiny.py"), "--devices", "2", "--steps", "4", "--log-dir", str(tmp_path / "logs")],
-        tmp_path,
-    )
+def test_grpo_tiny_lora_on_two_processes_with_fsdp2_pushes_the_adapter_logs_and_plots(tmp_path):
+    args = ["--devices", "2", "--steps", "4", "--lora-rank", "8", "--log-dir", str(tmp_path / "logs")]
+    completed = run([str(EXAMPLES / "grpo_tiny.py"), *args], tmp_path)
     log_dir = tmp_path / "logs" / "grpo_tiny" / "version_0"
     # Fit start, then steps 2 and 4, every rank taking part in each push.
     assert [value for _, value in tensorboard_scalars(log_dir, "vllm/weight_version")] == [1.0, 2.0, 3.0]
+    # Fit start sends the base weights with the adapter, steps 2 and 4 the adapter alone.
+    first, *later = [value for _, value in tensorboard_scalars(log_dir, "vllm/sync_bytes")]
+    assert len(later) == 2 and later[0] == later[1] and 10 * later[0] < first
     # The demo's logs, plot and samples (the single-process demo runs the same code: the
     # LightningCLI test above and `make demo` run it on one process).
     assert (log_dir / "grpo_tiny.png").stat().st_size > 10_000
