@@ -26,11 +26,12 @@ from lightning_vllm.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_vllm.rollouts import generate
-from lightning_vllm.server import PauseLease, RequireAPIKey
+from lightning_vllm.server import PauseLease, PushedAdapters, RequireAPIKey
 from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
 
 __all__ = [
     "PauseLease",
+    "PushedAdapters",
     "RequireAPIKey",
     "StaleRolloutsError",
     "generate",

@@ -244,7 +244,7 @@ class EngineConnection:
             self._pause()
         try:
             yield
-            if adapter is not None or getattr(self.engine, "adapter", None) is not None:
+            if getattr(self.engine, "adapter", None) != adapter:  # a first adapter push, or a merged one after it
                 serve_adapter = self.engine.serve_adapter  # type: ignore[attr-defined]  # see adapter_problems
                 self._call(serve_adapter, adapter, what=f"{self.engine.description} to serve the adapter")
             if self.settings.reset_prefix_cache:

@@ -8,7 +8,6 @@ TorchRL finds the names it knows.
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -31,10 +30,8 @@ from lightning_vllm.settings import (
 from lightning_vllm.torchrl_interface import TorchRLInterface
 from lightning_vllm.transports import resolve_backend
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
-from lightning_vllm.weights.adapter import LoraMode, adapter_source, lora_policy, validate_lora_mode
+from lightning_vllm.weights.adapter import LoraMode, adapter_source, choose_view, lora_policy, validate_lora_mode
 from lightning_vllm.weights.model import as_metadata
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -242,6 +239,9 @@ class VLLMUpdater(TorchRLInterface):
         self._version = max(self._version, connection.reported_version)
         return connection
 
+    def _connected(self, worker_ids: Sequence[int]) -> list[EngineConnection]:
+        return [self._connections.get(worker_id) or self._connect(worker_id) for worker_id in worker_ids]
+
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""
         while self._connections:
@@ -283,7 +283,7 @@ class VLLMUpdater(TorchRLInterface):
         source = self.source_for_view(weights, self.lora_view(weights, targets))
         if self.model_metadata is None:  # (an adapter view set it from the merged weights)
             self.model_metadata = source_metadata(source)
-        connections = [self._connections.get(worker_id) or self._connect(worker_id) for worker_id in targets]
+        connections = self._connected(targets)
         offered = source_metadata(source)
         for connection in connections:  # every check before the first byte moves
             connection.check(source, offered)
@@ -311,9 +311,8 @@ class VLLMUpdater(TorchRLInterface):
 
     def lora_view(self, weights: Any, worker_ids: Sequence[int] | None = None) -> str:
         """How a push of ``weights`` is sent: ``"merged"`` (full weights, as given), ``"adapter"``
-        (the LoRA adapter alone) or ``"base_and_adapter"`` (an engine lacks the policy's base weights).
-
-        Connects to the engines if needed.
+        (the LoRA adapter alone) or ``"base_and_adapter"`` (an engine lacks the policy's base weights);
+        connects to the engines if needed.
 
         Raises:
             EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
@@ -322,28 +321,14 @@ class VLLMUpdater(TorchRLInterface):
         """
         if isinstance(weights, WeightSource) or self.lora == "merged":
             return "merged"  # a ready source is sent as it is
-        model = lora_policy(weights, self.model_attribute)
+        model = lora_policy(weights, self.model_attribute, required=self.lora == "adapter")
         if model is None:
-            if self.lora == "adapter":
-                raise ValueError(
-                    "lora='adapter' needs a PEFT LoRA policy (a PeftModel with LoRA layers), plain, under DDP or "
-                    "sharded with FSDP2; FSDP1 and ZeRO-3 policies are sent merged (lora='merged')."
-                )
             return "merged"
         if self.model_metadata is None:
             self.model_metadata = source_metadata(self._maybe_map_weights(weights))
-        targets = self._resolve_worker_ids(None) if worker_ids is None else worker_ids
-        connections = [self._connections.get(worker_id) or self._connect(worker_id) for worker_id in targets]
+        connections = self._connected(self._resolve_worker_ids(None) if worker_ids is None else worker_ids)
         problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(model)]
-        if problems:
-            if self.lora == "adapter":
-                raise EngineConfigError(
-                    f"lora='adapter' but the adapter cannot be served: {'; '.join(problems)}. Fix that, or pass "
-                    "lora='merged' (or 'auto', which then sends merged weights)."
-                )
-            log.info("Pushing merged LoRA weights, not the adapter alone: %s", "; ".join(problems))
-            return "merged"
-        return "adapter" if all(connection.has_policy_base for connection in connections) else "base_and_adapter"
+        return choose_view(self.lora, problems, all(connection.has_policy_base for connection in connections))
 
     def source_for_view(self, weights: Any, view: str) -> WeightSource:
         """The source a push of ``weights`` reads for ``view`` (see :meth:`lora_view`)."""
@@ -355,12 +340,10 @@ class VLLMUpdater(TorchRLInterface):
 
     @property
     def lora_request(self) -> Any:
-        """The ``LoRARequest`` to generate with from the policy's adapter (``None`` until an
-        adapter push, or when merged weights are pushed): pass it to ``llm.generate``."""
-        engine = self.engine
-        if engine is None or getattr(engine, "adapter", None) is None:
-            return None
-        return engine.lora_request()  # type: ignore[attr-defined]
+        """The ``LoRARequest`` to pass to ``llm.generate`` to sample from the policy's adapter
+        (``None`` before an adapter push, and when merged weights are pushed)."""
+        lora_request = getattr(self.engine, "lora_request", None)
+        return lora_request() if lora_request is not None else None
 
     def _get_server_weights(self) -> Any:
         """Not used, as in TorchRL's vLLMUpdater: weights must be passed to :meth:`push_weights`."""

@@ -14,6 +14,7 @@ which is what vLLM's LoRA loader parses. vLLM's own ``PEFTHelper`` judges the co
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,8 +22,11 @@ from typing import Any, Literal
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
+from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.model import canonical_name
+
+log = logging.getLogger(__name__)
 
 LoraMode = Literal["auto", "adapter", "merged"]
 """How a PEFT LoRA policy is pushed: ``"adapter"`` sends the adapter alone (the engine
@@ -207,12 +211,25 @@ class WithAdapter(WeightSource):
         yield from self.adapter
 
 
-def lora_policy(weights: Any, model_attribute: str | None = None) -> torch.nn.Module | None:
+def lora_policy(weights: Any, model_attribute: str | None = None, required: bool = False) -> torch.nn.Module | None:
     """The PEFT LoRA model inside ``weights`` whose adapter can be sent alone, else ``None``.
 
     That is a PEFT model with LoRA layers, plain, under DDP or sharded with FSDP2;
     FSDP1 and ZeRO-3 wrappers are sent merged.
+
+    Raises:
+        ValueError: ``required`` and there is none (``lora="adapter"``).
     """
+    model = _lora_policy(weights, model_attribute)
+    if model is None and required:
+        raise ValueError(
+            "lora='adapter' needs a PEFT LoRA policy (a PeftModel with LoRA layers), plain, under DDP or "
+            "sharded with FSDP2; FSDP1 and ZeRO-3 policies are sent merged (lora='merged')."
+        )
+    return model
+
+
+def _lora_policy(weights: Any, model_attribute: str | None) -> torch.nn.Module | None:
     from lightning_vllm.weights.fsdp import holds_fsdp_units
     from lightning_vllm.weights.lora import has_lora
     from lightning_vllm.weights.model import find_hf_model
@@ -227,6 +244,33 @@ def lora_policy(weights: Any, model_attribute: str | None = None) -> torch.nn.Mo
     if not has_lora(model) or is_zero3_partitioned(model) or not hasattr(model, "peft_config"):
         return None
     return model
+
+
+def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) -> str:
+    """How a LoRA policy is sent: ``"merged"``, ``"adapter"`` or ``"base_and_adapter"``.
+
+    Args:
+        lora: the updater's mode (not ``"merged"``).
+        problems: why some engine cannot serve the adapter (see :func:`adapter_problems`).
+        engines_have_base: whether every engine already has the policy's base weights.
+
+    Raises:
+        EngineConfigError: ``lora="adapter"`` and there are problems (listed in the message).
+
+    Example::
+
+        >>> choose_view("auto", ["no LoRA"], engines_have_base=False)
+        'merged'
+    """
+    if problems:
+        if lora == "adapter":
+            raise EngineConfigError(
+                f"lora='adapter' but the adapter cannot be served: {'; '.join(problems)}. Fix that, or pass "
+                "lora='merged' (or 'auto', which then sends merged weights)."
+            )
+        log.info("Pushing merged LoRA weights, not the adapter alone: %s", "; ".join(problems))
+        return "merged"
+    return "adapter" if engines_have_base else "base_and_adapter"
 
 
 def adapter_source(model: torch.nn.Module, with_base: bool) -> WeightSource:

@@ -65,9 +65,9 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ``segment_ends`` the same for the segments (one broadcast each) inside the
     buckets; every bucket end is also a segment end.
 
-    ``adapter`` is set when the update carries a LoRA adapter: ``{"name", "id",
-    "config"}`` (its name and id in vLLM, and its PEFT config as JSON values); its
-    tensors are the ones named ``base_model.model.*``, the others are base weights.
+    ``adapter`` is set when the update carries a LoRA adapter: ``{"key", "config"}``
+    (where the workers stage it, and its PEFT config as JSON values); its tensors are
+    the ones named ``base_model.model.*``, the others are base weights.
     """
 
     names: list[str]
