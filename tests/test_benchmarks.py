@@ -43,7 +43,7 @@ def test_the_suite_runs_at_its_smallest_size_and_ends_with_the_ratios_line(tmp_p
     assert "ours / streaming\n25M " in text
     assert "| many-tensors |" in text and "The callback's cost" in text
     assert "A sharded policy: memory per rank" in text and "| 1 | 49 |" in text
-    assert "| 25M | adapter |" in text and "lora 25M: merged_over_adapter_bytes=" in completed.stdout
+    assert "LoRA policies: the adapter alone against merged weights\n" in text and "Not measured in this run." in text
     assert (tmp_path / "images" / "benchmarks.png").stat().st_size > 10_000
 
 
@@ -74,3 +74,15 @@ def test_results_replace_only_their_section_of_the_page(tmp_path):
     (tmp_path / "bare.md").write_text("no markers")
     with pytest.raises(ValueError, match="no <!-- results:start -->"):
         replace_results(tmp_path / "bare.md", "x")
+
+
+def test_the_lora_table_and_line_report_merged_over_adapter():
+    from lora import LoraResult, lora_line, lora_table
+
+    result = LoraResult("400M", num_bytes={"merged": 800_000_000, "adapter": 8_000_000})
+    result.push_seconds = {"merged": [2.0, 2.5, 3.0], "adapter": [0.1, 0.1, 0.2]}
+    result.served_seconds = {"merged": [2.1, 2.6, 3.1], "adapter": [0.2, 0.25, 0.3]}
+    assert "| 400M | adapter | 8.00 | 0.100 | 0.250 | 100.0 | 25.0 |" in lora_table([result])
+    assert lora_line(result) == (
+        "lora 400M: merged_over_adapter_bytes=100.0 merged_over_adapter_seconds=25.0 with_first_request=10.4"
+    )

@@ -50,9 +50,10 @@ def test_grpo_tiny_lora_on_two_processes_with_fsdp2_pushes_the_adapter_logs_and_
     log_dir = tmp_path / "logs" / "grpo_tiny" / "version_0"
     # Fit start, then steps 2 and 4, every rank taking part in each push.
     assert [value for _, value in tensorboard_scalars(log_dir, "vllm/weight_version")] == [1.0, 2.0, 3.0]
-    # Fit start sends the base weights with the adapter, steps 2 and 4 the adapter alone.
+    # Fit start sends the base weights with the adapter, steps 2 and 4 the adapter alone (on this
+    # tiny model, rank 8 on every projection is a sixth of the weights).
     first, *later = [value for _, value in tensorboard_scalars(log_dir, "vllm/sync_bytes")]
-    assert len(later) == 2 and later[0] == later[1] and 10 * later[0] < first
+    assert len(later) == 2 and later[0] == later[1] and 5 * later[0] < first
     # The demo's logs, plot and samples (the single-process demo runs the same code: the
     # LightningCLI test above and `make demo` run it on one process).
     assert (log_dir / "grpo_tiny.png").stat().st_size > 10_000

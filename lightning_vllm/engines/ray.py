@@ -49,6 +49,7 @@ class VLLMActor(LocalLLMEngine):
             "expected_weights": self.expected_weights(),
             "prompt_limits": self.prompt_limits(),
             "lora_limits": self.lora_limits(),
+            "adapter": self.adapter,
         }
 
 
@@ -106,10 +107,20 @@ class RayEngine(ServesAdapter):
     def lora_limits(self) -> LoraLimits | None:
         return self.facts["lora_limits"]
 
+    @property
+    def adapter(self) -> PolicyAdapter | None:
+        """The adapter the actor generates through. The actor keeps it, and another ``RayEngine``
+        (an earlier updater's) may have set it: read from the actor with its other facts."""
+        return self.facts.get("adapter")
+
+    @adapter.setter
+    def adapter(self, adapter: PolicyAdapter | None) -> None:
+        self.serve_adapter(adapter)
+
     def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
         """The actor generates, so it is the one told which adapter to use."""
         self._call("serve_adapter", adapter)
-        self.adapter = adapter
+        self.facts["adapter"] = adapter
 
     def is_dead(self) -> bool:
         """A dead actor fails its calls with ``RayActorError``; a busy one cannot be asked."""

@@ -18,10 +18,22 @@ pytestmark = pytest.mark.engine
 FREEZE_TIMEOUT_SECONDS = 3.0
 
 
-def engine_core_of(root_pid: int) -> int:
-    """The pid of the one vLLM engine core below ``root_pid``."""
-    (core,) = [child for child in psutil.Process(root_pid).children(recursive=True) if "EngineCor" in child.name()]
-    return core.pid
+def engine_core_of(root_pid: int, timeout: float = 30.0) -> int:
+    """The pid of the one vLLM engine core below ``root_pid``.
+
+    Looked for again for up to ``timeout`` seconds: in one full-suite run the Ray actor's engine
+    core was not among its children at the first look (not seen again; the process list is read
+    while the machine is loaded).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        children = psutil.Process(root_pid).children(recursive=True)
+        cores = [child for child in children if "EngineCor" in child.name()]
+        if len(cores) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(cores) == 1, f"expected one engine core below pid {root_pid}: {[(c.pid, c.name()) for c in children]}"
+    return cores[0].pid
 
 
 def ray_actor_pid(actor) -> int:

@@ -68,7 +68,8 @@ def test_lora_policy_sends_merged_weights_and_leaves_the_module_untouched(llm, t
     )
     policy = get_peft_model(tiny_qwen2(seed=0), config)
     module = TinyCausalLM(policy, lr=1e-2)
-    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2)
+    # The engine serves LoRA, so "auto" would push the adapter (tests/engines/test_training.py): merged here.
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, lora="merged")
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
     before = {name: param.detach().clone() for name, param in policy.named_parameters()}
 
