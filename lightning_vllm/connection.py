@@ -29,8 +29,8 @@ from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.transports import resolve_backend, trainer_init_info
 from lightning_vllm.transports.plugin import GLOO, register_backends
 from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
-from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraMode, adapter_problems
-from lightning_vllm.weights.checks import check_tied_output_embedding, loaded_by_engine
+from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraLimits, adapter_problems
+from lightning_vllm.weights.checks import ExpectedWeights, check_tied_output_embedding, loaded_by_engine
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ class ConnectionSettings:
     timeout_seconds: float
     pause_mode: PauseMode
     reset_prefix_cache: bool
-    lora: LoraMode = "auto"
 
 
 class EngineConnection:
@@ -87,6 +86,7 @@ class EngineConnection:
         # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
         # so engines sharing a host, and later connections, never read each other's adapter.
         self.adapter = PolicyAdapter(key=uuid.uuid4().hex)
+        self._lora_facts: tuple[LoraLimits | None, ExpectedWeights | None, list[str]] | None = None
 
     @classmethod
     def open(cls, engine: EngineTarget, metadata: ModelMetadata, settings: ConnectionSettings) -> EngineConnection:
@@ -134,28 +134,39 @@ class EngineConnection:
         transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=client)
         return cls(engine, settings, client, transfer, wire, ties, reported_version, backend)
 
-    @property
-    def num_bytes(self) -> int:
-        """The bytes one full push moves to this engine."""
-        return wire_bytes(self.wire)
-
     def adapter_problems(self, module: torch.nn.Module) -> list[str]:
-        """Why this engine cannot be sent ``module``'s LoRA adapter alone (empty when it can)."""
-        engine = self.engine
+        """Why this engine cannot be sent ``module``'s LoRA adapter alone (empty when it can).
+
+        The engine's side (backend, LoRA settings, a server's middleware) is asked once per
+        connection; the module's side is checked at each push.
+        """
+        limits, expected, engine_problems = self._engine_lora_facts()
+        if engine_problems:
+            return engine_problems
+        return adapter_problems(module, limits, expected, self.engine.description)
+
+    def _engine_lora_facts(self) -> tuple[LoraLimits | None, ExpectedWeights | None, list[str]]:
+        if self._lora_facts is not None:
+            return self._lora_facts
+        engine, problems = self.engine, []
+        limits = expected = None
         if self.backend != GLOO:
-            return [f"adapter pushes need the gloo backend; the {engine.description} engine uses {self.backend!r}"]
-        if not hasattr(engine, "lora_limits") or not hasattr(engine, "serve_adapter"):
-            return [f"the {engine.description} engine target has no lora_limits() and serve_adapter()"]
-        limits = self._call(engine.lora_limits, what=f"{engine.description}'s LoRA settings")
-        expected = self._call(engine.expected_weights, what=f"{engine.description}'s model facts")
-        problems = adapter_problems(module, limits, expected, engine.description)
-        check_serves_adapters = getattr(engine, "check_serves_adapters", None)
-        if not problems and check_serves_adapters is not None:
-            try:
-                self._call(check_serves_adapters, what=f"{engine.description} to describe its LoRA routes")
-            except EngineConfigError as error:
-                problems.append(str(error))
-        return problems
+            problems.append(
+                f"adapter pushes need the gloo backend; the {engine.description} engine uses {self.backend!r}"
+            )
+        elif not hasattr(engine, "lora_limits") or not hasattr(engine, "serve_adapter"):
+            problems.append(f"the {engine.description} engine target has no lora_limits() and serve_adapter()")
+        else:
+            limits = self._call(engine.lora_limits, what=f"{engine.description}'s LoRA settings")
+            expected = self._call(engine.expected_weights, what=f"{engine.description}'s model facts")
+            check_serves_adapters = getattr(engine, "check_serves_adapters", None)
+            if limits is not None and check_serves_adapters is not None:
+                try:
+                    self._call(check_serves_adapters, what=f"{engine.description} to describe its LoRA routes")
+                except EngineConfigError as error:
+                    problems.append(str(error))
+        self._lora_facts = (limits, expected, problems)
+        return self._lora_facts
 
     def check(self, source: WeightSource, offered: ModelMetadata) -> None:
         """Check that ``source`` (whose metadata is ``offered``) fits this engine; nothing is sent.
@@ -180,7 +191,7 @@ class EngineConnection:
         adapter = {meta.name: meta for meta in source.metadata() if meta.name.startswith(ADAPTER_PREFIX)}
         if not adapter:
             return self.wire
-        limits = self.engine.lora_limits()  # type: ignore[attr-defined]  # checked by adapter_problems
+        limits = self._engine_lora_facts()[0]
         wire = dict(self.wire) if len(adapter) < len(source.metadata()) else {}
         for name, meta in adapter.items():
             adapted = name.removeprefix(ADAPTER_PREFIX).rsplit(".", 2)[0] + ".weight"
@@ -198,8 +209,8 @@ class EngineConnection:
         around the whole transfer. A push that fails closes the connection (the next
         push opens a new one), and the engine resumes generation either way.
 
-        A source with an ``adapter_config`` carries a LoRA adapter: the workers register
-        it in memory, and from the commit on the engine generates through it.
+        A source with an ``adapter_config`` carries a LoRA adapter: the workers stage it
+        for vLLM's LoRA loader, and from the commit on the engine generates through it.
         """
         pause_for_transfer = not getattr(self.transfer, "loads_at_finish", False)
         if pause_for_transfer:

@@ -72,9 +72,9 @@ def test_a_push_sends_the_wire_bytes_and_commits_the_version_it_is_given():
     model = tiny_qwen2(seed=4)
     engine = FakeEngine(model)
     connection = EngineConnection.open(engine, source_metadata(ModuleWeights(model)), SETTINGS)
-    assert connection.num_bytes == sum(p.numel() * 4 for p in model.parameters())
     connection.check(ModuleWeights(model), source_metadata(ModuleWeights(model)))
-    connection.push(ModuleWeights(model), version=7)
+    sent = connection.push(ModuleWeights(model), version=7)
+    assert sent == connection.last_num_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert engine.holds(model) and engine.version == "7"
     # Nothing of the push is left on vLLM's trainer engine for the next one.
     assert connection.transfer.source is None and connection.transfer.client is connection.client

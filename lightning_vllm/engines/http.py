@@ -236,7 +236,7 @@ class HTTPEngine(ServesAdapter):
         return lora_limits_from(self._config.get("lora_config"))
 
     def check_serves_adapters(self) -> None:
-        """Raise :class:`EngineConfigError` unless the server can answer to an in-memory adapter.
+        """Raise :class:`EngineConfigError` unless the server can answer with an adapter a trainer pushed.
 
         That takes ``lightning_vllm.server.PushedAdapters``: vLLM's own route needs a path the server reads.
         """
