@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.weights.checks import ExpectedWeights
+from lightning_vllm.weights.lora import is_adapter_parameter
 from lightning_vllm.weights.model import canonical_name
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ LoraMode = Literal["auto", "adapter", "merged"]
 serves it as a LoRA), ``"merged"`` sends base + adapter merged into full weights,
 ``"auto"`` sends the adapter whenever every engine can serve it, merged weights otherwise."""
 
-LORA_MODES = ("auto", "adapter", "merged")
+LORA_MODES = get_args(LoraMode)
 ADAPTER_PREFIX = "base_model.model."
 # Config fields vLLM's PEFTHelper reads; the rest of a PEFT config (paths, init
 # options that only matter before training) is left out of the message.
@@ -139,7 +140,7 @@ def adapter_problems(
     frozen_changes = [
         canonical_name(param_name)
         for param_name, param in module.named_parameters()
-        if param.requires_grad and not _is_adapter_parameter(param_name)
+        if param.requires_grad and not is_adapter_parameter(param_name)
     ]
     if frozen_changes:
         problems.append(
@@ -147,10 +148,6 @@ def adapter_problems(
             "and a LoRA cannot carry them"
         )
     return problems
-
-
-def _is_adapter_parameter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name or ".lora_magnitude" in name
 
 
 class AdapterWeights(WeightSource):

@@ -37,9 +37,15 @@ def has_lora(module: torch.nn.Module) -> bool:
     return any(isinstance(child, LoraLayer) for child in module.modules())
 
 
+def is_adapter_parameter(name: str) -> bool:
+    """Whether the parameter ``name`` belongs to an adapter (or to the frozen copy PEFT keeps beside a
+    trained module), so that merged weights never include it as such."""
+    return any(marker in name for marker in _ADAPTER_MARKERS)
+
+
 def _sent_name(name: str) -> str | None:
     """The name under which ``name`` is sent, or ``None`` for adapter parameters."""
-    if any(marker in name for marker in _ADAPTER_MARKERS):
+    if is_adapter_parameter(name):
         return None
     if _SAVED_MODULE in name:  # "lm_head.modules_to_save.default.weight" -> "lm_head.weight"
         head, _, tail = name.partition(_SAVED_MODULE)
