@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -12,53 +12,18 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_vllm.background import BackgroundPusher, WhenBusy
 from lightning_vllm.engines import Generation, PauseMode
 from lightning_vllm.engines.local import build_local_engine
 from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError
 from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.rollouts import RolloutSampler
+from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.updater import SyncStats, VLLMUpdater
 from lightning_vllm.weights.adapter import LoraMode
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PushSchedule:
-    """When a push is due; ``0`` turns an interval off.
-
-    ``trainer.global_step`` moves only at an optimizer step and stays put for the
-    batches of a gradient-accumulation cycle, so a push is due once per step: never
-    again at the step last pushed (as ``ModelCheckpoint`` remembers the step it saved).
-
-    Example::
-
-        >>> schedule = PushSchedule(every_n_train_steps=2)
-        >>> [step for step in range(1, 7) if schedule.due_after_batch(step, last_pushed_step=-1)]
-        [2, 4, 6]
-        >>> schedule.due_after_batch(4, last_pushed_step=4)
-        False
-    """
-
-    every_n_train_steps: int = 0
-    every_n_epochs: int = 0
-
-    def __post_init__(self) -> None:
-        if self.every_n_train_steps < 0:
-            raise ValueError(f"Invalid value for every_n_train_steps={self.every_n_train_steps}. Must be >= 0.")
-        if self.every_n_epochs < 0:
-            raise ValueError(f"Invalid value for every_n_epochs={self.every_n_epochs}. Must be >= 0.")
-
-    def due_after_batch(self, global_step: int, last_pushed_step: int) -> bool:
-        """Whether to push after a training batch that left the trainer at ``global_step``."""
-        every = self.every_n_train_steps
-        return bool(every) and global_step > 0 and global_step % every == 0 and global_step != last_pushed_step
-
-    def due_after_epoch(self, epochs_done: int, global_step: int, last_pushed_step: int) -> bool:
-        """Whether to push after ``epochs_done`` training epochs, unless this step was just pushed."""
-        every = self.every_n_epochs
-        return bool(every) and epochs_done % every == 0 and global_step != last_pushed_step
 
 
 class VLLMWeightSync(Callback):
@@ -102,6 +67,16 @@ class VLLMWeightSync(Callback):
         generate_timeout_seconds: the longest one :meth:`generate` may take (10 minutes by
             default: long rollouts are legitimate, a frozen engine is not).
         updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above.
+        blocking: ``True`` (default): a push point holds the training step until the engine
+            has the weights. ``False``: the push point copies the weights into memory kept
+            between pushes and training goes on while a background thread sends them; the
+            version is committed (and logged) when the engine has loaded them. The push at fit
+            start, and a final one for a push point skipped at the end, always block. See
+            ``docs/concepts.md``.
+        when_busy: with ``blocking=False``, what a push point does while the previous push is
+            still in flight: ``"skip"`` (default: logged as ``vllm/sync_skipped``; the next push
+            point sends the newer weights) or ``"wait"``.
+        changed_only: send only the layer groups written since the last push (see ``VLLMUpdater``).
         on_sync_error: ``"raise"`` (default) ends training when a push fails; ``"warn"`` warns,
             logs ``vllm/sync_failures`` (failed pushes so far) and goes on training: the engine
             keeps serving its last good weights, the next push point connects again (a server
@@ -140,6 +115,9 @@ class VLLMWeightSync(Callback):
         generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
         updater: VLLMUpdater | None = None,
         on_sync_error: Literal["raise", "warn"] = "raise",
+        blocking: bool = True,
+        when_busy: WhenBusy = "skip",
+        changed_only: bool = True,
     ) -> None:
         self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)
         if on_sync_error not in ("raise", "warn"):
@@ -161,8 +139,12 @@ class VLLMWeightSync(Callback):
             bucket_size_bytes=bucket_size_bytes,
             model_attribute=model_attribute,
             lora=lora,
+            changed_only=changed_only,
         )
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
+        # Background pushes (blocking=False); built here so a bad when_busy fails at construction.
+        self.pusher = None if blocking else BackgroundPusher(self.updater, when_busy)
+        self._unsent_push_points = 0  # skipped since the last push that started
         self._last_global_step_pushed = -1
         self._ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
         self._sharded = False
@@ -171,6 +153,12 @@ class VLLMWeightSync(Callback):
     def weight_version(self) -> int:
         """The version of the weights last pushed."""
         return self.updater.weight_version
+
+    @property
+    def push_in_flight(self) -> bool:
+        """Whether a background push (``blocking=False``) is on its way; rollouts meanwhile come from
+        the last committed version, which their ``weight_version`` says."""
+        return self.pusher is not None and self.pusher.in_flight_version is not None
 
     @property
     def max_staleness(self) -> int | None:
@@ -204,12 +192,13 @@ class VLLMWeightSync(Callback):
         if trainer.world_size > 1:
             self._join_ranks(trainer, pl_module)
         if self.push_on_fit_start:
-            self._push(trainer, pl_module)
+            self._push(trainer, pl_module, background=False)  # forms the groups; the first rollouts need it
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._collect(trainer)
         self._log_staleness(trainer)
         if self.schedule.due_after_batch(trainer.global_step, self._last_global_step_pushed):
             self._push(trainer, pl_module)
@@ -219,6 +208,17 @@ class VLLMWeightSync(Callback):
         epochs_done = trainer.current_epoch + 1
         if self.schedule.due_after_epoch(epochs_done, trainer.global_step, self._last_global_step_pushed):
             self._push(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.pusher is None:
+            return
+        # The engine ends on the weights of the last push point: the push in flight lands (its
+        # error, if any, is raised here), and a skipped push point is sent now.
+        self.pusher.wait(self.updater.timeout_seconds)
+        self._collect(trainer)
+        if self._unsent_push_points:
+            self._push(trainer, pl_module, background=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -233,10 +233,18 @@ class VLLMWeightSync(Callback):
         (a sharded policy), and whether rank 0 generates for ranks that hold no engine."""
         self._ranks = TrainerRanks(self.updater.timeout_seconds, self.rollouts.timeout_seconds)
         self._sharded = is_sharded(trainer.strategy.model or pl_module)
+        if self._sharded and self.pusher is not None:
+            rank_zero_warn(
+                "VLLMWeightSync(blocking=False) pushes a sharded policy blocking: its gathers are collectives "
+                "of every rank and run in the training loop's thread."
+            )
         every_rank_has_an_engine = self._ranks.every_rank(bool(self.updater.engines))
         self.rollouts.ranks = None if every_rank_has_an_engine else self._ranks
 
     def _release(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()  # the push in flight ends (bounded by timeout_seconds) before the groups close
+            self.rollouts.version_in_flight = None
         self.updater.close()
         if self._ranks is not None:
             self._ranks.close()
@@ -296,46 +304,94 @@ class VLLMWeightSync(Callback):
 
     # -- pushing ----------------------------------------------------------------
 
-    def _push(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _push(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool = True) -> None:
         self._last_global_step_pushed = trainer.global_step
         if trainer.sanity_checking:
             return
         try:
-            self._push_now(trainer, pl_module)
+            self._push_now(trainer, pl_module, background and self.pusher is not None and not self._sharded)
         except (EngineConfigError, WeightsMismatchError):
             raise  # the same push would fail again: nothing to wait out
         except WeightSyncError as error:
-            if self.on_sync_error == "raise":
-                raise
-            self.sync_failures += 1
-            self.rollouts.missed_versions += 1
-            rank_zero_warn(
-                f"Pushing weights to vLLM failed ({error}). Training goes on (on_sync_error='warn'); the engine keeps "
-                f"its last weights and the next push point tries again. Failed pushes so far: {self.sync_failures}."
-            )
-            for logger in trainer.loggers:
-                logger.log_metrics({"vllm/sync_failures": float(self.sync_failures)}, step=trainer.global_step)
-        else:
-            self.rollouts.missed_versions = 0
+            self._failed(trainer, error)
 
-    def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
+        start = time.perf_counter()
         if self._ranks is not None and self._sharded:  # every rank gathers, rank 0 sends
             # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
             # the parameters no sub-module unit does.
             stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self._ranks)
-        elif trainer.is_global_zero:  # every rank holds the full weights (DDP): rank 0 alone
-            stats = self.updater.push_weights(pl_module)
-        else:
+        elif not trainer.is_global_zero:  # every rank holds the full weights (DDP): rank 0 alone
             return
+        elif background:
+            return self._submit(trainer, pl_module)
+        else:
+            if self.pusher is not None:  # a blocking push after background ones: they end first
+                self.pusher.wait(self.updater.timeout_seconds)
+                self._collect(trainer)
+            stats = self.updater.push_weights(pl_module)
+        self._unsent_push_points = self.rollouts.missed_versions = 0
         if stats is not None:
             log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
+            self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
+
+    def _submit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.pusher is not None
+        self._collect(trainer)  # a push that ended says how it went before the next one starts
+        try:
+            submitted = self.pusher.submit(pl_module)
+        except WeightSyncError:  # (when_busy="wait") the push it waited for failed: none is in flight
+            self.rollouts.version_in_flight = None
+            raise
+        if submitted.landed is not None:  # when_busy="wait": the push waited for
+            self._log(trainer, submitted.landed)
+        metrics = {"vllm/sync_stall_seconds": submitted.stall_seconds}
+        if submitted.started:
+            self.rollouts.version_in_flight = submitted.version
+            self._unsent_push_points = self.rollouts.missed_versions = 0
+        else:
+            self._unsent_push_points += 1
+            self.rollouts.missed_versions += 1  # the engines will not get these weights
+            metrics["vllm/sync_skipped"] = float(self.pusher.num_skipped)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _collect(self, trainer: pl.Trainer) -> None:
+        """Log the background push that landed since the last look, or handle its error."""
+        if self.pusher is None:
+            return
+        try:
+            stats = self.pusher.collect()
+        except (EngineConfigError, WeightsMismatchError):
+            self.rollouts.version_in_flight = None
+            raise
+        except WeightSyncError as error:
+            self.rollouts.version_in_flight = None
+            self._failed(trainer, error)
+            return
+        if stats is not None:
+            self.rollouts.version_in_flight = None
             self._log(trainer, stats)
 
-    def _log(self, trainer: pl.Trainer, stats: SyncStats) -> None:
+    def _failed(self, trainer: pl.Trainer, error: WeightSyncError) -> None:
+        if self.on_sync_error == "raise":
+            raise error
+        self.sync_failures += 1
+        self.rollouts.missed_versions += 1
+        rank_zero_warn(
+            f"Pushing weights to vLLM failed ({error}). Training goes on (on_sync_error='warn'); the engine keeps "
+            f"its last weights and the next push point tries again. Failed pushes so far: {self.sync_failures}."
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics({"vllm/sync_failures": float(self.sync_failures)}, step=trainer.global_step)
+
+    def _log(self, trainer: pl.Trainer, stats: SyncStats, stall_seconds: float | None = None) -> None:
         metrics = {
             "vllm/weight_version": float(stats.weight_version),
             "vllm/sync_seconds": stats.seconds,
             "vllm/sync_bytes": float(stats.num_bytes),
         }
+        if stall_seconds is not None:  # a background push's stall was logged at its push point
+            metrics["vllm/sync_stall_seconds"] = stall_seconds
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)

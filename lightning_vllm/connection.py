@@ -30,6 +30,7 @@ from lightning_vllm.transports import resolve_backend, trainer_init_info
 from lightning_vllm.transports.plugin import GLOO, register_backends
 from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
 from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraLimits, adapter_problems
+from lightning_vllm.weights.changes import SentStamps, source_stamps
 from lightning_vllm.weights.checks import ExpectedWeights, check_tied_output_embedding, loaded_by_engine
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ConnectionSettings:
     timeout_seconds: float
     pause_mode: PauseMode
     reset_prefix_cache: bool
+    changed_only: bool
 
 
 class EngineConnection:
@@ -83,6 +85,7 @@ class EngineConnection:
         self.backend = backend
         self.has_policy_base = False
         self.last_num_bytes = 0
+        self.sent = SentStamps()  # what this engine holds from this connection's pushes
         # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
         # so engines sharing a host, and later connections, never read each other's adapter.
         self.adapter = PolicyAdapter(key=uuid.uuid4().hex)
@@ -209,6 +212,9 @@ class EngineConnection:
         around the whole transfer. A push that fails closes the connection (the next
         push opens a new one), and the engine resumes generation either way.
 
+        With ``changed_only``, layer groups whose every tensor is as this connection last
+        sent it are left out (``weights/changes.py``); the engine keeps them.
+
         A source with an ``adapter_config`` carries a LoRA adapter: the workers stage it
         for vLLM's LoRA loader, and from the commit on the engine generates through it.
         """
@@ -218,6 +224,10 @@ class EngineConnection:
         config = getattr(source, "adapter_config", None)
         adapter = self.adapter if config is not None else None
         wire = self._push_wire(source)
+        stamps = source_stamps(source) if self.settings.changed_only else None
+        unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps)
+        if unchanged:  # whole layer groups the engine already holds
+            wire = {name: meta for name, meta in wire.items() if name not in unchanged}
         sent = WireWeights(source, wire)
         sent.adapter_message = adapter.message(config) if adapter is not None and config is not None else None
         # vLLM's trainer engines replay their `source` and end the update with
@@ -242,6 +252,7 @@ class EngineConnection:
             self.has_policy_base = False  # merged weights replaced the base
         elif any(not name.startswith(ADAPTER_PREFIX) for name in wire):
             self.has_policy_base = True  # the base weights went with the adapter
+        self.sent.landed(wire, stamps)
         self.last_num_bytes = wire_bytes(wire)
         return self.last_num_bytes
 

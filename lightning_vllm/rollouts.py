@@ -59,6 +59,8 @@ class RolloutSampler:
         # Push points that failed since the last push that landed (``on_sync_error="warn"``):
         # the policy moved on that many versions the engines never got.
         self.missed_versions = 0
+        # The version of a background push on its way (blocking=False): the trainer is there already.
+        self.version_in_flight: int | None = None
         # Set when this rank holds no engine and rank 0 generates for every rank.
         self.ranks: TrainerRanks | None = None
         # A generate that timed out keeps running on its thread; the next one on the
@@ -249,8 +251,9 @@ class RolloutSampler:
 
     @property
     def trainer_version(self) -> int:
-        """The version the engines would serve if every push had landed."""
-        return self.updater.weight_version + self.missed_versions
+        """The version the engines would serve if every push had landed (one in flight included)."""
+        committed = self.updater.weight_version  # read first: a push in flight may commit meanwhile
+        return max(committed, self.version_in_flight or 0) + self.missed_versions
 
 
 # Errors that cross ranks as JSON, raised again under the same type on every rank.

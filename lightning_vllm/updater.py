@@ -20,7 +20,6 @@ from vllm.distributed.weight_transfer.base import WeightSource
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.connection import ConnectionSettings, EngineConnection
 from lightning_vllm.engines import EngineTarget, PauseMode, as_engine_targets
-from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.settings import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_TIMEOUT_SECONDS,
@@ -41,6 +40,14 @@ class SyncStats:
     weight_version: int
     seconds: float
     num_bytes: int
+
+
+@dataclass(frozen=True)
+class PreparedPush:
+    """A checked push not sent yet: the source to send and the engines, by worker id."""
+
+    source: WeightSource
+    worker_ids: list[int]
 
 
 class VLLMUpdater(TorchRLInterface):
@@ -81,6 +88,9 @@ class VLLMUpdater(TorchRLInterface):
             generate through it; ``"merged"`` sends merged full weights; ``"auto"`` sends the
             adapter when every engine can serve it (``enable_lora=True``, gloo) and merged
             weights otherwise. See ``docs/lora.md``.
+        changed_only: send only the layer groups with a tensor written since this updater's last
+            push to the engine (PyTorch counts in-place writes; writes through ``.data`` are not
+            counted); the engine keeps the others. See ``docs/concepts.md``.
 
     Example::
 
@@ -108,6 +118,7 @@ class VLLMUpdater(TorchRLInterface):
         reset_prefix_cache: bool = True,
         pause_mode: PauseMode = "keep",
         lora: LoraMode = "auto",
+        changed_only: bool = True,
     ) -> None:
         if master_port is not None and not 0 <= master_port < 65536:
             raise ValueError(f"Invalid value for master_port={master_port}. Must be in [0, 65535], or None.")
@@ -130,38 +141,13 @@ class VLLMUpdater(TorchRLInterface):
         self.reset_prefix_cache = reset_prefix_cache
         self.pause_mode: PauseMode = pause_mode
         self.lora: LoraMode = lora
+        self.changed_only = changed_only
         self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
         self._connections: dict[int, EngineConnection] = {}
         self._version = 0
         self._post_hooks: list[Callable[[], Any]] = []
         self._collector_ref: weakref.ref[Any] | None = None
         self.last_sync: SyncStats | None = None
-
-    # -- construction from a policy ----------------------------------------------
-
-    @classmethod
-    def from_policy(cls, policy: Any) -> VLLMUpdater | None:
-        """An updater for ``policy`` if it holds a Hugging Face model vLLM can serve, else ``None``.
-
-        The updater carries the policy's metadata; give it an engine before the first push.
-        """
-        if not isinstance(policy, torch.nn.Module):
-            return None
-        try:
-            metadata = cls.get_model_metadata(policy)
-        except (TypeError, ValueError):
-            return None
-        return cls(model_metadata=metadata)
-
-    @classmethod
-    def get_model_metadata(cls, model: Any, model_attribute: str | None = None) -> ModelMetadata:
-        """``{name: (dtype, shape)}`` of what would be sent for ``model``, read without copying a tensor.
-
-        Args:
-            model: a Hugging Face or PEFT model, a LightningModule holding one, a dict or a TensorDict.
-            model_attribute: the LightningModule attribute holding the model, if not found automatically.
-        """
-        return source_metadata(weights_from(model, model_attribute))
 
     # -- engines and groups -----------------------------------------------------
 
@@ -184,10 +170,6 @@ class VLLMUpdater(TorchRLInterface):
     def initialized(self) -> bool:
         """Whether a group is formed with every engine."""
         return bool(self._engines) and len(self._connections) == len(self._engines)
-
-    def all_worker_ids(self) -> list[int]:
-        """Ids of the engines this updater can push to: their positions in ``engine``."""
-        return list(range(len(self._engines)))
 
     def engine_versions(self) -> dict[int, str | None]:
         """The weight version each engine reports, by worker id."""
@@ -224,10 +206,6 @@ class VLLMUpdater(TorchRLInterface):
         self.close()
         for worker_id in self.all_worker_ids():
             self._connect(worker_id)
-
-    def _require_engines(self) -> None:
-        if not self._engines:
-            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
 
     def _connect(self, worker_id: int) -> EngineConnection:
         assert self.model_metadata is not None, "set by init or by the first push"
@@ -278,26 +256,47 @@ class VLLMUpdater(TorchRLInterface):
             WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.
             WeightSyncError: a transfer failed (that engine keeps its previous version).
         """
+        return self.send_prepared(self.prepare_push(policy_or_weights, worker_ids))
+
+    def prepare_push(
+        self,
+        policy_or_weights: Any = None,
+        worker_ids: int | torch.device | Sequence[int | torch.device] | None = None,
+    ) -> PreparedPush:
+        """Everything of :meth:`push_weights` before the first byte moves: what to send, to which
+        engines (joining their groups if needed), and every check. :meth:`send_prepared` sends it.
+
+        Raises:
+            WeightsMismatchError, EngineConfigError: as :meth:`push_weights`; nothing was sent.
+        """
         weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
         targets = self._resolve_worker_ids(worker_ids)
         source = self.source_for_view(weights, self.lora_view(weights, targets))
         if self.model_metadata is None:  # (an adapter view set it from the merged weights)
             self.model_metadata = source_metadata(source)
-        connections = self._connected(targets)
         offered = source_metadata(source)
-        for connection in connections:  # every check before the first byte moves
+        for connection in self._connected(targets):  # every check before the first byte moves
             connection.check(source, offered)
+        return PreparedPush(source, targets)
+
+    def send_prepared(self, push: PreparedPush) -> SyncStats:
+        """Send a push made by :meth:`prepare_push` (whose ``source`` may since have been replaced
+        by a copy with the same metadata) and commit it as the next version.
+
+        Raises:
+            WeightSyncError: a transfer failed (that engine keeps its previous version).
+        """
         version = self._version + 1
         start = time.perf_counter()
-        num_committed = 0
+        num_committed = num_bytes = 0
         try:
-            for worker_id in targets:
-                self._sync_weights_with_worker(worker_id=worker_id, server_weights=source, version=version)
+            for worker_id in push.worker_ids:
+                self._sync_weights_with_worker(worker_id=worker_id, server_weights=push.source, version=version)
+                num_bytes += self._connections[worker_id].last_num_bytes
                 num_committed += 1
         finally:
             if num_committed:  # the version is used once any engine has committed it
                 self._version = version
-        num_bytes = sum(connection.last_num_bytes for connection in connections)
         self.last_sync = SyncStats(version, time.perf_counter() - start, num_bytes)
         for hook in self._post_hooks:
             hook()
@@ -376,24 +375,6 @@ class VLLMUpdater(TorchRLInterface):
         except BaseException:
             del self._connections[worker_id]  # the failed push closed it
             raise
-
-    def _resolve_worker_ids(self, worker_ids: int | torch.device | Sequence[int | torch.device] | None) -> list[int]:
-        self._require_engines()
-        known = self.all_worker_ids()
-        if worker_ids is None:
-            return known
-        requested = [worker_ids] if isinstance(worker_ids, (int, torch.device)) else list(worker_ids)
-        resolved: list[int] = []
-        for worker in requested:
-            if isinstance(worker, torch.device):
-                resolved += [i for i in known if self._engines[i].device_type() == worker.type]
-            elif worker in known:
-                resolved.append(worker)
-            else:
-                raise ValueError(f"Unknown worker id {worker!r}; this updater's engines are {known}.")
-        if not resolved:
-            raise ValueError(f"worker_ids={worker_ids!r} selects no engine; this updater's engines are {known}.")
-        return sorted(set(resolved))
 
 
 vLLMUpdater = VLLMUpdater

@@ -22,7 +22,7 @@ from helpers import (
 )
 
 from lightning_vllm import EngineConfigError, VLLMWeightSync, WeightSyncError, WeightSyncTimeoutError
-from lightning_vllm.callback import PushSchedule
+from lightning_vllm.schedule import PushSchedule
 
 # -- the decision alone ---------------------------------------------------------------
 

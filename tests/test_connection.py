@@ -21,6 +21,7 @@ SETTINGS = ConnectionSettings(
     timeout_seconds=10.0,
     pause_mode="keep",
     reset_prefix_cache=True,
+    changed_only=True,
 )
 
 

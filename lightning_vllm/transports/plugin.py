@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+from lightning_vllm.transports.busy_wait import limit_busy_wait
+
 GLOO = "gloo"
 _WORKER_MODULE = "lightning_vllm.transports.gloo.worker"
 _TRAINER_MODULE = "lightning_vllm.transports.gloo.trainer"
@@ -25,3 +27,4 @@ def register_backends() -> None:
         WeightTransferEngineFactory.register_engine(GLOO, _WORKER_MODULE, "GlooWeightTransferEngine")
     if GLOO not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(GLOO, _TRAINER_MODULE, "GlooTrainerWeightTransferEngine")
+    limit_busy_wait()

@@ -10,6 +10,7 @@ extra memory is one weight matrix, not a merged copy of the model.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from vllm.distributed.weight_transfer.base import materialize_full_tensor
@@ -59,6 +60,24 @@ def lora_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
         sent = _sent_name(name)
         if sent is not None:
             yield sent, param
+
+
+def merge_inputs(module: torch.nn.Module, name: str) -> list[torch.Tensor]:
+    """The adapter tensors :func:`merged_lora_weights` adds to the base weight ``name`` (none for other
+    parameters, and for layers whose adapters are merged into the weight or disabled)."""
+    from peft.tuners.lora import LoraLayer
+
+    if not name.endswith(_BASE_SUFFIX):
+        return []
+    layer = module.get_submodule(name[: -len(_BASE_SUFFIX)])
+    if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters:
+        return []
+    return [
+        cast(torch.Tensor, factor[adapter].weight)
+        for adapter in layer.active_adapters
+        if adapter in layer.lora_A
+        for factor in (layer.lora_A, layer.lora_B)
+    ]
 
 
 def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
+from lightning_vllm.weights.changes import Stamp, source_stamps, stamps_of
 from lightning_vllm.weights.fsdp import FSDPWeights, holds_fsdp_units
-from lightning_vllm.weights.lora import has_lora, lora_parameters, merged_lora_weights
+from lightning_vllm.weights.lora import has_lora, lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
 from lightning_vllm.weights.zero3 import ZeRO3Weights, is_zero3_partitioned
 
@@ -56,6 +57,17 @@ class _ParameterWeights(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return zip(self._names, self._tensors())
 
+    def stamps(self) -> dict[str, Stamp] | None:
+        """What each sent tensor is computed from, as stamps (``weights/changes.py``)."""
+        return stamps_of(
+            (name, self._inputs(module_name, param))
+            for name, (module_name, param) in zip(self._names, self._parameters())
+        )
+
+    def _inputs(self, name: str, param: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors the one sent for parameter ``name`` is computed from."""
+        return [param]
+
 
 class ModuleWeights(_ParameterWeights):
     """The parameters of a Hugging Face model, under their checkpoint names.
@@ -73,6 +85,9 @@ class LoraMergedWeights(_ParameterWeights):
 
     def _tensors(self) -> Iterator[torch.Tensor]:
         return (tensor for _, tensor in merged_lora_weights(self.module))
+
+    def _inputs(self, name: str, param: torch.Tensor) -> list[torch.Tensor]:
+        return [param, *merge_inputs(self.module, name)]
 
 
 class LoraBaseWeights(_ParameterWeights):
@@ -97,6 +112,10 @@ class MappingWeights(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._tensors.items():
             yield name, materialize_full_tensor(tensor.detach())
+
+    def stamps(self) -> dict[str, Stamp] | None:
+        """Each tensor's stamp (``weights/changes.py``)."""
+        return stamps_of((name, [tensor]) for name, tensor in self._tensors.items())
 
 
 def _flatten(weights: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -201,3 +220,6 @@ class WireWeights(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((name, tensor) for name, tensor in self.source if name in self.wire_dtypes)
+
+    def stamps(self) -> dict[str, Stamp] | None:
+        return source_stamps(self.source)

@@ -15,6 +15,7 @@ from helpers import (
     save_model,
     served_version,
     shutdown,
+    tensorboard_scalars,
     tiny_qwen2,
     token_batches,
     vllm_prompt_logprobs,
@@ -131,3 +132,31 @@ def test_float32_trainer_into_a_bfloat16_engine(bf16_llm):
     assert max_abs_diff(served, hf_prompt_logprobs(tiny_qwen2(seed=0))) > 0.5  # the push changed the weights
     assert all(p.dtype == torch.float32 for p in model.parameters())
     updater.close()
+
+
+def group_bytes(model, prefix: str) -> int:
+    return sum(p.numel() * 4 for name, p in model.named_parameters() if name.startswith(prefix))
+
+
+def test_changed_only_pushes_send_whole_changed_layer_groups_and_vllm_keeps_the_rest(llm, tmp_path):
+    hf = tiny_qwen2(seed=48)
+    updater = VLLMUpdater(engine=llm)
+    full = updater.push_weights(hf).num_bytes  # the first push of a connection sends everything
+    assert full == group_bytes(hf, "")
+    with torch.no_grad():  # one projection of one layer: vLLM fuses q, k and v in one layer
+        hf.model.layers[1].self_attn.q_proj.weight.add_(0.05)
+    assert updater.push_weights(hf).num_bytes == group_bytes(hf, "model.layers.1.")
+    assert_serves(llm, hf)  # the other layers kept their weights, layer 1 got all of its own
+    assert updater.push_weights(hf).num_bytes == 0  # nothing written: only the version moves
+    assert served_version(llm) == updater.weight_version
+    updater.close()
+
+    # A fine-tune with frozen embeddings: after the first push, the embeddings stay where they are.
+    hf.model.embed_tokens.weight.requires_grad_(False)
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=1)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=2)
+    trainer.fit(TinyCausalLM(hf, lr=1e-2), token_batches(num_batches=2))
+    sent = [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_bytes")]
+    assert sent == [full, full - group_bytes(hf, "model.embed_tokens."), full - group_bytes(hf, "model.embed_tokens.")]
+    assert_serves(llm, hf)
+    sync.updater.close()

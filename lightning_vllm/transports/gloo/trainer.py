@@ -179,7 +179,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return
         self._connected_group()  # before the engine starts an update it could not finish
         self._start_update()
-        self.send_update(groups, tensors, adapter=getattr(self.source, "adapter_message", None))
+        if groups:  # (nothing changed since the last push: only the version moves)
+            self.send_update(groups, tensors, adapter=getattr(self.source, "adapter_message", None))
         self.client.finish_weight_update()
 
     def _start_update(self) -> None:

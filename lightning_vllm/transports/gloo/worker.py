@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,7 +101,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 for tensors in received:
                     if tensors:
                         self.model.load_weights(self._on_device(tensors))  # type: ignore[operator]  # all vLLM models
-            finalize_layerwise_reload(self.model, self.model_config)
+            with _layers_left_out_on_purpose():
+                finalize_layerwise_reload(self.model, self.model_config)
             refresh_tied_embeddings(self.model)
         if adapter is not None:
             adapter.save()  # vLLM drops loaded adapters after each update and loads this one at its next request
@@ -112,3 +116,24 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def shutdown(self) -> None:
         self.pending = None
         self.receiver = None  # frees the group and the kept receive buffers
+
+
+class _NotLoadedOnPurpose(logging.Filter):
+    """Drops layer-wise reload's "Failed to load weights" warning, which it logs for every layer that
+    received nothing: layers without checkpoint weights (rotary embeddings) at every update, and the
+    layers a changed-only push leaves out because the engine holds them already. Such a layer keeps
+    its weights; the trainer checked the names of every update before sending it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+@contextmanager
+def _layers_left_out_on_purpose() -> Iterator[None]:
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet = _NotLoadedOnPurpose()
+    reload_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        reload_log.removeFilter(quiet)

@@ -1,0 +1,141 @@
+"""Pushes that do not stop training: a snapshot at the push point, the transfer on a thread.
+
+At a push point the caller's thread (the training loop) checks the push as a blocking
+push would, copies what it sends into memory kept between pushes
+(``weights/snapshot.py``), and returns; a thread of its own sends the copy and commits
+it as the next version once the engine has loaded it. At most one push is in flight: a
+push point that finds one still running waits for it or is skipped (``when_busy``), and
+a skipped push point's weights go with the next push, which sends the weights of its
+own time. Errors of a push are raised by the next :meth:`BackgroundPusher.collect`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from lightning_vllm._waits import BackgroundCall
+from lightning_vllm.weights.snapshot import SnapshotMemory
+
+if TYPE_CHECKING:
+    from lightning_vllm.updater import SyncStats, VLLMUpdater
+
+log = logging.getLogger(__name__)
+
+WhenBusy = Literal["skip", "wait"]
+"""What a push point does while the previous push is still in flight: ``"skip"`` (training goes
+on; the next push point sends the newer weights) or ``"wait"`` (the training loop waits for it)."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What :meth:`BackgroundPusher.submit` did at one push point."""
+
+    started: bool  # a push went on its way (False: the push point was skipped)
+    stall_seconds: float  # how long the caller's thread was held: waiting, checking, copying
+    version: int | None = None  # the version the push commits if it lands
+    landed: SyncStats | None = None  # the previous push, if this push point waited for it to land
+
+
+class BackgroundPusher:
+    """Sends an updater's pushes on a background thread, one at a time, from snapshots.
+
+    Args:
+        updater: the updater whose engines receive the pushes (and whose version moves).
+        when_busy: ``"skip"`` or ``"wait"`` (see :data:`WhenBusy`).
+
+    Example::
+
+        >>> pusher = BackgroundPusher(VLLMUpdater(engine=llm))  # doctest: +SKIP
+        >>> pusher.submit(model)  # returns once the weights are copied  # doctest: +SKIP
+        Submitted(started=True, stall_seconds=0.04, version=1)
+        >>> pusher.wait(timeout=60); pusher.collect()  # doctest: +SKIP
+        SyncStats(weight_version=1, seconds=0.41, num_bytes=209715200)
+    """
+
+    def __init__(self, updater: VLLMUpdater, when_busy: WhenBusy = "skip") -> None:
+        if when_busy not in ("skip", "wait"):
+            raise ValueError(f"Invalid value for when_busy={when_busy!r}. Must be 'skip' or 'wait'.")
+        self.updater = updater
+        self.when_busy: WhenBusy = when_busy
+        self.memory = SnapshotMemory()
+        self.num_skipped = 0  # push points skipped so far
+        self._push: BackgroundCall[SyncStats] | None = None
+        self._version: int | None = None
+
+    @property
+    def in_flight_version(self) -> int | None:
+        """The version of the push on its way (``None`` when none is, or it ended and was not collected)."""
+        return self._version if self._push is not None else None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a push is still running."""
+        return self._push is not None and not self._push.done()
+
+    def submit(
+        self, weights: Any, worker_ids: int | torch.device | Sequence[int | torch.device] | None = None
+    ) -> Submitted:
+        """Start pushing ``weights`` in the background, or skip (see ``when_busy``).
+
+        Call :meth:`collect` first: a push that ended and was not collected counts as in flight.
+
+        Raises:
+            WeightsMismatchError, EngineConfigError, ValueError: as ``push_weights``, before any byte moves.
+            WeightSyncError: ``when_busy="wait"`` and the push waited for failed (nothing new was started).
+            WeightSyncTimeoutError: ``when_busy="wait"`` and the push in flight outlived ``timeout_seconds``.
+        """
+        start = time.perf_counter()
+        landed = None
+        if self._push is not None:
+            if self.when_busy == "skip":
+                self.num_skipped += 1
+                log.info(
+                    "Push point skipped: version %s is still on its way; the next push point sends newer weights "
+                    "(skipped so far: %d).",
+                    self._version,
+                    self.num_skipped,
+                )
+                return Submitted(False, time.perf_counter() - start)
+            push, self._push = self._push, None
+            landed = push.result(self.updater.timeout_seconds)
+        prepared = self.updater.prepare_push(weights, worker_ids)
+        snapshot = self.memory.take(prepared.source)
+        self._version = self.updater.weight_version + 1
+        self._push = BackgroundCall(
+            self.updater.send_prepared, replace(prepared, source=snapshot), what=f"weight version {self._version}"
+        )
+        return Submitted(True, time.perf_counter() - start, self._version, landed)
+
+    def collect(self) -> SyncStats | None:
+        """The figures of the push that ended since the last call (``None``: none did).
+
+        Raises:
+            WeightSyncError: that push failed (the engines kept their previous weights, or the
+                engines before the failing one committed it: see ``push_weights``).
+        """
+        if self._push is None or not self._push.done():
+            return None
+        push, self._push = self._push, None
+        return push.result(0)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the push in flight to end; whether none is running."""
+        return self._push is None or self._push.wait(timeout)
+
+    def close(self) -> None:
+        """End the push in flight (waiting at most the updater's ``timeout_seconds``), drop its
+        outcome unread, and free the snapshot memory. The updater's groups are left as they are."""
+        if self._push is not None and not self._push.wait(self.updater.timeout_seconds):
+            log.warning(
+                "Weight version %s was still on its way after %g s; closing the groups ends it.",
+                self._version,
+                self.updater.timeout_seconds,
+            )
+        self._push = None
+        self.memory.release()

@@ -1,0 +1,137 @@
+"""What changed since the last push, told without reading a byte of any tensor.
+
+A tensor's *stamp* is the tensor itself (held weakly), its storage address and its version counter
+(``Tensor._version``), which PyTorch bumps at every in-place write: an optimizer
+step, ``copy_``, ``load_state_dict``. A parameter nobody wrote since the last push
+(a frozen embedding, a parameter with ``requires_grad=False``, a layer no gradient
+reached) keeps its stamp, and the engine already holds it. Writes through
+``tensor.data`` bypass the counter: code that trains that way must push with
+``changed_only=False``.
+
+vLLM's layer-wise reload processes a layer once every tensor of it has arrived, and
+fills a layer that received only some of its tensors with uninitialised memory; one
+that received none keeps its weights. So what is left out is whole layer groups (a
+decoder layer, the embeddings before them, the norm and head after them), never
+single tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from vllm.distributed.weight_transfer.base import WeightSource
+
+
+@dataclass(frozen=True, eq=False)
+class TensorStamp:
+    """One tensor's state between pushes: which tensor (held weakly, so a freed tensor whose
+    memory and id a new one reuses never passes for it), where its data lives, and its version."""
+
+    tensor: weakref.ref[torch.Tensor]
+    data_ptr: int
+    version: int
+    shape: tuple[int, ...]
+
+    def matches(self, other: TensorStamp) -> bool:
+        """Whether ``other`` stamps the same, still living tensor, not written in between."""
+        alive = self.tensor()
+        return (
+            alive is not None
+            and alive is other.tensor()
+            and (self.data_ptr, self.version, self.shape) == (other.data_ptr, other.version, other.shape)
+        )
+
+
+Stamp = tuple[TensorStamp, ...]
+"""What one sent tensor is computed from (one base weight, plus its adapters for merged LoRA)."""
+
+
+def tensor_stamp(tensor: torch.Tensor) -> TensorStamp | None:
+    """The stamp of ``tensor``, or ``None`` when a change cannot be told locally (a sharded DTensor,
+    whose other shards live on other ranks).
+
+    Example::
+
+        >>> weight = torch.zeros(2)
+        >>> before = tensor_stamp(weight)
+        >>> _ = weight.add_(1)
+        >>> before.matches(tensor_stamp(weight))
+        False
+    """
+    if isinstance(tensor, DTensor):
+        return None
+    return TensorStamp(weakref.ref(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape))
+
+
+def same_stamp(first: Stamp | None, second: Stamp | None) -> bool:
+    """Whether two stamps of a name say its tensor did not change."""
+    if first is None or second is None or len(first) != len(second):
+        return False
+    return all(a.matches(b) for a, b in zip(first, second))
+
+
+def stamps_of(tensors: Iterable[tuple[str, Iterable[torch.Tensor]]]) -> dict[str, Stamp] | None:
+    """``{name: stamp}`` of named inputs (each name may be computed from several tensors), or
+    ``None`` if any input cannot be stamped."""
+    stamps: dict[str, Stamp] = {}
+    for name, inputs in tensors:
+        parts = [tensor_stamp(tensor) for tensor in inputs]
+        if any(part is None for part in parts):
+            return None
+        stamps[name] = tuple(part for part in parts if part is not None)
+    return stamps
+
+
+def source_stamps(source: WeightSource) -> dict[str, Stamp] | None:
+    """The stamps a source declares (a ``stamps()`` method), or ``None``: every tensor counts as changed."""
+    stamps = getattr(source, "stamps", None)
+    return stamps() if stamps is not None else None
+
+
+def changed_groups(
+    groups: Iterable[list[str]], stamps: Mapping[str, Stamp], sent: Mapping[str, Stamp]
+) -> list[list[str]]:
+    """The groups with at least one tensor whose stamp is not the one last sent (or never sent).
+
+    Example::
+
+        >>> embed, q, k = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+        >>> sent = stamps_of([("embed", [embed]), ("q", [q]), ("k", [k])])
+        >>> _ = k.add_(1)
+        >>> changed_groups([["embed"], ["q", "k"]], stamps_of([("embed", [embed]), ("q", [q]), ("k", [k])]), sent)
+        [['q', 'k']]
+    """
+    return [group for group in groups if any(not same_stamp(sent.get(name), stamps.get(name)) for name in group)]
+
+
+class SentStamps:
+    """What one engine holds, as the stamps of the tensors this trainer last sent it.
+
+    Empty until a push with stamps lands; forgotten by a push without them (an
+    adapter push, a sharded policy), which leaves the engine's weights unknown.
+    """
+
+    def __init__(self) -> None:
+        self.stamps: dict[str, Stamp] = {}
+
+    def unchanged(self, groups: list[list[str]], stamps: Mapping[str, Stamp] | None) -> set[str]:
+        """Names of ``groups`` that need not be sent: every tensor of their group is as last sent."""
+        if stamps is None or not self.stamps:
+            return set()
+        changed = {name for group in changed_groups(groups, stamps, self.stamps) for name in group}
+        return {name for group in groups for name in group if name not in changed}
+
+    def landed(self, sent_names: Iterable[str], stamps: Mapping[str, Stamp] | None) -> None:
+        """Record a push that landed: the engine now holds ``stamps`` for ``sent_names``."""
+        if stamps is None:
+            self.stamps = {}
+            return
+        self.stamps.update({name: stamps[name] for name in sent_names if name in stamps})
+
+    def forget(self) -> None:
+        """The engine's weights are unknown (a failed or foreign update): the next push sends everything."""
+        self.stamps = {}
