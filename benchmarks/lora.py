@@ -8,7 +8,9 @@ warm-up is the push that sends the base weights once). They run one block after 
 other, not alternating: a merged push replaces the base weights, so the adapter push
 after it would send them again.
 
-- ``merged``: ``VLLMUpdater(lora="merged")``, base + adapter merged into full weights;
+- ``merged``: ``VLLMUpdater(lora="merged")``, base + adapter merged into full weights (before
+  each push the adapter counts as written, as after a training step; changed-only pushes then
+  leave out the layer groups no adapter touches: the embeddings);
 - ``adapter``: ``VLLMUpdater(lora="adapter")``, the adapter's tensors alone.
 
 Each run is timed twice: the push alone, and the push followed by the first request
@@ -73,6 +75,8 @@ def measure_lora(
         one_token = SamplingParams(max_tokens=1, temperature=0.0)
 
         def run(method: str) -> tuple[float, float]:
+            # A training step wrote the adapter (only the version counters move, outside the timing).
+            torch.autograd.graph.increment_version([p for p in policy.parameters() if p.requires_grad])
             start = time.perf_counter()
             stats = updater.push_weights(policy)
             pushed = time.perf_counter()

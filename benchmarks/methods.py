@@ -1,7 +1,12 @@
 """The four ways to get a trainer's weights into a running vLLM engine, timed side by side.
 
 * ``ours``: ``VLLMUpdater.push_weights``, end to end (checks, gloo buckets, load,
-  prefix-cache reset, version).
+  prefix-cache reset, version), every tensor written since the last push (as in full
+  fine-tuning: the version counter of every parameter is bumped before each run, outside
+  the timing, so changed-only pushes send everything).
+* ``frozen_embed``: the same, in a fine-tune with frozen embeddings: every parameter but
+  the input embedding is written before each run, so the push leaves the embedding's
+  layer group out (changed-only pushes; the engine keeps it).
 * ``disk``: what many users do today: ``save_pretrained`` into a folder, then vLLM's
   ``reload_weights(weights_path=...)``.
 * ``per_tensor``: the design of TorchRL's first updater and classic TRL: one control
@@ -34,7 +39,8 @@ from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeigh
 from lightning_vllm.weights import weights_from
 
 TIMEOUT_SECONDS = 600.0
-METHODS = ("ours", "disk", "per_tensor", "streaming", "floor")
+METHODS = ("ours", "frozen_embed", "disk", "per_tensor", "streaming", "floor")
+FROZEN = "embed_tokens."  # the parameters a frozen-embeddings fine-tune leaves alone
 
 
 class SyncMethods:
@@ -57,6 +63,7 @@ class SyncMethods:
         self._raw_method: str | None = None
         self._connected: VLLMUpdater | None = None
         self.floor_client = FloorClient(llm)
+        self.bytes_sent: dict[str, int] = {}  # per method of ours, the bytes of its last push
         self.streaming_client = StreamingClient(llm)
 
     def run(self, method: str) -> float:
@@ -67,9 +74,12 @@ class SyncMethods:
         connection, and the first push after connecting also touches fresh memory.
         """
         action: Callable[[], None]
-        if method == "ours":
+        written = lambda: None  # noqa: E731  # what the training step before this push wrote
+        if method in ("ours", "frozen_embed"):
             connected = self._connect(self.updater)
-            action = lambda: self.updater.push_weights(self.model)  # noqa: E731
+            frozen = FROZEN if method == "frozen_embed" else None
+            written = lambda: self.write_all_but(frozen)  # noqa: E731
+            action = lambda: self._push_and_count(method)  # noqa: E731
         elif method == "disk":
             connected = False
             action = self.disk
@@ -79,10 +89,21 @@ class SyncMethods:
         else:
             raise ValueError(f"Unknown method {method!r}; expected one of {METHODS}.")
         if connected:
+            written()
             action()
+        written()
         start = time.perf_counter()
         action()
         return time.perf_counter() - start
+
+    def write_all_but(self, frozen: str | None) -> None:
+        """Count every parameter (but those whose name contains ``frozen``) as written, as a training
+        step does, without touching its data: only the version counter moves."""
+        params = [p for name, p in self.model.named_parameters() if frozen is None or frozen not in name]
+        torch.autograd.graph.increment_version(params)
+
+    def _push_and_count(self, method: str) -> None:
+        self.bytes_sent[method] = self.updater.push_weights(self.model).num_bytes
 
     # -- connecting (not timed) -------------------------------------------------------
     # The engine's worker has one weight-transfer engine, so one group at a time.

@@ -6,10 +6,12 @@ untimed warm-up each. Results go to ``docs/benchmarks.md`` (between its result
 markers) and ``docs/images/benchmarks.png``. The last line printed is::
 
     ratios: floor_over_ours=F disk_over_ours=D per_tensor_over_ours=P peak_mem_over_bucket=M
-            sharded_peak_over_group_plus_bucket=S
+            sharded_peak_over_group_plus_bucket=S ours_over_overlap_floor=O async_stall_over_blocking=A
 
 (one line), S being the worst rank of a push from a policy sharded with FSDP2 over 2
-trainer processes (``sharded_memory.py``).
+trainer processes (``sharded_memory.py``), O ours over the larger of the transfer alone
+and vLLM's load alone at the largest size, A the training loop's stall per push point
+with ``blocking=False`` over a blocking push (``stall.py``).
 
 Run ``python benchmarks/run.py --help`` for the options; ``--quick`` runs the
 smallest size once, writing into a temporary folder (the test suite's smoke test).
@@ -40,6 +42,7 @@ from methods import METHODS, SyncMethods, peak_extra_rss_bytes  # noqa: E402
 from models import MANY_TENSORS, SIZES, ModelSize, build_model, num_parameters, save  # noqa: E402
 from report import (  # noqa: E402
     ModelResult,
+    changed_only_table,
     linear_fit,
     plot,
     ratios_line,
@@ -50,6 +53,7 @@ from report import (  # noqa: E402
 )
 from sharded_memory import bound_ratio  # noqa: E402
 from sharded_memory import measure as measure_sharded  # noqa: E402
+from stall import StallResult, measure_stall, stall_text  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES  # noqa: E402
@@ -79,8 +83,8 @@ def stop_engine(llm: object) -> None:
 
 
 def measure_model(
-    size: ModelSize, workdir: Path, *, num_runs: int, bucket_size_bytes: int, cost_steps: int
-) -> tuple[ModelResult, CallbackCost | None]:
+    size: ModelSize, workdir: Path, *, num_runs: int, bucket_size_bytes: int, cost_steps: int, stall_steps: int = 0
+) -> tuple[ModelResult, CallbackCost | None, StallResult | None]:
     model = build_model(size)
     model_dir = save(model, workdir / size.name / "model")
     result = ModelResult(
@@ -97,7 +101,7 @@ def measure_model(
         flush=True,
     )
     llm = start_engine(model_dir)
-    cost = None
+    cost = stall = None
     try:
         result.peak_extra_bytes, result.peak_extra_bytes_converting = memory_figures(llm, model, bucket_size_bytes)
         methods = SyncMethods(llm, model, workdir / size.name, bucket_size_bytes)
@@ -113,20 +117,27 @@ def measure_model(
                 flush=True,
             )
         parts = methods.floor_client.parts[-num_runs:]
+        result.transport_seconds = [part["transport_seconds"] for part in parts]
+        result.load_seconds = [part["load_seconds"] for part in parts]
+        result.bytes_sent = dict(methods.bytes_sent)
         print(
-            "   floor parts (median): transport {:.3f}s, load {:.3f}s".format(
-                sorted(p["transport_seconds"] for p in parts)[len(parts) // 2],
-                sorted(p["load_seconds"] for p in parts)[len(parts) // 2],
-            )
+            f"   floor parts (median): transport {sorted(result.transport_seconds)[len(parts) // 2]:.3f}s, "
+            f"load {sorted(result.load_seconds)[len(parts) // 2]:.3f}s; ours over the overlap floor "
+            f"{result.ours_over_overlap_floor:.2f}",
+            flush=True,
         )
         methods.close()
+        rounds = max(1, min(num_runs, 3))
         if cost_steps:
             cost = measure_callback_cost(
-                llm, model, vocab_size=size.vocab_size, num_steps=cost_steps, num_rounds=max(1, min(num_runs, 3))
+                llm, model, vocab_size=size.vocab_size, num_steps=cost_steps, num_rounds=rounds
             )
+        if stall_steps:
+            stall = measure_stall(llm, model, vocab_size=size.vocab_size, num_steps=stall_steps, num_rounds=rounds)
+            print("   " + stall_text(stall, size.name), flush=True)
     finally:
         stop_engine(llm)
-    return result, cost
+    return result, cost, stall
 
 
 def first_push_memory(llm: object, model: torch.nn.Module, bucket_size_bytes: int) -> int:
@@ -161,6 +172,7 @@ def results_markdown(
     results: list[ModelResult],
     many: ModelResult,
     cost: CallbackCost | None,
+    stall: tuple[str, StallResult] | None,
     sharded: list[dict],
     lora: list[LoraResult],
     args: argparse.Namespace,
@@ -205,9 +217,21 @@ Atomic updates (the workers receive the whole update, then load it in one call) 
 |---|---:|---:|---:|
 {chr(10).join(fit_lines)}
 
+### Changed-only pushes: a fine-tune with frozen embeddings
+
+The `frozen_embed` rows above: before each push every parameter but the input embedding
+is written (as a training step with `embed_tokens` frozen does), so the push leaves the
+embedding's layer group out and the engine keeps it (the models tie their output embedding to it).
+
+{changed_only_table(results)}
+
 ### The callback's cost
 
 {cost_text}
+
+### The trainer's stall per push: blocking against `blocking=False` (`benchmarks/stall.py`)
+
+{stall_text(stall[1], stall[0]) if stall else "Not measured in this run."}
 
 ### A sharded policy: memory per rank
 
@@ -231,9 +255,13 @@ at least 20x fewer bytes and 5x less time than the merged push at the largest si
 {lora_table(lora) + chr(10) * 2 + "`" + lora_line(lora[-1]) + "`" if lora else "Not measured in this run."}
 
 ```
-{ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded))}
+{ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded), stall_ratio(stall))}
 ```
 """
+
+
+def stall_ratio(stall: tuple[str, StallResult] | None) -> float:
+    return stall[1].background_over_blocking if stall else float("nan")
 
 
 def main() -> None:
@@ -244,6 +272,8 @@ def main() -> None:
     parser.add_argument(
         "--callback-steps", type=int, default=10, help="training steps per fit of the callback cost (0: skip)"
     )
+    parser.add_argument("--stall-size", default="100M", choices=list(SIZES), help="model of the stall measurement")
+    parser.add_argument("--stall-steps", type=int, default=6, help="training steps per fit of the stall (0: skip)")
     parser.add_argument("--sharded-size", default="100M", choices=list(SIZES), help="model of the sharded push")
     parser.add_argument("--sharded-bucket-mib", type=int, default=32, help="bucket of the sharded push")
     parser.add_argument(
@@ -257,27 +287,29 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        args.sizes, args.runs, args.callback_steps = [next(iter(SIZES))], 1, 2
-        args.sharded_size = next(iter(SIZES))
+        args.sizes, args.runs, args.callback_steps, args.stall_steps = [next(iter(SIZES))], 1, 2, 2
+        args.sharded_size = args.stall_size = next(iter(SIZES))
         args.lora_sizes = []  # a LoRA engine costs half a minute more; its helpers have unit tests
         args.page = args.page or Path(tempfile.mkdtemp(prefix="lightning_vllm_bench_")) / "benchmarks.md"
     args.page = args.page or REPOSITORY / "docs" / "benchmarks.md"
     bucket_size_bytes = args.bucket_mib * 2**20
 
     results: list[ModelResult] = []
-    cost = None
+    cost = stall = None
     with tempfile.TemporaryDirectory(prefix="lightning_vllm_bench_") as tmp:
         for index, name in enumerate(args.sizes):
-            result, size_cost = measure_model(
+            result, size_cost, size_stall = measure_model(
                 SIZES[name],
                 Path(tmp),
                 num_runs=args.runs,
                 bucket_size_bytes=bucket_size_bytes,
                 cost_steps=args.callback_steps if index == 0 else 0,
+                stall_steps=args.stall_steps if name == args.stall_size else 0,
             )
             results.append(result)
             cost = cost or size_cost
-        many, _ = measure_model(
+            stall = stall or ((name, size_stall) if size_stall else None)
+        many, _, _ = measure_model(
             MANY_TENSORS, Path(tmp), num_runs=args.runs, bucket_size_bytes=bucket_size_bytes, cost_steps=0
         )
         lora = [
@@ -289,14 +321,14 @@ def main() -> None:
     image = args.page.parent / "images" / "benchmarks.png"
     plot(results, METHODS, image)
     markdown = results_markdown(
-        results, many, cost, sharded, lora, args, image.relative_to(args.page.parent).as_posix()
+        results, many, cost, stall, sharded, lora, args, image.relative_to(args.page.parent).as_posix()
     )
     replace_results(args.page, markdown)
     print(markdown)
     print(f"Wrote {args.page} and {image}")
     if lora:
         print(lora_line(lora[-1]))
-    print(ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded)))
+    print(ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded), stall_ratio(stall)))
 
 
 if __name__ == "__main__":

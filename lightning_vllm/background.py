@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_vllm._waits import BackgroundCall
+from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
@@ -67,6 +68,20 @@ class BackgroundPusher:
         self.num_skipped = 0  # push points skipped so far
         self._push: BackgroundCall[SyncStats] | None = None
         self._version: int | None = None
+
+    def check_engines(self) -> None:
+        """Check that every engine may be pushed to from a thread other than the one generating.
+
+        Raises:
+            EngineConfigError: an engine may not (says which and why).
+        """
+        for engine in self.updater.engines:
+            problem = getattr(engine, "background_push_problem", lambda: None)()
+            if problem is not None:
+                raise EngineConfigError(
+                    f"Background pushes (blocking=False) cannot drive the {engine.description} engine: {problem}. "
+                    "Let vLLM run its engine core in a process of its own (the default), or push with blocking=True."
+                )
 
     @property
     def in_flight_version(self) -> int | None:

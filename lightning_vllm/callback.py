@@ -191,6 +191,8 @@ class VLLMWeightSync(Callback):
         # and sharded parameters are visible.
         if trainer.world_size > 1:
             self._join_ranks(trainer, pl_module)
+        if self.pusher is not None and trainer.is_global_zero:
+            self.pusher.check_engines()
         if self.push_on_fit_start:
             self._push(trainer, pl_module, background=False)  # forms the groups; the first rollouts need it
 

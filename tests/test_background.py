@@ -238,10 +238,25 @@ def test_frozen_parameters_are_not_sent_again(tmp_path):
 # -- with a real vLLM engine ----------------------------------------------------------
 
 
+class DirectRollouts(RolloutCausalLM):
+    """Also calls ``llm.generate`` itself in every step, as many users do, while a push is in flight."""
+
+    def __init__(self, model: torch.nn.Module, llm) -> None:
+        super().__init__(model, lr=1e-2)
+        self.llm = llm
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        from vllm import SamplingParams, TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=2))
+        assert len(outputs[0].outputs[0].token_ids) == 2
+        return super().training_step(batch, batch_idx)
+
+
 @pytest.mark.engine
 def test_vllm_serves_the_trained_weights_once_the_background_push_lands(llm, tmp_path):
     start = served_version(llm)
-    module = RolloutCausalLM(tiny_qwen2(seed=49), lr=1e-2)
+    module = DirectRollouts(tiny_qwen2(seed=49), llm)
     sync = VLLMWeightSync(engine=llm, every_n_train_steps=1, blocking=False, when_busy="wait")
     trainer = cpu_trainer(tmp_path, [sync], max_steps=3)
     trainer.fit(module, token_batches(num_batches=3))

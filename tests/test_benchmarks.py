@@ -20,7 +20,8 @@ from report import RESULTS_END, RESULTS_START, ModelResult, linear_fit, ratios_l
 
 RATIOS = re.compile(
     r"^ratios: floor_over_ours=\d+\.\d+ disk_over_ours=\d+\.\d+ per_tensor_over_ours=\d+\.\d+ "
-    r"peak_mem_over_bucket=\d+\.\d+ sharded_peak_over_group_plus_bucket=\d+\.\d+$"
+    r"peak_mem_over_bucket=\d+\.\d+ sharded_peak_over_group_plus_bucket=\d+\.\d+ "
+    r"ours_over_overlap_floor=\d+\.\d+ async_stall_over_blocking=\d+\.\d+$"
 )
 
 
@@ -38,8 +39,10 @@ def test_the_suite_runs_at_its_smallest_size_and_ends_with_the_ratios_line(tmp_p
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert RATIOS.match(completed.stdout.strip().splitlines()[-1]), completed.stdout[-2000:]
     text = page.read_text()
-    for method in ("ours", "disk", "per_tensor", "streaming", "floor"):
+    for method in ("ours", "frozen_embed", "disk", "per_tensor", "streaming", "floor"):
         assert f"| 25M | 24M | 74 | 49 | {method} |" in text
+    assert "| 25M | 49 | 36 |" in text  # a frozen-embeddings push leaves the 12.6 MB embedding out
+    assert "async_stall_over_blocking=" in text and "held" in text
     assert "ours / streaming\n25M " in text
     assert "| many-tensors |" in text and "The callback's cost" in text
     assert "A sharded policy: memory per rank" in text and "| 1 | 49 |" in text
@@ -59,10 +62,12 @@ def test_the_fit_recovers_a_line_and_the_ratios_are_medians():
     assert fit.intercept_seconds == pytest.approx(0.1) and fit.bytes_per_second == pytest.approx(2e9)
     assert fit.r_squared == pytest.approx(1.0)
     largest = result("L", 100, ours=[1.0, 2.0, 9.0], floor=[1.5], disk=[4.0])
+    largest.transport_seconds, largest.load_seconds = [0.5, 0.6, 0.7], [1.5, 1.6, 1.7]
     many = result("M", 10, ours=[0.5], per_tensor=[5.0])
-    assert ratios_line(largest, many, 1.25) == (
+    assert largest.overlap_floor == 1.6  # the slower of the two parts alone, not their sum
+    assert ratios_line(largest, many, 1.25, 0.1) == (
         "ratios: floor_over_ours=0.750 disk_over_ours=2.000 per_tensor_over_ours=10.000 peak_mem_over_bucket=0.500 "
-        "sharded_peak_over_group_plus_bucket=1.250"
+        "sharded_peak_over_group_plus_bucket=1.250 ours_over_overlap_floor=1.250 async_stall_over_blocking=0.100"
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
@@ -15,11 +15,13 @@ from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_d
 class LocalLLMEngine(EngineConfigFacts):
     """Adapter for a ``vllm.LLM``.
 
-    ``vllm.LLM`` is synchronous: generation and weight updates run one after the
-    other, so there is nothing to pause. Its calls are not thread-safe, and a background
-    push (``blocking=False``) calls it from another thread than the training loop's
-    generate: one lock orders every call, so a commit waits for a generate in progress
-    (and the next generate for the commit) while the bytes of the push keep moving.
+    ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.
+    A background push (``blocking=False``) calls the engine from another thread than the
+    training loop's generate: the update's control calls go through the engine core's
+    request socket, which the adapter guards with a lock (vLLM's client has none), and
+    the commit waits for a ``generate`` of this adapter in progress (and the next one for
+    the commit), so its samples carry one version. ``llm.generate`` called directly may
+    see a commit between two of its steps; vLLM then reports both versions per token.
 
     Example::
 
@@ -32,7 +34,8 @@ class LocalLLMEngine(EngineConfigFacts):
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._config = llm.llm_engine.vllm_config
-        self._lock = threading.RLock()
+        self._generating = threading.RLock()
+        self._thread_safe = _guard_request_socket(llm.llm_engine.engine_core)
 
     @property
     def description(self) -> str:
@@ -41,32 +44,36 @@ class LocalLLMEngine(EngineConfigFacts):
     def is_dead(self) -> bool:
         return engine_core_died(self.llm.llm_engine.engine_core)
 
+    def background_push_problem(self) -> str | None:
+        """Why a push may not run on another thread than generation (``None``: it may)."""
+        if self._thread_safe:
+            return None
+        return (
+            "this vllm.LLM runs its engine core in the training process (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
+            "which only one thread may drive"
+        )
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        with self._lock:
-            self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        with self._lock:
-            self.llm.start_weight_update()
+        self.llm.start_weight_update()
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
-        with self._lock:
-            self.llm.update_weights({"update_info": update_info})
+        self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        with self._lock:
+        with self._generating:
             self.llm.finish_weight_update(weight_version=weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        with self._lock:
-            self.llm.shutdown_weight_transfer_engine()
+        self.llm.shutdown_weight_transfer_engine()
 
     def get_weight_version(self) -> str | None:
-        with self._lock:
-            return self.llm.get_weight_version()
+        return self.llm.get_weight_version()
 
     def reset_prefix_cache(self) -> None:
-        with self._lock:
+        with self._generating:
             self.llm.reset_prefix_cache()
 
     def pause_generation(self, mode: PauseMode) -> None:
@@ -76,11 +83,33 @@ class LocalLLMEngine(EngineConfigFacts):
         """Nothing to resume."""
 
     def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
-        with self._lock:  # the version read is the one the tokens came from
+        with self._generating:  # no commit in between: the version read is the one the tokens came from
             outputs = self.llm.generate(
                 [as_prompt(p) for p in prompts], sampling_params, use_tqdm=False, lora_request=self.lora_request()
             )
             return generations_from_outputs(outputs, self.get_weight_version())
+
+
+def _guard_request_socket(client: Any) -> bool:
+    """Serialize what a multiprocess engine-core client sends on its request socket (a zmq socket,
+    which two threads must not use at once); whether the client is now safe to call from two threads.
+
+    Idempotent: an engine wrapped by several adapters gets one lock.
+    """
+    send: Callable[..., Any] | None = getattr(client, "_send_input", None)
+    if send is None:  # the in-process client runs the engine core in the calling thread
+        return False
+    if getattr(send, "lightning_vllm_lock", None) is not None:
+        return True
+    lock = threading.Lock()
+
+    def send_one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return send(*args, **kwargs)
+
+    send_one_at_a_time.lightning_vllm_lock = lock  # type: ignore[attr-defined]
+    client._send_input = send_one_at_a_time
+    return True
 
 
 def build_local_engine(llm_kwargs: dict[str, Any]) -> LocalLLMEngine:

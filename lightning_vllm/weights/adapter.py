@@ -180,9 +180,10 @@ class AdapterWeights(WeightSource):
         return [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in self._params]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        with torch.no_grad():
-            for name, param in self._params:
-                yield name, materialize_full_tensor(param.detach())
+        for name, param in self._params:  # (no grad mode held across a yield: see weights/lora.py)
+            with torch.no_grad():
+                tensor = materialize_full_tensor(param.detach())
+            yield name, tensor
 
 
 class WithAdapter(WeightSource):

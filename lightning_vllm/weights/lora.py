@@ -84,8 +84,10 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     """Like :func:`lora_parameters`, with each LoRA base weight replaced by base + active adapters' delta."""
     from peft.tuners.lora import LoraLayer
 
-    with torch.no_grad():
-        for name, param in lora_parameters(module):
+    # Grad mode is per thread, and a generator suspended inside `torch.no_grad()` would leave it off
+    # for its consumer (and for training, if a consumer stops early): each merge gets its own block.
+    for name, param in lora_parameters(module):
+        with torch.no_grad():
             tensor = materialize_full_tensor(param.detach())
             if name.endswith(_BASE_SUFFIX):
                 layer = module.get_submodule(name[: -len(_BASE_SUFFIX)])
@@ -99,4 +101,4 @@ def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
                     ]
                     if deltas:
                         tensor = tensor + sum(deltas[1:], deltas[0]).to(tensor.dtype)
-            yield name, tensor
+        yield name, tensor

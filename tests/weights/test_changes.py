@@ -30,7 +30,8 @@ def test_an_optimizer_step_changes_trained_parameters_only():
     before = source_stamps(source)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tokens = torch.randint(0, 512, (2, 8))
-    model(input_ids=tokens, labels=tokens).loss.backward()
+    with torch.enable_grad():  # (whatever an earlier test left set)
+        model(input_ids=tokens, labels=tokens).loss.backward()
     optimizer.step()
     after = source_stamps(source)
     assert before is not None and after is not None
@@ -74,3 +75,12 @@ def test_merged_lora_weights_change_with_their_adapter():
 def test_dicts_of_live_tensors_are_stamped():
     weight = torch.zeros(2)
     assert source_stamps(MappingWeights({"w": weight})) is not None
+
+
+def test_a_merged_lora_source_read_part_way_leaves_grad_mode_alone():
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(tiny_qwen2(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
+    tensors = iter(weights_from(policy))
+    next(tensors)  # a reader that stops early (the tied-embedding check does)
+    assert torch.is_grad_enabled()

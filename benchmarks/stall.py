@@ -1,0 +1,142 @@
+"""How long a push holds the training loop: blocking pushes against ``blocking=False``.
+
+The same short ``Trainer.fit`` as the callback's cost (``callback_cost.py``: a float32
+policy, a 4-token rollout from the engine in every step, a push after every step into a
+bfloat16 engine) runs three ways, alternately: without the callback, with
+``VLLMWeightSync(every_n_train_steps=1)`` (blocking), and with ``blocking=False,
+when_busy="wait"`` (every push point pushes; one that finds the previous push still in
+flight waits for it, and that wait counts). The **stall** of a push point is the time the
+callback holds the training loop there, as it logs it in ``vllm/sync_stall_seconds``:
+the whole push when blocking; checking the push, copying the weights into kept memory
+(and any wait) in the background. The push at fit start blocks in both and is left out.
+The step times say what the stall does not: on 2 cores a background push competes with
+training for the same cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from callback_cost import PolicyModule
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_vllm import VLLMWeightSync
+
+MODES = ("never", "blocking", "background")
+
+
+class MetricsInMemory(Logger):
+    """A Lightning logger that keeps ``(step, value)`` of every metric in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[str, list[tuple[int, float]]] = {}
+
+    @property
+    @override
+    def name(self) -> str:
+        return "in-memory"
+
+    @property
+    @override
+    def version(self) -> int:
+        return 0
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append((step or 0, float(value)))
+
+    @override
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@dataclass
+class StallResult:
+    """Medians over rounds: seconds per training step, and seconds the loop was held per push point."""
+
+    num_steps: int
+    step_seconds: dict[str, float]
+    stall_seconds: dict[str, float]  # "blocking" and "background"
+    push_seconds: float  # a blocking push, as vllm/sync_seconds logs it
+
+    @property
+    def background_over_blocking(self) -> float:
+        return self.stall_seconds["background"] / self.stall_seconds["blocking"]
+
+
+def measure_stall(llm: Any, model: torch.nn.Module, *, vocab_size: int, num_steps: int, num_rounds: int) -> StallResult:
+    model = copy.deepcopy(model).float()
+    tokens = torch.randint(0, vocab_size, (num_steps * 2, 64), generator=torch.Generator().manual_seed(0))
+    steps: dict[str, list[float]] = {mode: [] for mode in MODES}
+    stalls: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
+    pushes: list[float] = []
+    for round_index in range(num_rounds + 1):  # round 0 warms up and is discarded
+        for mode in MODES:
+            callbacks = []
+            if mode != "never":
+                callbacks = [
+                    VLLMWeightSync(engine=llm, every_n_train_steps=1, blocking=mode == "blocking", when_busy="wait")
+                ]
+            logger = MetricsInMemory()
+            seconds = _fit_seconds(model, llm, tokens, num_steps, callbacks, logger)
+            if not round_index:
+                continue
+            steps[mode].append(seconds / num_steps)
+            if mode != "never":
+                held = [value for step, value in logger.metrics["vllm/sync_stall_seconds"] if step > 0]
+                stalls[mode].append(statistics.mean(held))
+            if mode == "blocking":
+                pushes.append(statistics.mean(v for step, v in logger.metrics["vllm/sync_seconds"] if step > 0))
+    return StallResult(
+        num_steps,
+        {mode: statistics.median(values) for mode, values in steps.items()},
+        {mode: statistics.median(values) for mode, values in stalls.items()},
+        statistics.median(pushes),
+    )
+
+
+def stall_text(result: StallResult, size: str) -> str:
+    """The paragraph of the benchmark page."""
+    step = result.step_seconds
+    return (
+        f"{result.num_steps} training steps of the {size} model per fit (float32 policy, a 4-token rollout per "
+        f"step, a push after every step into the bfloat16 engine), medians over rounds. The training loop was "
+        f"held {result.stall_seconds['blocking'] * 1e3:.0f} ms per push point by a blocking push (the push itself: "
+        f"{result.push_seconds * 1e3:.0f} ms) and {result.stall_seconds['background'] * 1e3:.0f} ms with "
+        f"`blocking=False`: **async_stall_over_blocking={result.background_over_blocking:.3f}** (target <= 0.25). "
+        f"Seconds per step: {step['never']:.3f} without the callback, {step['blocking']:.3f} blocking, "
+        f"{step['background']:.3f} in the background (the background push shares the machine's cores with training)."
+    )
+
+
+def _fit_seconds(
+    model: torch.nn.Module, llm: Any, tokens: torch.Tensor, num_steps: int, callbacks: list[Any], logger: Logger
+) -> float:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=num_steps,
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(TensorDataset(tokens), batch_size=2)
+    start = time.perf_counter()
+    trainer.fit(PolicyModule(model.train(), llm), loader)
+    seconds = time.perf_counter() - start
+    for callback in callbacks:
+        callback.updater.close()
+    return seconds
