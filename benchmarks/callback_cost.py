@@ -93,9 +93,9 @@ def measure_callback_cost(
     push: list[float] = []
     for round_index in range(num_rounds + 1):  # round 0 warms up and is discarded
         updater = TimedUpdater(engine=llm, timeout_seconds=600)
-        seconds_never = _fit_seconds(model, llm, tokens, num_steps, callbacks=[])
+        seconds_never = fit_seconds(model, llm, tokens, num_steps, callbacks=[])
         sync = VLLMWeightSync(updater=updater, every_n_train_steps=1)
-        seconds_every = _fit_seconds(model, llm, tokens, num_steps, callbacks=[sync])
+        seconds_every = fit_seconds(model, llm, tokens, num_steps, callbacks=[sync])
         updater.close()
         if round_index:
             never.append(seconds_never / num_steps)
@@ -104,13 +104,17 @@ def measure_callback_cost(
     return CallbackCost(num_steps, statistics.median(never), statistics.median(every), statistics.median(push))
 
 
-def _fit_seconds(model: torch.nn.Module, llm: Any, tokens: torch.Tensor, num_steps: int, callbacks: list[Any]) -> float:
+def fit_seconds(
+    model: torch.nn.Module, llm: Any, tokens: torch.Tensor, num_steps: int, callbacks: list[Any], logger: Any = False
+) -> float:
+    """Seconds of one ``Trainer.fit`` of :class:`PolicyModule` over ``num_steps`` steps."""
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=num_steps,
         callbacks=callbacks,
-        logger=False,
+        logger=logger,
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

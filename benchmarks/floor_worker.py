@@ -40,11 +40,11 @@ class FloorWorkerExtension:
         """
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from lightning_vllm.transports.gloo.tied_embedding_fix import refresh_tied_embeddings
+        from lightning_vllm.transports.gloo.tied_embedding_fix import tied_embeddings_refreshed
 
         engine = self.weight_transfer_engine
-        initialize_layerwise_reload(engine.model)
-        for tensors in engine.receiver.received_segments(engine.parse_update_info(update_info)):
-            engine.model.load_weights(tensors)
-        finalize_layerwise_reload(engine.model, engine.model_config)
-        refresh_tied_embeddings(engine.model)
+        with tied_embeddings_refreshed(engine.model):
+            initialize_layerwise_reload(engine.model)
+            for tensors in engine.receiver.received_segments(engine.parse_update_info(update_info)):
+                engine.model.load_weights(tensors)
+            finalize_layerwise_reload(engine.model, engine.model_config)

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from callback_cost import PolicyModule
-from lightning.pytorch import Trainer
+from callback_cost import fit_seconds
 from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_vllm import VLLMWeightSync
@@ -88,7 +85,7 @@ def measure_stall(llm: Any, model: torch.nn.Module, *, vocab_size: int, num_step
                     VLLMWeightSync(engine=llm, every_n_train_steps=1, blocking=mode == "blocking", when_busy="wait")
                 ]
             logger = MetricsInMemory()
-            seconds = _fit_seconds(model, llm, tokens, num_steps, callbacks, logger)
+            seconds = fit_seconds(model, llm, tokens, num_steps, callbacks, logger)
             if not round_index:
                 continue
             steps[mode].append(seconds / num_steps)
@@ -117,26 +114,3 @@ def stall_text(result: StallResult, size: str) -> str:
         f"Seconds per step: {step['never']:.3f} without the callback, {step['blocking']:.3f} blocking, "
         f"{step['background']:.3f} in the background (the background push shares the machine's cores with training)."
     )
-
-
-def _fit_seconds(
-    model: torch.nn.Module, llm: Any, tokens: torch.Tensor, num_steps: int, callbacks: list[Any], logger: Logger
-) -> float:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=num_steps,
-        callbacks=callbacks,
-        logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    loader = DataLoader(TensorDataset(tokens), batch_size=2)
-    start = time.perf_counter()
-    trainer.fit(PolicyModule(model.train(), llm), loader)
-    seconds = time.perf_counter() - start
-    for callback in callbacks:
-        callback.updater.close()
-    return seconds

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from helpers import assert_serves, build_llm, shutdown, tiny_qwen2
+import threading
+import time
+from types import SimpleNamespace
 
-from lightning_vllm import EngineTarget, LocalLLMEngine, VLLMUpdater
+from helpers import TinyCausalLM, assert_serves, build_llm, cpu_trainer, shutdown, tiny_qwen2, token_batches
+
+from lightning_vllm import EngineConfigError, EngineTarget, LocalLLMEngine, VLLMUpdater, VLLMWeightSync
 from lightning_vllm.engines import as_engine_target
+from lightning_vllm.engines.local import _guard_request_socket
 
 
 @pytest.mark.engine
@@ -35,8 +40,30 @@ def llm_single_process(model_dir):
     shutdown(engine)
 
 
+def test_the_request_socket_of_a_multiprocess_client_takes_one_sender_at_a_time():
+    inside = []
+
+    def send(request: int) -> None:
+        inside.append(request)
+        assert len(inside) == 1, "two threads inside the socket's send at once"
+        time.sleep(0.01)
+        inside.remove(request)
+
+    client = SimpleNamespace(_send_input=send)
+    assert _guard_request_socket(client)
+    guarded = client._send_input
+    assert _guard_request_socket(client) and client._send_input is guarded  # one lock per client
+    threads = [threading.Thread(target=client._send_input, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert not inside
+    assert not _guard_request_socket(SimpleNamespace())  # an in-process client: one thread only
+
+
 @pytest.mark.engine
-def test_engine_in_the_training_process_receives_pushes(llm_single_process):
+def test_engine_in_the_training_process_receives_pushes(llm_single_process, tmp_path):
     from vllm.v1.engine.core_client import InprocClient
 
     assert isinstance(llm_single_process.llm_engine.engine_core, InprocClient)
@@ -47,3 +74,8 @@ def test_engine_in_the_training_process_receives_pushes(llm_single_process):
     assert_serves(llm_single_process, model)
     assert llm_single_process.get_weight_version() == "2"
     updater.close()
+    # Only one thread may drive this engine: background pushes are refused before any byte moves.
+    sync = VLLMWeightSync(engine=llm_single_process, blocking=False)
+    with pytest.raises(EngineConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0.*blocking=True"):
+        cpu_trainer(tmp_path, [sync], max_steps=1).fit(TinyCausalLM(model), token_batches(num_batches=1))
+    assert llm_single_process.get_weight_version() == "2"

@@ -13,7 +13,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 from lightning_vllm.transports.gloo.receiver import GlooReceiver, NamedTensors, PostedUpdate
-from lightning_vllm.transports.gloo.tied_embedding_fix import refresh_tied_embeddings
+from lightning_vllm.transports.gloo.tied_embedding_fix import tied_embeddings_refreshed
 from lightning_vllm.transports.lora_worker import ReceivedAdapter
 from lightning_vllm.weights.adapter import ADAPTER_PREFIX
 
@@ -96,14 +96,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             adapter = ReceivedAdapter(self.model, self.vllm_config, pending.adapter, adapter_tensors)
             received = [[(name, t) for name, t in batch if not name.startswith(ADAPTER_PREFIX)] for batch in received]
         if any(received):
-            initialize_layerwise_reload(self.model)
-            with disable_mtp_completeness_check():
-                for tensors in received:
-                    if tensors:
-                        self.model.load_weights(self._on_device(tensors))  # type: ignore[operator]  # all vLLM models
-            with _layers_left_out_on_purpose():
-                finalize_layerwise_reload(self.model, self.model_config)
-            refresh_tied_embeddings(self.model)
+            with tied_embeddings_refreshed(self.model):
+                initialize_layerwise_reload(self.model)
+                with disable_mtp_completeness_check():
+                    for tensors in received:
+                        if tensors:
+                            self.model.load_weights(self._on_device(tensors))  # type: ignore[operator]  # all vLLM models
+                with _layers_left_out_on_purpose():
+                    finalize_layerwise_reload(self.model, self.model_config)
         if adapter is not None:
             adapter.save()  # vLLM drops loaded adapters after each update and loads this one at its next request
 
