@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.errors import EngineConfigError, WeightSyncTimeoutError
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
@@ -142,6 +142,20 @@ class BackgroundPusher:
     def wait(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for the push in flight to end; whether none is running."""
         return self._push is None or self._push.wait(timeout)
+
+    def wait_or_raise(self, when: str) -> None:
+        """Wait for the push in flight to end, at most the updater's ``timeout_seconds``.
+
+        Raises:
+            WeightSyncTimeoutError: it is still running (the engine may be frozen); ``when`` says
+                at which point of training.
+        """
+        if not self.wait(self.updater.timeout_seconds):
+            raise WeightSyncTimeoutError(
+                f"Weight version {self._version} was still on its way to vLLM {when}, after "
+                f"{self.updater.timeout_seconds:g} s (timeout_seconds): the engine may be frozen. No other push "
+                "starts until it ends."
+            )
 
     def close(self) -> None:
         """End the push in flight (waiting at most the updater's ``timeout_seconds``), drop its

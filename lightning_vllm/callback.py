@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_vllm.background import BackgroundPusher, WhenBusy
 from lightning_vllm.engines import Generation, PauseMode
 from lightning_vllm.engines.local import build_local_engine
-from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError
+from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.rollouts import RolloutSampler
 from lightning_vllm.schedule import PushSchedule
@@ -217,7 +217,10 @@ class VLLMWeightSync(Callback):
             return
         # The engine ends on the weights of the last push point: the push in flight lands (its
         # error, if any, is raised here), and a skipped push point is sent now.
-        self.pusher.wait(self.updater.timeout_seconds)
+        try:
+            self.pusher.wait_or_raise("at the end of fitting")
+        except WeightSyncTimeoutError as error:
+            return self._failed(trainer, error)
         self._collect(trainer)
         if self._unsent_push_points:
             self._push(trainer, pl_module, background=False)
@@ -312,8 +315,6 @@ class VLLMWeightSync(Callback):
             return
         try:
             self._push_now(trainer, pl_module, background and self.pusher is not None and not self._sharded)
-        except (EngineConfigError, WeightsMismatchError):
-            raise  # the same push would fail again: nothing to wait out
         except WeightSyncError as error:
             self._failed(trainer, error)
 
@@ -329,7 +330,7 @@ class VLLMWeightSync(Callback):
             return self._submit(trainer, pl_module)
         else:
             if self.pusher is not None:  # a blocking push after background ones: they end first
-                self.pusher.wait(self.updater.timeout_seconds)
+                self.pusher.wait_or_raise("before a blocking push")
                 self._collect(trainer)
             stats = self.updater.push_weights(pl_module)
         self._unsent_push_points = self.rollouts.missed_versions = 0
@@ -364,20 +365,16 @@ class VLLMWeightSync(Callback):
             return
         try:
             stats = self.pusher.collect()
-        except (EngineConfigError, WeightsMismatchError):
-            self.rollouts.version_in_flight = None
-            raise
         except WeightSyncError as error:
             self.rollouts.version_in_flight = None
-            self._failed(trainer, error)
-            return
+            return self._failed(trainer, error)
         if stats is not None:
             self.rollouts.version_in_flight = None
             self._log(trainer, stats)
 
     def _failed(self, trainer: pl.Trainer, error: WeightSyncError) -> None:
-        if self.on_sync_error == "raise":
-            raise error
+        if self.on_sync_error == "raise" or isinstance(error, (EngineConfigError, WeightsMismatchError)):
+            raise error  # (a misconfigured engine or weights that do not fit: a retry would fail the same way)
         self.sync_failures += 1
         self.rollouts.missed_versions += 1
         rank_zero_warn(

@@ -22,7 +22,7 @@ from helpers import (
 )
 from lightning.pytorch.callbacks import Callback
 
-from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightSyncError, generate
+from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightSyncError, WeightSyncTimeoutError, generate
 from lightning_vllm.background import BackgroundPusher
 
 GATE_SECONDS = 20  # the longest a gated fake waits for its gate (the test is broken if it does)
@@ -173,13 +173,14 @@ def test_a_failed_background_push_raises_at_the_next_push_point(tmp_path):
     engine = GatedEngine(tiny_qwen2(seed=0))
     sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, blocking=False, timeout_seconds=10)
 
-    def fail_next() -> None:
+    def fail_next() -> None:  # once step 1's push has landed: step 2's fails
+        assert sync.pusher is not None and sync.pusher.wait(10)
         engine.fail_next = True
 
     module = CallsAtBatch({1: fail_next}, lr=1e-3)
     with pytest.raises(WeightSyncError, match="went away"):
         cpu_trainer(tmp_path, [sync], max_steps=4).fit(module, token_batches(num_batches=4))
-    assert engine.version == "1" and not lightning_threads()
+    assert engine.version == "2" and not lightning_threads()
 
 
 def test_with_warn_a_failed_background_push_is_counted_and_the_next_one_lands(tmp_path):
@@ -188,7 +189,8 @@ def test_with_warn_a_failed_background_push_is_counted_and_the_next_one_lands(tm
         engine=engine, every_n_train_steps=1, blocking=False, when_busy="wait", timeout_seconds=10, on_sync_error="warn"
     )
 
-    def fail_next() -> None:
+    def fail_next() -> None:  # once step 1's push has landed: step 2's fails
+        assert sync.pusher is not None and sync.pusher.wait(10)
         engine.fail_next = True
 
     module = CallsAtBatch({1: fail_next}, lr=1e-3)
@@ -198,6 +200,24 @@ def test_with_warn_a_failed_background_push_is_counted_and_the_next_one_lands(tm
     assert sync.sync_failures == 1 and len(scalars(trainer, "vllm/sync_failures")) == 1
     assert engine.holds(module.hf) and engine.version == str(sync.weight_version)
     assert sync.rollouts.missed_versions == 0 and not lightning_threads()
+
+
+def test_a_frozen_engine_at_the_end_of_fit_is_an_error_not_a_hang(tmp_path):
+    engine = GatedEngine(tiny_qwen2(seed=0))
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=1, blocking=False, timeout_seconds=1)
+
+    def freeze() -> None:  # once step 1's push has landed, the engine stops finishing updates
+        assert sync.pusher is not None and sync.pusher.wait(10)
+        engine.gate.clear()
+
+    module = CallsAtBatch({1: freeze}, lr=1e-3)
+    try:
+        # Whichever gives up first after 1 s: the push's own call, or the end of fit waiting for it.
+        with pytest.raises(WeightSyncTimeoutError, match="still on its way|Timed out"):
+            cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
+    finally:
+        engine.gate.set()  # (lets the fake's own thread go)
+    assert engine.version == "2"  # fit start and step 1; step 2's push never committed
 
 
 def test_an_exception_in_training_ends_the_push_in_flight_cleanly(tmp_path):

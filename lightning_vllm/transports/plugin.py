@@ -1,4 +1,5 @@
-"""vLLM plugin entry point: makes the ``gloo`` backend known to vLLM.
+"""vLLM plugin entry point: makes the ``gloo`` backend known to vLLM (and caps vLLM's busy-wait
+when ``LIGHTNING_VLLM_BUSY_LOOP_SECONDS`` asks, see ``busy_wait.py``).
 
 Declared in ``pyproject.toml`` under the ``vllm.general_plugins`` entry-point
 group, so vLLM calls :func:`register_backends` in each of its processes (front
@@ -19,7 +20,7 @@ _TRAINER_MODULE = "lightning_vllm.transports.gloo.trainer"
 
 
 def register_backends() -> None:
-    """Register the ``gloo`` worker and trainer engines with vLLM's factories.
+    """Register the ``gloo`` worker and trainer engines with vLLM's factories; apply the busy-wait cap.
 
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
     """

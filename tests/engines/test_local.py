@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 from helpers import TinyCausalLM, assert_serves, build_llm, cpu_trainer, shutdown, tiny_qwen2, token_batches
 
 from lightning_vllm import EngineConfigError, EngineTarget, LocalLLMEngine, VLLMUpdater, VLLMWeightSync

@@ -57,6 +57,22 @@ def test_training_pushes_into_the_engine(kind, request, tmp_path):
     assert engine.get_weight_version() == str(sync.weight_version) == str(served_before + 2)
 
 
+@pytest.mark.parametrize("kind", ["AsyncLLM", "vllm serve"])
+def test_background_pushes_into_engines_that_serve_while_training(kind, request, tmp_path):
+    given, engine = ENGINES[kind](request)
+    module = TinyCausalLM(tiny_qwen2(seed=1), lr=1e-2)
+    sync = VLLMWeightSync(engine=given, every_n_train_steps=1, blocking=False, when_busy="wait")
+    served_before = served_version(engine)
+
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=2)
+    trainer.fit(module, token_batches(num_batches=2))
+
+    # Fit start, then steps 1 and 2 from the background thread; the last one landed before fit ended.
+    assert engine.get_weight_version() == str(sync.weight_version) == str(served_before + 3)
+    assert_serves(engine, module.hf)
+    assert len(tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_stall_seconds")) == 3
+
+
 ALL_ENGINES = {**ENGINES, "vllm.LLM": lambda request: (request.getfixturevalue("llm"),) * 2}
 
 
