@@ -133,7 +133,9 @@ def measure_model(
                 llm, model, vocab_size=size.vocab_size, num_steps=cost_steps, num_rounds=rounds
             )
         if stall_steps:
-            stall = measure_stall(llm, model, vocab_size=size.vocab_size, num_steps=stall_steps, num_rounds=rounds)
+            stall = measure_stall(
+                llm, model, vocab_size=size.vocab_size, num_steps=stall_steps, num_rounds=rounds, warm_up=not cost
+            )
             print("   " + stall_text(stall, size.name), flush=True)
     finally:
         stop_engine(llm)

@@ -71,13 +71,18 @@ class StallResult:
         return self.stall_seconds["background"] / self.stall_seconds["blocking"]
 
 
-def measure_stall(llm: Any, model: torch.nn.Module, *, vocab_size: int, num_steps: int, num_rounds: int) -> StallResult:
+def measure_stall(
+    llm: Any, model: torch.nn.Module, *, vocab_size: int, num_steps: int, num_rounds: int, warm_up: bool = True
+) -> StallResult:
+    """Medians over ``num_rounds`` rounds of the three fits, after one discarded round if ``warm_up``
+    (not needed when the callback's cost just ran the same fits on this engine)."""
     model = copy.deepcopy(model).float()
     tokens = torch.randint(0, vocab_size, (num_steps * 2, 64), generator=torch.Generator().manual_seed(0))
     steps: dict[str, list[float]] = {mode: [] for mode in MODES}
     stalls: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
     pushes: list[float] = []
-    for round_index in range(num_rounds + 1):  # round 0 warms up and is discarded
+    first = 0 if warm_up else 1
+    for round_index in range(first, num_rounds + 1):  # round 0 warms up and is discarded
         for mode in MODES:
             callbacks = []
             if mode != "never":
