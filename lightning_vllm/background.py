@@ -54,7 +54,7 @@ class BackgroundPusher:
 
         >>> pusher = BackgroundPusher(VLLMUpdater(engine=llm))  # doctest: +SKIP
         >>> pusher.submit(model)  # returns once the weights are copied  # doctest: +SKIP
-        Submitted(started=True, stall_seconds=0.04, version=1)
+        Submitted(started=True, stall_seconds=0.04, version=1, landed=None)
         >>> pusher.wait(timeout=60); pusher.collect()  # doctest: +SKIP
         SyncStats(weight_version=1, seconds=0.41, num_bytes=209715200)
     """

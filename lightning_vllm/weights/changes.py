@@ -92,20 +92,24 @@ def source_stamps(source: WeightSource) -> dict[str, Stamp] | None:
     return stamps() if stamps is not None else None
 
 
-def changed_groups(
-    groups: Iterable[list[str]], stamps: Mapping[str, Stamp], sent: Mapping[str, Stamp]
-) -> list[list[str]]:
-    """The groups with at least one tensor whose stamp is not the one last sent (or never sent).
+def unchanged_names(groups: Iterable[list[str]], stamps: Mapping[str, Stamp], sent: Mapping[str, Stamp]) -> set[str]:
+    """The names of the groups whose every tensor has the stamp it was last sent with.
 
     Example::
 
         >>> embed, q, k = torch.zeros(2), torch.zeros(2), torch.zeros(2)
-        >>> sent = stamps_of([("embed", [embed]), ("q", [q]), ("k", [k])])
-        >>> _ = k.add_(1)
-        >>> changed_groups([["embed"], ["q", "k"]], stamps_of([("embed", [embed]), ("q", [q]), ("k", [k])]), sent)
-        [['q', 'k']]
+        >>> tensors = [("embed", [embed]), ("q", [q]), ("k", [k])]
+        >>> sent = stamps_of(tensors)
+        >>> _ = k.add_(1)  # q and k are one group (one layer): both are sent again
+        >>> sorted(unchanged_names([["embed"], ["q", "k"]], stamps_of(tensors), sent))
+        ['embed']
     """
-    return [group for group in groups if any(not same_stamp(sent.get(name), stamps.get(name)) for name in group)]
+    return {
+        name
+        for group in groups
+        if all(same_stamp(sent.get(member), stamps.get(member)) for member in group)
+        for name in group
+    }
 
 
 class SentStamps:
@@ -122,8 +126,7 @@ class SentStamps:
         """Names of ``groups`` that need not be sent: every tensor of their group is as last sent."""
         if stamps is None or not self.stamps:
             return set()
-        changed = {name for group in changed_groups(groups, stamps, self.stamps) for name in group}
-        return {name for group in groups for name in group if name not in changed}
+        return unchanged_names(groups, stamps, self.stamps)
 
     def landed(self, sent_names: Iterable[str], stamps: Mapping[str, Stamp] | None) -> None:
         """Record a push that landed: the engine now holds ``stamps`` for ``sent_names``."""
