@@ -57,7 +57,7 @@ def test_training_pushes_into_the_engine(kind, request, tmp_path):
     assert engine.get_weight_version() == str(sync.weight_version) == str(served_before + 2)
 
 
-@pytest.mark.parametrize("kind", ["AsyncLLM", "vllm serve"])
+@pytest.mark.parametrize("kind", ENGINES)
 def test_background_pushes_into_engines_that_serve_while_training(kind, request, tmp_path):
     given, engine = ENGINES[kind](request)
     module = TinyCausalLM(tiny_qwen2(seed=1), lr=1e-2)
