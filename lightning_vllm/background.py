@@ -83,15 +83,9 @@ class BackgroundPusher:
                     "Let vLLM run its engine core in a process of its own (the default), or push with blocking=True."
                 )
 
-    @property
     def in_flight_version(self) -> int | None:
-        """The version of the push on its way (``None`` when none is, or it ended and was not collected)."""
+        """The version of the push on its way (``None`` when none is; one that ended counts until collected)."""
         return self._version if self._push is not None else None
-
-    @property
-    def busy(self) -> bool:
-        """Whether a push is still running."""
-        return self._push is not None and not self._push.done()
 
     def submit(
         self, weights: Any, worker_ids: int | torch.device | Sequence[int | torch.device] | None = None
@@ -117,8 +111,9 @@ class BackgroundPusher:
                     self.num_skipped,
                 )
                 return Submitted(False, time.perf_counter() - start)
+            self.wait_or_raise("at a push point (when_busy='wait')")  # a push still running stays in flight
             push, self._push = self._push, None
-            landed = push.result(self.updater.timeout_seconds)
+            landed = push.result(0)
         prepared = self.updater.prepare_push(weights, worker_ids)
         snapshot = self.memory.take(prepared.source)
         self._version = self.updater.weight_version + 1

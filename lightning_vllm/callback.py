@@ -144,6 +144,8 @@ class VLLMWeightSync(Callback):
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         # Background pushes (blocking=False); built here so a bad when_busy fails at construction.
         self.pusher = None if blocking else BackgroundPusher(self.updater, when_busy)
+        if self.pusher is not None:
+            self.rollouts.version_in_flight = self.pusher.in_flight_version
         self._unsent_push_points = 0  # skipped since the last push that started
         self._last_global_step_pushed = -1
         self._ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
@@ -158,7 +160,7 @@ class VLLMWeightSync(Callback):
     def push_in_flight(self) -> bool:
         """Whether a background push (``blocking=False``) is on its way; rollouts meanwhile come from
         the last committed version, which their ``weight_version`` says."""
-        return self.pusher is not None and self.pusher.in_flight_version is not None
+        return self.pusher is not None and self.pusher.in_flight_version() is not None
 
     @property
     def max_staleness(self) -> int | None:
@@ -249,7 +251,6 @@ class VLLMWeightSync(Callback):
     def _release(self) -> None:
         if self.pusher is not None:
             self.pusher.close()  # the push in flight ends (bounded by timeout_seconds) before the groups close
-            self.rollouts.version_in_flight = None
         self.updater.close()
         if self._ranks is not None:
             self._ranks.close()
@@ -341,16 +342,11 @@ class VLLMWeightSync(Callback):
     def _submit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.pusher is not None
         self._collect(trainer)  # a push that ended says how it went before the next one starts
-        try:
-            submitted = self.pusher.submit(pl_module)
-        except WeightSyncError:  # (when_busy="wait") the push it waited for failed: none is in flight
-            self.rollouts.version_in_flight = None
-            raise
+        submitted = self.pusher.submit(pl_module)
         if submitted.landed is not None:  # when_busy="wait": the push waited for
             self._log(trainer, submitted.landed)
         metrics = {"vllm/sync_stall_seconds": submitted.stall_seconds}
         if submitted.started:
-            self.rollouts.version_in_flight = submitted.version
             self._unsent_push_points = self.rollouts.missed_versions = 0
         else:
             self._unsent_push_points += 1
@@ -366,10 +362,8 @@ class VLLMWeightSync(Callback):
         try:
             stats = self.pusher.collect()
         except WeightSyncError as error:
-            self.rollouts.version_in_flight = None
             return self._failed(trainer, error)
         if stats is not None:
-            self.rollouts.version_in_flight = None
             self._log(trainer, stats)
 
     def _failed(self, trainer: pl.Trainer, error: WeightSyncError) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -60,7 +60,7 @@ class RolloutSampler:
         # the policy moved on that many versions the engines never got.
         self.missed_versions = 0
         # The version of a background push on its way (blocking=False): the trainer is there already.
-        self.version_in_flight: int | None = None
+        self.version_in_flight: Callable[[], int | None] = _nothing_in_flight
         # Set when this rank holds no engine and rank 0 generates for every rank.
         self.ranks: TrainerRanks | None = None
         # A generate that timed out keeps running on its thread; the next one on the
@@ -253,7 +253,11 @@ class RolloutSampler:
     def trainer_version(self) -> int:
         """The version the engines would serve if every push had landed (one in flight included)."""
         committed = self.updater.weight_version  # read first: a push in flight may commit meanwhile
-        return max(committed, self.version_in_flight or 0) + self.missed_versions
+        return max(committed, self.version_in_flight() or 0) + self.missed_versions
+
+
+def _nothing_in_flight() -> int | None:
+    return None
 
 
 # Errors that cross ranks as JSON, raised again under the same type on every rank.

@@ -86,7 +86,7 @@ def test_a_push_in_flight_commits_its_version_when_the_engine_finishes():
     pusher = BackgroundPusher(VLLMUpdater(engine=engine, timeout_seconds=10))
     engine.gate.clear()
     submitted = pusher.submit(model)
-    assert submitted.started and submitted.version == 1 and pusher.in_flight_version == 1
+    assert submitted.started and submitted.version == 1 and pusher.in_flight_version() == 1
     with torch.no_grad():  # training goes on: the push sends the weights of its push point
         for param in model.parameters():
             param.add_(1.0)
@@ -96,7 +96,7 @@ def test_a_push_in_flight_commits_its_version_when_the_engine_finishes():
     assert pusher.wait(10)
     stats = pusher.collect()
     assert stats is not None and stats.weight_version == 1 and engine.version == "1"
-    assert pusher.updater.weight_version == 1 and pusher.in_flight_version is None
+    assert pusher.updater.weight_version == 1 and pusher.in_flight_version() is None
     assert not engine.holds(model)  # the snapshot, not the weights written after it
     assert pusher.submit(model).started and pusher.wait(10) and pusher.collect() is not None
     assert engine.holds(model) and engine.version == "2"

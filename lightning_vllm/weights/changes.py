@@ -134,7 +134,3 @@ class SentStamps:
             self.stamps = {}
             return
         self.stamps.update({name: stamps[name] for name in sent_names if name in stamps})
-
-    def forget(self) -> None:
-        """The engine's weights are unknown (a failed or foreign update): the next push sends everything."""
-        self.stamps = {}

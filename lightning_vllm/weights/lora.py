@@ -10,7 +10,7 @@ extra memory is one weight matrix, not a merged copy of the model.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import materialize_full_tensor
@@ -62,43 +62,38 @@ def lora_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             yield sent, param
 
 
-def merge_inputs(module: torch.nn.Module, name: str) -> list[torch.Tensor]:
-    """The adapter tensors :func:`merged_lora_weights` adds to the base weight ``name`` (none for other
-    parameters, and for layers whose adapters are merged into the weight or disabled)."""
+def _adapters_merged_into(module: torch.nn.Module, name: str) -> tuple[Any, list[str]]:
+    """The LoRA layer whose base weight is ``name`` and its adapters that a merge adds to it
+    (``None`` and none for other parameters, and for layers merged into the weight or disabled)."""
     from peft.tuners.lora import LoraLayer
 
     if not name.endswith(_BASE_SUFFIX):
-        return []
+        return None, []
     layer = module.get_submodule(name[: -len(_BASE_SUFFIX)])
     if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters:
-        return []
+        return None, []
+    return layer, [adapter for adapter in layer.active_adapters if adapter in layer.lora_A]
+
+
+def merge_inputs(module: torch.nn.Module, name: str) -> list[torch.Tensor]:
+    """The adapter tensors :func:`merged_lora_weights` adds to the base weight ``name``."""
+    layer, adapters = _adapters_merged_into(module, name)
     return [
-        cast(torch.Tensor, factor[adapter].weight)
-        for adapter in layer.active_adapters
-        if adapter in layer.lora_A
-        for factor in (layer.lora_A, layer.lora_B)
+        cast(torch.Tensor, factor[adapter].weight) for adapter in adapters for factor in (layer.lora_A, layer.lora_B)
     ]
 
 
 def merged_lora_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Like :func:`lora_parameters`, with each LoRA base weight replaced by base + active adapters' delta."""
-    from peft.tuners.lora import LoraLayer
-
     # Grad mode is per thread, and a generator suspended inside `torch.no_grad()` would leave it off
     # for its consumer (and for training, if a consumer stops early): each merge gets its own block.
     for name, param in lora_parameters(module):
+        layer, adapters = _adapters_merged_into(module, name)
         with torch.no_grad():
             tensor = materialize_full_tensor(param.detach())
-            if name.endswith(_BASE_SUFFIX):
-                layer = module.get_submodule(name[: -len(_BASE_SUFFIX)])
-                if isinstance(layer, LoraLayer) and not layer.merged and not layer.disable_adapters:
-                    # Under FSDP2 the adapters are DTensors too: their product is one, gathered here
-                    # (a collective, in the same order on every rank).
-                    deltas = [
-                        materialize_full_tensor(layer.get_delta_weight(adapter))  # type: ignore[operator]
-                        for adapter in layer.active_adapters
-                        if adapter in layer.lora_A
-                    ]
-                    if deltas:
-                        tensor = tensor + sum(deltas[1:], deltas[0]).to(tensor.dtype)
+            # Under FSDP2 the adapters are DTensors too: their product is one, gathered here
+            # (a collective, in the same order on every rank).
+            deltas = [materialize_full_tensor(layer.get_delta_weight(adapter)) for adapter in adapters]
+            if deltas:
+                tensor = tensor + sum(deltas[1:], deltas[0]).to(tensor.dtype)
         yield name, tensor
