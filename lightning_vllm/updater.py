@@ -26,7 +26,7 @@ from lightning_vllm.settings import (
     validate_bucket_size,
     validate_timeout,
 )
-from lightning_vllm.torchrl_interface import TorchRLInterface
+from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl
 from lightning_vllm.transports import resolve_backend
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.adapter import LoraMode, adapter_source, choose_view, lora_policy, validate_lora_mode
@@ -148,6 +148,7 @@ class VLLMUpdater(TorchRLInterface):
         self._post_hooks: list[Callable[[], Any]] = []
         self._collector_ref: weakref.ref[Any] | None = None
         self.last_sync: SyncStats | None = None
+        register_with_torchrl(type(self))  # TorchRL's collectors then take it (docs/torchrl.md)
 
     # -- engines and groups -----------------------------------------------------
 
@@ -228,9 +229,13 @@ class VLLMUpdater(TorchRLInterface):
 
     # -- pushing ----------------------------------------------------------------
 
-    def __call__(self, weights: Any = None, worker_ids: Any = None) -> SyncStats:
-        """Same as :meth:`push_weights` (TorchRL's updaters are callable)."""
-        return self.push_weights(weights, worker_ids)
+    def __call__(
+        self,
+        policy_or_weights: Any = None,
+        worker_ids: int | torch.device | Sequence[int | torch.device] | None = None,
+    ) -> SyncStats:
+        """Same as :meth:`push_weights`: TorchRL's collectors call their updater with these keywords."""
+        return self.push_weights(policy_or_weights, worker_ids)
 
     def push_weights(
         self,

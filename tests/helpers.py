@@ -239,18 +239,24 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     return values
 
 
-def save_tokenizer(directory: Path) -> Path:
+def word_tokenizer():
     """A word-level tokenizer over the tiny vocabulary (token ``i`` is the word ``t<i>``).
 
-    vLLM's OpenAI-compatible server needs a tokenizer beside the model to answer
-    ``/v1/completions``, even for token-id prompts.
+    Use the object itself: saved beside the Qwen2 test model, transformers loads it back
+    as a Qwen2 byte-level tokenizer, which turns the words into no token at all.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB_SIZE)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1").save_pretrained(directory)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1")
+
+
+def save_tokenizer(directory: Path) -> Path:
+    """Save :func:`word_tokenizer` beside a model: vLLM's OpenAI-compatible server needs a
+    tokenizer to answer ``/v1/completions``, even for token-id prompts."""
+    word_tokenizer().save_pretrained(directory)
     return directory
 
 

@@ -1,0 +1,140 @@
+"""TorchRL's own LLM stack drives our updater: an ``LLMCollector`` over a ``ChatEnv``, its
+``vLLMWrapper`` policy generating with a real in-process ``vllm.LLM``.
+
+The collected rollouts are the proof: after each push their response log-probs, computed
+by vLLM while collecting, equal the pushed Hugging Face model's, and they carry the
+collector's new policy version.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import TOLERANCE, tiny_qwen2, word_tokenizer
+
+from lightning_vllm import vLLMUpdater
+
+pytestmark = pytest.mark.engine
+
+torchrl = pytest.importorskip("torchrl", reason="the torchrl extra (make test installs it)")
+
+PROMPT = "t5 t9 t33 t7 t100"
+
+
+class Prompts:
+    """An endless dataloader of one query per batch, as ``ChatEnv.from_dataloader`` reads it."""
+
+    def __iter__(self):
+        while True:
+            yield {"query": [PROMPT]}
+
+
+def chat_tokenizer():
+    tokenizer = word_tokenizer()
+    tokenizer.pad_token = "t511"
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    return tokenizer
+
+
+def rollout_of(batch) -> tuple[list[int], list[int], torch.Tensor, int]:
+    """Prompt tokens, response tokens, vLLM's log-probs of the response, policy version."""
+    batch = batch.reshape(-1)  # (envs, dialog turns) -> one rollout here
+    assert batch.numel() == 1
+    prompt = batch.get(("tokens", "prompt"), as_list=True)[0].tolist()
+    response = batch.get(("tokens", "response"), as_list=True)[0].tolist()
+    log_probs = batch.get(("log_probs", "response"), as_list=True)[0]
+    versions = {int(batch.get("policy_version")[0]), int(batch.get(("next", "policy_version"))[0])}
+    assert len(versions) == 1, f"a single-turn rollout saw two policy versions: {versions}"
+    return prompt, response, log_probs, versions.pop()
+
+
+def hf_response_log_probs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    tokens = torch.tensor([prompt + response])
+    log_probs = torch.log_softmax(model(tokens).logits[0, :-1].float(), dim=-1)
+    return log_probs.gather(1, tokens[0, 1:, None])[-len(response) :, 0]
+
+
+def train_on(model, prompt: list[int], response: list[int]):
+    """One REINFORCE-like step that makes the collected response more likely: new weights."""
+    trained = copy.deepcopy(model).train()
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+    with torch.enable_grad():
+        (-hf_response_log_probs(trained, prompt, response).sum()).backward()
+    optimizer.step()
+    return trained.eval()
+
+
+@pytest.fixture
+def collector(llm):
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.envs.llm import ChatEnv
+    from torchrl.modules.llm import vLLMWrapper
+
+    tokenizer = chat_tokenizer()
+    env = ChatEnv.from_dataloader(dataloader=Prompts(), tokenizer=tokenizer, batch_size=(1,), input_mode="history")
+    policy = vLLMWrapper(
+        llm,
+        tokenizer=tokenizer,
+        input_mode="history",
+        generate_kwargs={"max_tokens": 6, "temperature": 0.0},
+        return_log_probs=True,
+    )
+    start = tiny_qwen2(seed=1)
+    # As with TorchRL's own vLLMUpdater: metadata only; the engine is the collector policy's.
+    updater = vLLMUpdater(model_metadata=vLLMUpdater.get_model_metadata(start))
+    collector = LLMCollector(
+        env=env,
+        policy=policy,
+        dialog_turns_per_batch=1,
+        reset_at_each_iter=True,  # one turn per prompt, as in GRPO: a batch is tagged with one version
+        weight_updater=updater,
+        track_policy_version=True,
+    )
+    yield collector, updater, start
+    updater.close()
+    collector.shutdown()
+
+
+def test_an_llm_collector_collects_from_the_weights_it_pushed(collector, llm):
+    collector, updater, model = collector
+    assert updater.collector is collector
+    batches = iter(collector)
+
+    for expected_version in (1, 2):
+        collector.update_policy_weights_(model)  # the collector calls our updater, then counts
+        assert collector.policy_version == expected_version
+        assert llm.get_weight_version() == str(updater.weight_version)
+        prompt, response, vllm_log_probs, version = rollout_of(next(batches))
+        assert version == expected_version
+        assert len(response) == 6
+        served = hf_response_log_probs(model, prompt, response)
+        assert torch.allclose(vllm_log_probs, served, atol=TOLERANCE), (vllm_log_probs, served)
+        trained = train_on(model, prompt, response)
+        # The step moved the weights enough that serving the old ones would fail the check above.
+        assert (hf_response_log_probs(trained, prompt, response) - served).abs().max() > 100 * TOLERANCE
+        model = trained
+
+    # Called directly (as a trainer that owns the updater does), the push still counts once.
+    engine_version = updater.weight_version
+    updater(model)
+    assert collector.policy_version == 3 and updater.weight_version == engine_version + 1
+    prompt, response, vllm_log_probs, version = rollout_of(next(batches))
+    assert version == 3
+    assert torch.allclose(vllm_log_probs, hf_response_log_probs(model, prompt, response), atol=TOLERANCE)
+
+
+def test_a_refused_push_through_the_collector_counts_no_version(collector, llm):
+    from lightning_vllm import WeightsMismatchError
+
+    collector, updater, model = collector
+    collector.update_policy_weights_(model)
+    served_version = llm.get_weight_version()
+    wrong = {name: tensor for name, tensor in model.state_dict().items() if "layers.1." not in name}
+    with pytest.raises(WeightsMismatchError):
+        collector.update_policy_weights_(wrong)
+    assert collector.policy_version == 1 and llm.get_weight_version() == served_version
+    prompt, response, vllm_log_probs, version = rollout_of(next(iter(collector)))
+    assert version == 1
+    assert torch.allclose(vllm_log_probs, hf_response_log_probs(model, prompt, response), atol=TOLERANCE)
