@@ -219,6 +219,17 @@ class TorchRLInterface:
         """The registered collector in a list (TorchRL's spelling), or ``None`` before one registers."""
         return None if self._collector_ref is None else [self._collector_ref()]
 
+    def _collector_lora_problems(self) -> list[str]:
+        """Why the registered collector cannot sample from a pushed LoRA adapter: its policy (a
+        TorchRL ``vLLMWrapper``, say) calls vLLM itself, without the adapter's ``LoRARequest``."""
+        policy = getattr(self.collector, "policy", None)
+        if policy is None:
+            return []
+        return [
+            f"the registered collector's policy ({type(policy).__name__}) generates without the adapter's "
+            "LoRA request, so it would sample from the base weights"
+        ]
+
     # -- worker ids ------------------------------------------------------------------
 
     def all_worker_ids(self) -> list[int]:

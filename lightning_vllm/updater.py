@@ -332,6 +332,7 @@ class VLLMUpdater(TorchRLInterface):
             self.model_metadata = source_metadata(self._maybe_map_weights(weights))
         connections = self._connected(self._resolve_worker_ids(None) if worker_ids is None else worker_ids)
         problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(model)]
+        problems += self._collector_lora_problems()
         return choose_view(self.lora, problems, all(connection.has_policy_base for connection in connections))
 
     def source_for_view(self, weights: Any, view: str) -> WeightSource:

@@ -41,6 +41,17 @@ def tiny_qwen2(seed: int = 0, tie_word_embeddings: bool = False) -> Qwen2ForCaus
     return Qwen2ForCausalLM(config).float().eval()
 
 
+def lora_policy(seed: int = 0):
+    """A PEFT LoRA policy (rank 8 on the attention and MLP projections) whose adapter starts non-zero."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    return get_peft_model(tiny_qwen2(seed=0), config)
+
+
 def save_model(model: Qwen2ForCausalLM, directory: Path) -> Path:
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -12,9 +12,9 @@ import copy
 
 import pytest
 import torch
-from helpers import TOLERANCE, tiny_qwen2, word_tokenizer
+from helpers import TOLERANCE, lora_policy, tiny_qwen2, word_tokenizer
 
-from lightning_vllm import vLLMUpdater
+from lightning_vllm import EngineConfigError, WeightsMismatchError, vLLMUpdater
 
 pytestmark = pytest.mark.engine
 
@@ -66,8 +66,8 @@ def train_on(model, prompt: list[int], response: list[int]):
     return trained.eval()
 
 
-@pytest.fixture
-def collector(llm):
+def llm_collector(llm, updater):
+    """TorchRL's LLM stack on ``llm``: a ChatEnv of one prompt, a vLLMWrapper policy, ``updater``."""
     from torchrl.collectors.llm import LLMCollector
     from torchrl.envs.llm import ChatEnv
     from torchrl.modules.llm import vLLMWrapper
@@ -81,10 +81,7 @@ def collector(llm):
         generate_kwargs={"max_tokens": 6, "temperature": 0.0},
         return_log_probs=True,
     )
-    start = tiny_qwen2(seed=1)
-    # As with TorchRL's own vLLMUpdater: metadata only; the engine is the collector policy's.
-    updater = vLLMUpdater(model_metadata=vLLMUpdater.get_model_metadata(start))
-    collector = LLMCollector(
+    return LLMCollector(
         env=env,
         policy=policy,
         dialog_turns_per_batch=1,
@@ -92,6 +89,14 @@ def collector(llm):
         weight_updater=updater,
         track_policy_version=True,
     )
+
+
+@pytest.fixture
+def collector(llm):
+    start = tiny_qwen2(seed=1)
+    # As with TorchRL's own vLLMUpdater: metadata only; the engine is the collector policy's.
+    updater = vLLMUpdater(model_metadata=vLLMUpdater.get_model_metadata(start))
+    collector = llm_collector(llm, updater)
     yield collector, updater, start
     updater.close()
     collector.shutdown()
@@ -126,8 +131,6 @@ def test_an_llm_collector_collects_from_the_weights_it_pushed(collector, llm):
 
 
 def test_a_refused_push_through_the_collector_counts_no_version(collector, llm):
-    from lightning_vllm import WeightsMismatchError
-
     collector, updater, model = collector
     collector.update_policy_weights_(model)
     served_version = llm.get_weight_version()
@@ -138,3 +141,31 @@ def test_a_refused_push_through_the_collector_counts_no_version(collector, llm):
     prompt, response, vllm_log_probs, version = rollout_of(next(iter(collector)))
     assert version == 1
     assert torch.allclose(vllm_log_probs, hf_response_log_probs(model, prompt, response), atol=TOLERANCE)
+
+
+def test_a_lora_policy_reaches_the_collector_as_merged_weights(llm):
+    """The engine serves LoRA, but TorchRL's vLLMWrapper generates without our LoRA request:
+    ``lora="auto"`` pushes merged weights, ``lora="adapter"`` says why it cannot."""
+    policy = lora_policy(seed=3)
+    refusing = vLLMUpdater(lora="adapter")
+    refusing_collector = llm_collector(llm, refusing)
+    try:
+        with pytest.raises(EngineConfigError, match=r"collector's policy \(vLLMWrapper\) generates without"):
+            refusing_collector.update_policy_weights_(policy)
+        assert refusing_collector.policy_version == 0
+    finally:
+        refusing.close()
+        refusing_collector.shutdown()
+
+    updater = vLLMUpdater()  # lora="auto"
+    collector = llm_collector(llm, updater)
+    try:
+        collector.update_policy_weights_(policy)
+        assert updater.lora_request is None  # nothing to pass: the engine's weights are the merged policy
+        prompt, response, vllm_log_probs, version = rollout_of(next(iter(collector)))
+        assert version == 1
+        served = hf_response_log_probs(policy, prompt, response)
+        assert torch.allclose(vllm_log_probs, served, atol=TOLERANCE), (vllm_log_probs, served)
+    finally:
+        updater.close()
+        collector.shutdown()

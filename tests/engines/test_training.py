@@ -14,6 +14,7 @@ from helpers import (
     assert_serves,
     cpu_trainer,
     hf_prompt_logprobs,
+    lora_policy,
     max_abs_diff,
     served_logprobs,
     served_version,
@@ -74,17 +75,6 @@ def test_background_pushes_into_engines_that_serve_while_training(kind, request,
 
 
 ALL_ENGINES = {**ENGINES, "vllm.LLM": lambda request: (request.getfixturevalue("llm"),) * 2}
-
-
-def lora_policy(seed: int = 0):
-    """A PEFT LoRA policy (rank 8 on the attention and MLP projections) whose adapter starts non-zero."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
-    return get_peft_model(tiny_qwen2(seed=0), config)
 
 
 def num_bytes(source) -> int:
