@@ -12,9 +12,9 @@ import copy
 
 import pytest
 import torch
-from helpers import TOLERANCE, lora_policy, tiny_qwen2, word_tokenizer
+from helpers import TOLERANCE, TinyCausalLM, cpu_trainer, lora_policy, tiny_qwen2, token_batches, word_tokenizer
 
-from lightning_vllm import EngineConfigError, WeightsMismatchError, vLLMUpdater
+from lightning_vllm import EngineConfigError, VLLMWeightSync, WeightsMismatchError, vLLMUpdater
 
 pytestmark = pytest.mark.engine
 
@@ -169,3 +169,41 @@ def test_a_lora_policy_reaches_the_collector_as_merged_weights(llm):
     finally:
         updater.close()
         collector.shutdown()
+
+
+class CollectingPolicy(TinyCausalLM):
+    """Collects a rollout from a TorchRL collector in every training step, checks it against
+    the module's own weights, and makes the collected response more likely."""
+
+    def __init__(self, model, collector) -> None:
+        super().__init__(model, lr=0.5)
+        self.collector = collector
+        self.versions: list[int] = []
+        self.log_prob_errors: list[float] = []
+
+    def on_fit_start(self) -> None:
+        self.batches = iter(self.collector)
+
+    def training_step(self, batch, batch_idx):
+        prompt, response, vllm_log_probs, version = rollout_of(next(self.batches))
+        log_probs = hf_response_log_probs(self.hf, prompt, response)
+        self.versions.append(version)
+        self.log_prob_errors.append((log_probs.detach() - vllm_log_probs).abs().max().item())
+        return -log_probs.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_a_lightning_run_collects_with_torchrl_from_the_weights_it_trains(llm, tmp_path):
+    """The callback pushes; the collector built on the callback's updater counts the versions."""
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=1)
+    collector = llm_collector(llm, sync.updater)
+    module = CollectingPolicy(tiny_qwen2(seed=2), collector)
+    try:
+        cpu_trainer(tmp_path, [sync], max_steps=3).fit(module, token_batches(3))
+    finally:
+        collector.shutdown()
+    # The fit-start push is version 1, then one push after each step.
+    assert module.versions == [1, 2, 3] and collector.policy_version == 4
+    assert max(module.log_prob_errors) < TOLERANCE, module.log_prob_errors
