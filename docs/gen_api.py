@@ -42,8 +42,11 @@ def render() -> str:
         lines += [f"## `{name}{_signature(obj)}`", "", f"*{kind}* in `{obj.__module__}`", "", _doc(obj), ""]
         if not inspect.isclass(obj):
             continue
+        # Members defined by the class or by a base of ours (VLLMUpdater's TorchRLInterface),
+        # not those inherited from Lightning or Python.
+        ours = {key for base in obj.__mro__ if base.__module__.startswith("lightning_vllm") for key in vars(base)}
         for member_name, member in inspect.getmembers(obj):
-            if member_name.startswith("_") or member_name not in obj.__dict__ or not _doc(member):
+            if member_name.startswith("_") or member_name not in ours or not _doc(member):
                 continue
             if isinstance(inspect.getattr_static(obj, member_name), property):
                 lines += [f"### `{name}.{member_name}` (property)", "", _doc(member), ""]

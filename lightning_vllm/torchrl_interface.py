@@ -199,6 +199,16 @@ class TorchRLInterface:
 
         Raises:
             RuntimeError: a collector is already registered.
+
+        Example::
+
+            >>> updater = vLLMUpdater(model_metadata=vLLMUpdater.get_model_metadata(hf_model))  # doctest: +SKIP
+            >>> collector = LLMCollector(env=env, policy=vLLMWrapper(llm), weight_updater=updater)  # doctest: +SKIP
+            >>> updater.collector is collector  # doctest: +SKIP
+            True
+            >>> collector.update_policy_weights_(hf_model)  # pushes into llm, the policy's engine  # doctest: +SKIP
+            >>> collector.policy_version, updater.engine.llm is llm  # doctest: +SKIP
+            (1, True)
         """
         if self._collector_ref is not None:
             raise RuntimeError(
