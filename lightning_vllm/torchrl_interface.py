@@ -174,8 +174,12 @@ class TorchRLInterface:
         self._version = int(value)
 
     def increment_version(self) -> None:
-        """Count one more weight version without pushing (TorchRL's collectors call this)."""
+        """Count one more version without pushing: this updater's weight version and, as
+        TorchRL's updaters do, the registered collector's policy version."""
         self._version += 1
+        collector = self.collector
+        if collector is not None and hasattr(collector, "increment_version"):
+            collector.increment_version()
 
     def register_post_hook(self, hook: Callable[[], Any]) -> None:
         """Run ``hook()`` after every successful push, in registration order; never after a failed one."""

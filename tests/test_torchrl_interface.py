@@ -158,6 +158,8 @@ def test_one_version_per_push_whoever_counts(counts):
         with pytest.raises(ValueError, match="push_weights needs the weights"):
             container.update_policy_weights_()
         assert container.policy_version == 2
+        updater.increment_version()  # no push: both counters move, as with TorchRL's updaters
+        assert container.policy_version == 3 and updater.weight_version == 3
     finally:
         updater.close()
 
