@@ -102,6 +102,8 @@ def test_a_torchrl_collector_counts_one_version_per_push(collector_and_engine):
     collector, updater, engine, model = collector_and_engine
     assert updater.collector is collector and updater.collectors == [collector]
     assert collector.policy_version == 0
+    collector.init_updater(vLLMUpdater.get_model_metadata(model))  # TorchRL's way to call updater.init
+    assert updater.initialized and collector.policy_version == 0
 
     collector.update_policy_weights_(model)  # the collector counts this one itself
     assert collector.policy_version == 1 and engine.holds(model) and engine.version == "1"
