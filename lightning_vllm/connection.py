@@ -20,20 +20,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
 from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
 from lightning_vllm.engines.base import PolicyAdapter, version_number
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.transports import resolve_backend, trainer_init_info
+from lightning_vllm.transports import check_trainer_device, resolve_backend, trainer_init_info
 from lightning_vllm.transports.plugin import GLOO, register_backends
-from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
+from lightning_vllm.weights import DeclaredWeights, ModelMetadata, WireWeights, check_weights
 from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraLimits, adapter_problems
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.changes import SentStamps, source_stamps
 from lightning_vllm.weights.checks import ExpectedWeights, check_tied_output_embedding, loaded_by_engine
 
 log = logging.getLogger(__name__)
+
+# How many timeout_seconds forming a group may take at most: the workers' side is bounded by one,
+# after which vLLM raises the trainer side's error; more than that is NCCL's init stuck.
+_RENDEZVOUS_GRACE = 1.5
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,18 @@ class EngineConnection:
         # resume) left the engine paused; a new connection is where that ends.
         bounded(engine.resume_generation, f"{engine.description} to resume generation")
         log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
-        transfer = WeightTransferTrainerFactory.trainer_init(init_info, client=client)
+        # vLLM's NCCL and IPC engines take the weights they will replay at trainer_init (and 0.33's check
+        # them there); what they get is what every push sends, declared: the engine's wire. Each push then
+        # hands its own weights (``push``). The worker's side of the rendezvous is bounded by the client;
+        # the outer bound catches a trainer endpoint stuck in NCCL's own init, which has no timeout.
+        transfer = call_with_timeout(
+            WeightTransferTrainerFactory.trainer_init,
+            init_info,
+            client=client,
+            source=DeclaredWeights(wire),
+            timeout=settings.timeout_seconds * _RENDEZVOUS_GRACE,
+            what=f"the {backend} group with {engine.description}'s workers to form",
+        )
         return cls(engine, settings, client, transfer, wire, ties, reported_version, backend)
 
     def adapter_problems(self, module: torch.nn.Module) -> list[str]:
@@ -171,7 +187,7 @@ class EngineConnection:
         self._lora_facts = (limits, expected, problems)
         return self._lora_facts
 
-    def check(self, source: WeightSource, offered: ModelMetadata) -> None:
+    def check(self, source: Weights, offered: ModelMetadata) -> None:
         """Check that ``source`` (whose metadata is ``offered``) fits this engine; nothing is sent.
 
         An adapter push (a source with an ``adapter_config``) is checked on its base
@@ -188,21 +204,21 @@ class EngineConnection:
         if self.ties_word_embeddings:
             check_tied_output_embedding(source, offered)
 
-    def _push_wire(self, source: WeightSource) -> ModelMetadata:
+    def _push_wire(self, source: Weights) -> ModelMetadata:
         """What one push of ``source`` puts on the wire: the engine's weights, and an adapter's
         tensors in the dtype of the weights they adapt."""
-        adapter = {meta.name: meta for meta in source.metadata() if meta.name.startswith(ADAPTER_PREFIX)}
+        adapter = {meta.name: meta for meta in source.metadata if meta.name.startswith(ADAPTER_PREFIX)}
         if not adapter:
             return self.wire
         limits = self._engine_lora_facts()[0]
-        wire = dict(self.wire) if len(adapter) < len(source.metadata()) else {}
+        wire = dict(self.wire) if len(adapter) < len(source.metadata) else {}
         for name, meta in adapter.items():
             adapted = name.removeprefix(ADAPTER_PREFIX).rsplit(".", 2)[0] + ".weight"
             dtype = (limits.lora_dtype if limits else None) or self.wire.get(adapted, (meta.dtype,))[0]
             wire[name] = (dtype, torch.Size(meta.shape))
         return wire
 
-    def push(self, source: WeightSource, version: int) -> int:
+    def push(self, source: Weights, version: int) -> int:
         """Send ``source`` and commit it as ``version``; returns the bytes sent.
 
         With the gloo backend the workers receive the whole update while the engine
@@ -228,7 +244,8 @@ class EngineConnection:
         unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps)
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
-        sent = WireWeights(source, wire)
+        # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
+        sent = WireWeights(source, wire, device=None if self.backend == GLOO else torch.device("cuda"))
         sent.adapter_message = adapter.message(config) if adapter is not None and config is not None else None
         # vLLM's trainer engines replay their `source` and end the update with
         # `client.finish_weight_update()`: both are set for this push only.
@@ -237,7 +254,7 @@ class EngineConnection:
             str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
         )
         try:
-            self.transfer.send_weights()
+            self._send()
         except BaseException:
             # The engine may be frozen or gone: release its side without waiting, so
             # the error reaches the caller within timeout_seconds.
@@ -255,6 +272,26 @@ class EngineConnection:
         self.sent.landed(wire, stamps)
         self.last_num_bytes = wire_bytes(wire)
         return self.last_num_bytes
+
+    def _send(self) -> None:
+        """Run the trainer engine's ``send_weights``, every wait bounded.
+
+        Ours (gloo) bounds each of its waits by ``timeout_seconds``. vLLM's NCCL and IPC
+        engines wait on NCCL and CUDA, which have no timeouts (a receiver killed mid-push
+        leaves the broadcast waiting forever), so their whole transfer is bounded by
+        ``timeout_seconds``; on timeout the caller closes the connection, which aborts the
+        NCCL communicator and so releases the GPU work stuck in it.
+        """
+        if self.backend == GLOO:
+            self.transfer.send_weights()
+            return
+        call_with_timeout(
+            self.transfer.send_weights,
+            timeout=self.settings.timeout_seconds,
+            what=f"the {self.backend} transfer to {self.engine.description}",
+            hint="The engine may have stopped mid-push; the version was not committed. With nccl and ipc, "
+            "timeout_seconds bounds a whole push: raise it if pushes of this model take longer.",
+        )
 
     @contextmanager
     def _commit_window(self, pause: bool, adapter: PolicyAdapter | None = None) -> Iterator[None]:
@@ -316,18 +353,20 @@ def wire_bytes(wire: ModelMetadata) -> int:
 def _checked_backend(engine: EngineTarget, settings: ConnectionSettings, bounded: Callable[..., Any]) -> str:
     """The backend to use with ``engine``, after checking the engine is built for it."""
     configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
-    backend = resolve_backend(settings.backend, engine_device=engine.device_type())
     if configured is None:
+        suggested = "gloo" if settings.backend == "auto" else settings.backend
         raise EngineConfigError(
             f"The {engine.description} engine was built without a weight-transfer config, so it cannot receive "
-            f"weights. Build it with weight_transfer_config={{'backend': '{backend}'}}."
+            f"weights. Build it with weight_transfer_config={{'backend': '{suggested}'}}."
         )
+    backend = resolve_backend(settings.backend, engine_backend=configured)
     if configured != backend:
         raise EngineConfigError(
             f"The {engine.description} engine expects weight-transfer backend {configured!r} but this updater "
             f"uses {backend!r}. Build the engine with weight_transfer_config={{'backend': '{backend}'}} or pass "
             f"backend={configured!r} to the updater."
         )
+    check_trainer_device(backend)
     tp_size = engine.tensor_parallel_size()
     if settings.vllm_tp_size is not None and settings.vllm_tp_size != tp_size:
         raise EngineConfigError(

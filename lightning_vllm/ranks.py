@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.fsdp import holds_fsdp_units
 from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
@@ -147,7 +148,7 @@ class TrainerRanks:
         dist.destroy_process_group(self.group)
 
 
-class LockstepWeights(WeightSource):
+class LockstepWeights(Weights):
     """A source every rank iterates in the same order, checking in before each layer group's gathers.
 
     Args:
@@ -155,7 +156,7 @@ class LockstepWeights(WeightSource):
         ranks: the trainer's ranks.
     """
 
-    def __init__(self, source: WeightSource, ranks: TrainerRanks) -> None:
+    def __init__(self, source: Weights, ranks: TrainerRanks) -> None:
         self.source = source
         self.ranks = ranks
         self.failed = False  # a check-in agreed on FAILED: the error is to be shared, not reported again
@@ -167,14 +168,14 @@ class LockstepWeights(WeightSource):
         """The source's LoRA adapter config, when it carries an adapter (see ``weights.adapter``)."""
         return getattr(self.source, "adapter_config", None)
 
-    def metadata(self) -> list[ParamMeta]:
-        return self.source.metadata()
+    def declare(self) -> list[ParamMeta]:
+        return list(self.source.metadata)
 
     def groups(self) -> list[list[str]]:
         return self.source.groups()
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._tensors = iter(self.source)
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._tensors = self.source.iter_full()
         for group in self.source.groups():
             self.check_in(PROCEED)
             self._left_in_group = len(group)
@@ -198,7 +199,7 @@ class LockstepWeights(WeightSource):
             if status == DONE:
                 return version
             if index == len(groups):  # rank 0 starts a pass (one per engine)
-                self._tensors, index = iter(self.source), 0
+                self._tensors, index = self.source.iter_full(), 0
             self._left_in_group = len(groups[index])
             self._finish_group()
             index += 1
@@ -283,11 +284,11 @@ def _agreed_lora_view(updater: VLLMUpdater, module: torch.nn.Module, ranks: Trai
     return shared
 
 
-class _NoWeights(WeightSource):
+class _NoWeights(Weights):
     """Stands for the weights of a rank that could not read them, so it can still report the failure."""
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         return []
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(())

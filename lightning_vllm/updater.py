@@ -27,9 +27,10 @@ from lightning_vllm.settings import (
     validate_timeout,
 )
 from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl
-from lightning_vllm.transports import resolve_backend
+from lightning_vllm.transports import check_backend_name
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.adapter import LoraMode, adapter_source, choose_view, lora_policy, validate_lora_mode
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import as_metadata
 
 
@@ -46,7 +47,7 @@ class SyncStats:
 class PreparedPush:
     """A checked push not sent yet: the source to send and the engines, by worker id."""
 
-    source: WeightSource
+    source: Weights
     worker_ids: list[int]
 
 
@@ -72,11 +73,12 @@ class VLLMUpdater(TorchRLInterface):
         engine: the vLLM engine(s) to update: a ``vllm.LLM``, an ``AsyncLLM``, a server URL
             (``"http://host:port"``), a Ray actor handle of ``VLLMActor``, any
             ``EngineTarget``, or a list mixing them (worker ids are list positions).
-        backend: ``"auto"`` (NCCL between CUDA devices, gloo otherwise), ``"gloo"``,
+        backend: ``"auto"`` (the backend of each engine's ``weight_transfer_config``), ``"gloo"``,
             ``"nccl"`` or ``"ipc"``; must match the engine's ``weight_transfer_config``.
         bucket_size_bytes: largest packed bucket on the wire, which bounds the trainer's
             extra memory during a push.
-        timeout_seconds: the longest any single wait (rendezvous, transfer, control call) may take.
+        timeout_seconds: the longest any single wait (rendezvous, transfer, control call) may take;
+            with ``nccl`` and ``ipc``, whose waits are NCCL's and CUDA's, the whole transfer of a push.
         model_attribute: attribute of a LightningModule that holds the Hugging Face model;
             found automatically when ``None``.
         reset_prefix_cache: reset vLLM's prefix cache after each push.
@@ -126,7 +128,7 @@ class VLLMUpdater(TorchRLInterface):
             raise ValueError(f"Invalid value for vllm_tp_size={vllm_tp_size}. Must be >= 1.")
         validate_timeout(timeout_seconds)
         validate_bucket_size(bucket_size_bytes)
-        resolve_backend(backend, engine_device="cpu")  # checks the name early
+        check_backend_name(backend)
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"Invalid value for pause_mode={pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
         validate_lora_mode(lora)
@@ -335,7 +337,7 @@ class VLLMUpdater(TorchRLInterface):
         problems += self._collector_lora_problems()
         return choose_view(self.lora, problems, all(connection.has_policy_base for connection in connections))
 
-    def source_for_view(self, weights: Any, view: str) -> WeightSource:
+    def source_for_view(self, weights: Any, view: str) -> Weights:
         """The source a push of ``weights`` reads for ``view`` (see :meth:`lora_view`)."""
         if view == "merged":
             return self._maybe_map_weights(weights)
@@ -357,7 +359,7 @@ class VLLMUpdater(TorchRLInterface):
             "a dict of tensors or a TensorDict. This updater does not fetch weights by itself."
         )
 
-    def _maybe_map_weights(self, server_weights: Any) -> WeightSource:
+    def _maybe_map_weights(self, server_weights: Any) -> Weights:
         """Turn a model, a dict or a TensorDict into the named, streamed source the transport reads."""
         return weights_from(server_weights, self.model_attribute)
 
@@ -375,7 +377,7 @@ class VLLMUpdater(TorchRLInterface):
         worker_id = 0 if worker_id is None else worker_id
         if not isinstance(worker_id, int) or worker_id not in self._connections:
             raise RuntimeError(f"The updater is not connected to engine {worker_id!r}: call init() first.")
-        source = server_weights if isinstance(server_weights, WeightSource) else self._maybe_map_weights(server_weights)
+        source = self._maybe_map_weights(server_weights)
         try:
             self._connections[worker_id].push(source, self._version + 1 if version is None else version)
         except BaseException:

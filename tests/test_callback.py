@@ -143,7 +143,7 @@ def test_with_warn_a_misconfigured_engine_still_ends_training(tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
     engine = FakeEngine(tiny_qwen2(seed=0, tie_word_embeddings=False))
     engine.transfer_backend = lambda: "nccl"
-    sync = VLLMWeightSync(engine=engine, timeout_seconds=5, on_sync_error="warn")
+    sync = VLLMWeightSync(engine=engine, backend="gloo", timeout_seconds=5, on_sync_error="warn")
     with pytest.raises(EngineConfigError, match="expects weight-transfer backend 'nccl'"):
         cpu_trainer(tmp_path, [sync], max_steps=1).fit(module, token_batches(num_batches=1))
 

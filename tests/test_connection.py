@@ -47,7 +47,13 @@ class MisconfiguredEngine(FakeEngine):
     ("backend", "settings", "message"),
     [
         (None, {}, r"built without a weight-transfer config.*weight_transfer_config=\{'backend': 'gloo'\}"),
-        ("nccl", {}, "expects weight-transfer backend 'nccl' but this updater uses 'gloo'.*backend='nccl'"),
+        (
+            "nccl",
+            {"backend": "gloo"},
+            "expects weight-transfer backend 'nccl' but this updater uses 'gloo'.*backend='nccl'",
+        ),
+        ("nccl", {}, r"backend='nccl' sends from the trainer's GPU, but this process has no CUDA device"),
+        ("ipc", {"backend": "ipc"}, r"backend='ipc' sends from the trainer's GPU, but this process has no CUDA device"),
         ("gloo", {"vllm_tp_size": 1}, "vllm_tp_size=1 but the engine runs with tensor_parallel_size=2"),
     ],
 )

@@ -4,6 +4,20 @@
 engines, selected and configured by :func:`trainer_init_info`.
 """
 
-from lightning_vllm.transports.select import BACKENDS, resolve_backend, trainer_init_info
+from lightning_vllm.transports.select import (
+    BACKENDS,
+    GPU_BACKENDS,
+    check_backend_name,
+    check_trainer_device,
+    resolve_backend,
+    trainer_init_info,
+)
 
-__all__ = ["BACKENDS", "resolve_backend", "trainer_init_info"]
+__all__ = [
+    "BACKENDS",
+    "GPU_BACKENDS",
+    "check_backend_name",
+    "check_trainer_device",
+    "resolve_backend",
+    "trainer_init_info",
+]

@@ -7,30 +7,59 @@ import socket
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
+from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.transports.gloo.messages import GlooTrainerInitInfo
 
 BACKENDS = ("auto", "gloo", "nccl", "ipc")
+GPU_BACKENDS = ("nccl", "ipc")
+"""vLLM's own engines: they send from the trainer's GPU."""
 
 
-def resolve_backend(backend: str, *, engine_device: str) -> str:
-    """Turn ``"auto"`` into a concrete backend; check any other name.
-
-    ``auto`` picks ``nccl`` when the trainer has CUDA and vLLM runs on CUDA (the
-    fast path between GPUs), and ``gloo`` otherwise. ``ipc`` (trainer and vLLM on
-    the same GPU) is never picked automatically: it needs both on one device.
-
-    Args:
-        backend: one of ``BACKENDS``.
-        engine_device: vLLM's device type, e.g. ``"cpu"`` or ``"cuda"``.
+def check_backend_name(backend: str) -> None:
+    """Raise for a backend name that is not one of ``BACKENDS``.
 
     Raises:
         ValueError: for an unknown backend name.
     """
     if backend not in BACKENDS:
         raise ValueError(f"Invalid value for backend={backend!r}. Must be one of {', '.join(map(repr, BACKENDS))}.")
-    if backend != "auto":
-        return backend
-    return "nccl" if engine_device == "cuda" and torch.cuda.is_available() else "gloo"
+
+
+def resolve_backend(backend: str, *, engine_backend: str) -> str:
+    """The backend to push with: ``"auto"`` takes the one the engine was built with.
+
+    The engine's ``weight_transfer_config`` is the one fact both sides must agree on, so
+    ``auto`` follows it (``gloo``, ``nccl`` or ``ipc``) rather than guessing from the
+    trainer's hardware; any other name is kept, and the connection checks it against
+    the engine.
+
+    Args:
+        backend: one of ``BACKENDS``.
+        engine_backend: the backend of the engine's ``weight_transfer_config``.
+
+    Raises:
+        ValueError: for an unknown backend name.
+
+    Example::
+
+        >>> resolve_backend("auto", engine_backend="nccl"), resolve_backend("gloo", engine_backend="nccl")
+        ('nccl', 'gloo')
+    """
+    check_backend_name(backend)
+    return engine_backend if backend == "auto" else backend
+
+
+def check_trainer_device(backend: str) -> None:
+    """Raise unless this process can send over ``backend``: vLLM's ``nccl`` and ``ipc`` send from CUDA.
+
+    Raises:
+        EngineConfigError: ``backend`` needs CUDA and this process has none.
+    """
+    if backend in GPU_BACKENDS and not torch.cuda.is_available():
+        raise EngineConfigError(
+            f"backend={backend!r} sends from the trainer's GPU, but this process has no CUDA device. Train on a GPU, "
+            "or build the engine with weight_transfer_config={'backend': 'gloo'} to push from CPUs."
+        )
 
 
 def _free_port(address: str) -> int:

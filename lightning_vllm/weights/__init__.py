@@ -3,6 +3,7 @@
 from lightning_vllm.weights.checks import ExpectedWeights, check_weights, checkpoint_weights, metadata_problems
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model, unwrap
 from lightning_vllm.weights.sources import (
+    DeclaredWeights,
     LoraMergedWeights,
     MappingWeights,
     ModuleWeights,
@@ -12,6 +13,7 @@ from lightning_vllm.weights.sources import (
 )
 
 __all__ = [
+    "DeclaredWeights",
     "ExpectedWeights",
     "LoraMergedWeights",
     "MappingWeights",

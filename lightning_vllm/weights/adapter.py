@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
+from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
 
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.lora import is_adapter_parameter
 from lightning_vllm.weights.model import canonical_name
@@ -150,7 +151,7 @@ def adapter_problems(
     return problems
 
 
-class AdapterWeights(WeightSource):
+class AdapterWeights(Weights):
     """The active adapter's ``lora_A``/``lora_B`` tensors, named as in a saved PEFT adapter.
 
     ``adapter_config`` travels with them (vLLM needs rank, alpha and target modules).
@@ -176,37 +177,37 @@ class AdapterWeights(WeightSource):
         if not self._params:
             raise ValueError(f"The model has no LoRA layer for its active adapter {name!r}.")
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         return [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in self._params]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._params:  # (no grad mode held across a yield: see weights/lora.py)
             with torch.no_grad():
                 tensor = materialize_full_tensor(param.detach())
             yield name, tensor
 
 
-class WithAdapter(WeightSource):
+class WithAdapter(Weights):
     """The policy's base weights, then its adapter: the first push of a connection.
 
     The engine loads both in one update, so it never serves the adapter on other base weights.
     """
 
-    def __init__(self, base: WeightSource, adapter: AdapterWeights) -> None:
+    def __init__(self, base: Weights, adapter: AdapterWeights) -> None:
         self.base = base
         self.adapter = adapter
         self.adapter_config = adapter.adapter_config
 
-    def metadata(self) -> list[ParamMeta]:
-        return [*self.base.metadata(), *self.adapter.metadata()]
+    def declare(self) -> list[ParamMeta]:
+        return [*self.base.metadata, *self.adapter.metadata]
 
     def groups(self) -> list[list[str]]:
         # vLLM's layer-wise grouping would interleave the two by layer index; keep them apart.
         return [*self.base.groups(), *self.adapter.groups()]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.base
-        yield from self.adapter
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.base.iter_full()
+        yield from self.adapter.iter_full()
 
 
 def lora_policy(weights: Any, model_attribute: str | None = None, required: bool = False) -> torch.nn.Module | None:
@@ -271,7 +272,7 @@ def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) ->
     return "adapter" if engines_have_base else "base_and_adapter"
 
 
-def adapter_source(model: torch.nn.Module, with_base: bool) -> WeightSource:
+def adapter_source(model: torch.nn.Module, with_base: bool) -> Weights:
     """What an adapter push of ``model`` sends: its adapter, after its base weights if ``with_base``."""
     from lightning_vllm.weights.sources import LoraBaseWeights
 

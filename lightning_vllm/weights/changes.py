@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from vllm.distributed.weight_transfer.base import WeightSource
+
+from lightning_vllm.weights.base import Weights
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,7 +87,7 @@ def stamps_of(tensors: Iterable[tuple[str, Iterable[torch.Tensor]]]) -> dict[str
     return stamps
 
 
-def source_stamps(source: WeightSource) -> dict[str, Stamp] | None:
+def source_stamps(source: Weights) -> dict[str, Stamp] | None:
     """The stamps a source declares (a ``stamps()`` method), or ``None``: every tensor counts as changed."""
     stamps = getattr(source, "stamps", None)
     return stamps() if stamps is not None else None

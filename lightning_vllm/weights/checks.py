@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm.errors import WeightsMismatchError
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata
 from lightning_vllm.weights.sources import differs_from_input_embedding
 
@@ -129,7 +129,7 @@ def loaded_by_engine(metadata: ModelMetadata, ties_word_embeddings: bool) -> Mod
     return metadata
 
 
-def check_tied_output_embedding(source: WeightSource, offered: Mapping[str, Any]) -> None:
+def check_tied_output_embedding(source: Weights, offered: Mapping[str, Any]) -> None:
     """Refuse an output embedding that is not a copy of the input one, for an engine that ties them.
 
     Raises:

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.base import ParamMeta
 
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import canonical_name
 
 
@@ -31,7 +32,7 @@ def holds_fsdp_units(module: torch.nn.Module) -> bool:
     return any(isinstance(child, fsdp) for child in module.modules())
 
 
-class FSDPWeights(WeightSource):
+class FSDPWeights(Weights):
     """The parameters of an FSDP1-wrapped model under their checkpoint names, gathered unit by unit.
 
     Args:
@@ -74,10 +75,10 @@ class FSDPWeights(WeightSource):
                 "pass the FSDP root (the outermost FullyShardedDataParallel)."
             )
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         return list(self._meta)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         fsdp = _fsdp_class()
         for unit, names in self.units:
             inner = unit.module  # the wrapped module, whose parameters are full inside the context

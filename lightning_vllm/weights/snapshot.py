@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.base import ParamMeta
 
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.changes import Stamp, same_stamp, source_stamps
 
 
@@ -39,7 +40,7 @@ class SnapshotMemory:
         self._stamps: dict[str, Stamp] = {}
         self.num_copied_bytes = 0  # bytes copied by the last take
 
-    def take(self, source: WeightSource) -> SnapshotWeights:
+    def take(self, source: Weights) -> SnapshotWeights:
         """Copy every tensor of ``source`` that changed since the last snapshot; returns the copy.
 
         The copy has the source's metadata, groups, stamps and LoRA adapter config, so a
@@ -61,31 +62,31 @@ class SnapshotMemory:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies out of the device have landed
         self._stamps = dict(stamps) if stamps is not None else {}
-        return SnapshotWeights(source, {meta.name: self._buffers[meta.name] for meta in source.metadata()}, stamps)
+        return SnapshotWeights(source, {meta.name: self._buffers[meta.name] for meta in source.metadata}, stamps)
 
     def release(self) -> None:
         """Free the buffers (the next snapshot allocates them again)."""
         self._buffers, self._stamps = {}, {}
 
 
-class SnapshotWeights(WeightSource):
+class SnapshotWeights(Weights):
     """A source's tensors as copied at a push point, under the source's names, groups and stamps."""
 
-    def __init__(self, source: WeightSource, tensors: dict[str, torch.Tensor], stamps: dict[str, Stamp] | None) -> None:
-        self._metadata = source.metadata()
+    def __init__(self, source: Weights, tensors: dict[str, torch.Tensor], stamps: dict[str, Stamp] | None) -> None:
+        self._metadata = list(source.metadata)
         self._groups = source.groups()
         self._tensors = tensors
         self._stamps = stamps
         # A LoRA adapter push carries its config (see weights/adapter.py).
         self.adapter_config: dict[str, Any] | None = getattr(source, "adapter_config", None)
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         return list(self._metadata)
 
     def groups(self) -> list[list[str]]:
         return [list(group) for group in self._groups]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((meta.name, self._tensors[meta.name]) for meta in self._metadata)
 
     def stamps(self) -> dict[str, Stamp] | None:

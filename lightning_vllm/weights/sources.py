@@ -1,8 +1,10 @@
 """Weight sources: what a push reads, as vLLM ``WeightSource`` objects.
 
-A source declares ``metadata()`` (names, dtypes, shapes, read without copying or
+A source declares its ``metadata`` (names, dtypes, shapes, read without copying or
 gathering any tensor) and yields ``(name, tensor)`` pairs one at a time when the
-transport asks, so a push never holds a second copy of the model.
+transport asks, so a push never holds a second copy of the model. Every source is a
+:class:`~lightning_vllm.weights.base.Weights`, which vLLM 0.32's and 0.33's trainer
+engines both read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
+from lightning_vllm.weights.base import ForeignWeights, Weights
 from lightning_vllm.weights.changes import Stamp, source_stamps, stamps_of
 from lightning_vllm.weights.fsdp import FSDPWeights, holds_fsdp_units
 from lightning_vllm.weights.lora import has_lora, lora_parameters, merge_inputs, merged_lora_weights
@@ -30,7 +33,7 @@ def _check_unique(names: list[str], origin: str) -> None:
         )
 
 
-class _ParameterWeights(WeightSource):
+class _ParameterWeights(Weights):
     """The parameters of a module under their checkpoint names; subclasses say which and how read."""
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -47,14 +50,14 @@ class _ParameterWeights(WeightSource):
         for _, param in self._parameters():
             yield materialize_full_tensor(param.detach())
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         # A DTensor (FSDP2) reports its global shape here, so nothing is gathered.
         return [
             ParamMeta(name, param.dtype, tuple(param.shape))
             for name, (_, param) in zip(self._names, self._parameters())
         ]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return zip(self._names, self._tensors())
 
     def stamps(self) -> dict[str, Stamp] | None:
@@ -97,7 +100,7 @@ class LoraBaseWeights(_ParameterWeights):
         return lora_parameters(self.module)
 
 
-class MappingWeights(WeightSource):
+class MappingWeights(Weights):
     """Weights given as a dict or a TensorDict (nested keys joined with ``"."``)."""
 
     def __init__(self, weights: Mapping[str, Any] | Any) -> None:
@@ -106,10 +109,10 @@ class MappingWeights(WeightSource):
         _check_unique(names, "The weights")
         self._tensors = dict(zip(names, flat.values()))
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self._tensors.items()]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._tensors.items():
             yield name, materialize_full_tensor(tensor.detach())
 
@@ -135,19 +138,22 @@ def _flatten(weights: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return flat
 
 
-def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> WeightSource:
+def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> Weights:
     """The source for what ``push_weights`` was given.
 
     Args:
         policy_or_weights: a Hugging Face model, a PEFT model, a LightningModule holding
-            one, a ``dict`` of tensors, a TensorDict, or a ready ``WeightSource``.
+            one, a ``dict`` of tensors, a TensorDict, or a ready vLLM ``WeightSource`` (of vLLM
+            0.32's API or 0.33's).
         model_attribute: the LightningModule attribute holding the model, if not found automatically.
 
     Raises:
         TypeError: for anything else.
     """
-    if isinstance(policy_or_weights, WeightSource):
+    if isinstance(policy_or_weights, Weights):
         return policy_or_weights
+    if isinstance(policy_or_weights, WeightSource):
+        return ForeignWeights(policy_or_weights)
     if isinstance(policy_or_weights, torch.nn.Module):
         if holds_fsdp_units(policy_or_weights):  # FSDP1: names and shapes from its flat parameters
             return FSDPWeights(policy_or_weights, model_attribute)
@@ -163,7 +169,7 @@ def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> 
     )
 
 
-def differs_from_input_embedding(source: WeightSource, output_name: str, input_suffix: str) -> str | None:
+def differs_from_input_embedding(source: Weights, output_name: str, input_suffix: str) -> str | None:
     """The input embedding's name if ``source``'s output embedding is not a copy of it, else ``None``.
 
     Stops reading the source as soon as both tensors were seen.
@@ -182,34 +188,62 @@ def differs_from_input_embedding(source: WeightSource, output_name: str, input_s
     return input_name
 
 
-def source_metadata(source: WeightSource) -> ModelMetadata:
+def source_metadata(source: Weights) -> ModelMetadata:
     """``{name: (dtype, shape)}`` of a source, in its order."""
-    return {meta.name: (meta.dtype, torch.Size(meta.shape)) for meta in source.metadata()}
+    return {meta.name: (meta.dtype, torch.Size(meta.shape)) for meta in source.metadata}
 
 
-class WireWeights(WeightSource):
+class DeclaredWeights(Weights):
+    """Weights known by their names, dtypes and shapes only: what a connection will send, before any push.
+
+    vLLM's NCCL and IPC trainer engines take their source when the group forms, and
+    vLLM 0.33's check it then (full tensors, one sender); each push hands the engine
+    the weights it sends. Reading tensors from this one is a bug, and says so.
+
+    Args:
+        wire: ``{name: (dtype, shape)}``.
+    """
+
+    def __init__(self, wire: Mapping[str, tuple[torch.dtype, Any]]) -> None:
+        self.wire = dict(wire)
+
+    def declare(self) -> list[ParamMeta]:
+        return [ParamMeta(name, dtype, tuple(shape)) for name, (dtype, shape) in self.wire.items()]
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise RuntimeError("DeclaredWeights holds no tensors: a push hands the transfer engine the weights it sends.")
+
+
+class WireWeights(Weights):
     """A source seen through an engine's wire: its names and serving dtypes only.
 
     Tensors the engine does not load (the output embedding of a model that ties it
     to the input embedding) are left out; the others are declared in the engine's
-    serving dtype, which the transport converts to on the way.
+    serving dtype. Our ``gloo`` transport converts to it on the way; vLLM's own
+    engines (``nccl``, ``ipc``) send the bytes they are given, so for them the tensors
+    are converted here, onto ``device``.
 
     Args:
         source: the weights of one push.
         wire: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
+        device: where vLLM's engine sends from (the trainer's GPU); ``None`` when the
+            transport converts by itself.
     """
 
     # The LoRA adapter among the tensors, as the workers are told (set by the connection).
     adapter_message: dict[str, Any] | None = None
 
-    def __init__(self, source: WeightSource, wire: Mapping[str, tuple[torch.dtype, Any]]) -> None:
+    def __init__(
+        self, source: Weights, wire: Mapping[str, tuple[torch.dtype, Any]], device: torch.device | None = None
+    ) -> None:
         self.source = source
         self.wire_dtypes = {name: dtype for name, (dtype, _) in wire.items()}
+        self.device = device
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         return [
             ParamMeta(meta.name, self.wire_dtypes[meta.name], meta.shape)
-            for meta in self.source.metadata()
+            for meta in self.source.metadata
             if meta.name in self.wire_dtypes
         ]
 
@@ -218,8 +252,13 @@ class WireWeights(WeightSource):
         kept = ([name for name in group if name in self.wire_dtypes] for group in self.source.groups())
         return [group for group in kept if group]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((name, tensor) for name, tensor in self.source if name in self.wire_dtypes)
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.source.iter_full():
+            if name not in self.wire_dtypes:
+                continue
+            if self.device is not None:  # a no-op for a tensor already in place
+                tensor = tensor.to(device=self.device, dtype=self.wire_dtypes[name], non_blocking=True)
+            yield name, tensor
 
     def stamps(self) -> dict[str, Stamp] | None:
         return source_stamps(self.source)

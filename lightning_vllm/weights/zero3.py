@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
+from vllm.distributed.weight_transfer.base import ParamMeta, layerwise_groups
 
+from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import canonical_name
 
 
@@ -23,7 +24,7 @@ def is_zero3_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(param, "ds_id") for param in module.parameters())
 
 
-class ZeRO3Weights(WeightSource):
+class ZeRO3Weights(Weights):
     """The parameters of a ZeRO-3 model (a Hugging Face model, or DeepSpeed's engine around one)
     under their checkpoint names, gathered one layer group at a time.
 
@@ -34,10 +35,10 @@ class ZeRO3Weights(WeightSource):
     def __init__(self, module: torch.nn.Module) -> None:
         self._params = {canonical_name(name): param for name, param in module.named_parameters()}
 
-    def metadata(self) -> list[ParamMeta]:
+    def declare(self) -> list[ParamMeta]:
         return [ParamMeta(name, param.dtype, tuple(_full_shape(param))) for name, param in self._params.items()]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         import deepspeed
 
         for group in layerwise_groups(list(self._params)):

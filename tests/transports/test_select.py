@@ -7,26 +7,31 @@ import torch
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-from lightning_vllm.transports import resolve_backend, trainer_init_info
+from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.transports import check_trainer_device, resolve_backend, trainer_init_info
 from lightning_vllm.transports.gloo import GlooTrainerInitInfo
 
 
-def test_auto_picks_gloo_without_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_backend("auto", engine_device="cpu") == "gloo"
-    assert resolve_backend("auto", engine_device="cuda") == "gloo"
-
-
-def test_auto_picks_nccl_between_cuda_devices(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_backend("auto", engine_device="cuda") == "nccl"
-    assert resolve_backend("auto", engine_device="cpu") == "gloo"
+def test_auto_follows_the_engines_weight_transfer_config():
+    # Not the trainer's hardware: the engine's config is what both sides must agree on.
+    for engine_backend in ("gloo", "nccl", "ipc"):
+        assert resolve_backend("auto", engine_backend=engine_backend) == engine_backend
 
 
 def test_explicit_backends_are_kept_and_unknown_ones_named():
-    assert resolve_backend("ipc", engine_device="cuda") == "ipc"
+    assert resolve_backend("ipc", engine_backend="nccl") == "ipc"
     with pytest.raises(ValueError, match="backend='mpi'"):
-        resolve_backend("mpi", engine_device="cpu")
+        resolve_backend("mpi", engine_backend="gloo")
+
+
+def test_vllms_gpu_engines_need_cuda_in_the_trainer(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_trainer_device("gloo")
+    for backend in ("nccl", "ipc"):
+        with pytest.raises(EngineConfigError, match=f"backend='{backend}' sends from the trainer's GPU.*'gloo'"):
+            check_trainer_device(backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_trainer_device("nccl")
 
 
 SETTINGS = dict(master_address="127.0.0.1", world_size=3, bucket_size_bytes=1 << 20, timeout_seconds=5.0)

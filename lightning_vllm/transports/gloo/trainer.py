@@ -25,6 +25,7 @@ from lightning_vllm.transports.gloo.messages import (
     GlooWeightTransferUpdateInfo,
 )
 from lightning_vllm.transports.staging import StagingRing
+from lightning_vllm.weights.base import ForeignWeights, Weights
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,9 @@ _POLL_SECONDS = 0.05
 _WORK_POLL_SECONDS = 0.0005
 
 
-def send_order(source: WeightSource) -> list[list[TensorSpec]]:
+def send_order(source: Weights) -> list[list[TensorSpec]]:
     """The source's tensors as layer groups, in the order ``iter_groups`` yields them."""
-    by_name = {meta.name: TensorSpec(meta.name, meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
+    by_name = {meta.name: TensorSpec(meta.name, meta.dtype, tuple(meta.shape)) for meta in source.metadata}
     return [[by_name[name] for name in group] for group in source.groups()]
 
 
@@ -171,8 +172,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """
         if self.source is None:
             raise ValueError("No weights to send: pass a WeightSource to trainer_init.")
-        groups = send_order(self.source)
-        tensors = (tensor for _, batch in self.source.iter_groups() for tensor in batch)
+        source = self.source if isinstance(self.source, Weights) else ForeignWeights(self.source)
+        groups = send_order(source)
+        tensors = (tensor for _, batch in source.iter_groups() for tensor in batch)
         if not self.is_sender:
             for _ in tensors:  # stay in step with the sender's collective gathers
                 pass
@@ -180,7 +182,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._connected_group()  # before the engine starts an update it could not finish
         self._start_update()
         if groups:  # (nothing changed since the last push: only the version moves)
-            self.send_update(groups, tensors, adapter=getattr(self.source, "adapter_message", None))
+            self.send_update(groups, tensors, adapter=getattr(source, "adapter_message", None))
         self.client.finish_weight_update()
 
     def _start_update(self) -> None:

@@ -1,0 +1,124 @@
+"""The base of every weight source here, written once against vLLM 0.32's and 0.33's ``WeightSource``.
+
+vLLM's trainer engines read a :class:`~vllm.distributed.weight_transfer.base.WeightSource`,
+whose API changed between the two releases we support:
+
+- vLLM 0.32 calls ``source.metadata()`` and iterates ``iter(source)``; the base class adds
+  ``groups()`` and ``iter_groups()``.
+- vLLM 0.33 reads ``source.metadata`` as an attribute and requires every subclass that
+  defines it to make it a ``functools.cached_property`` (checked when the class is created,
+  so a plain method fails at import). It iterates ``source.iter_full()`` (or ``iter_local()``)
+  and asks ``implements_iter_full()``; ``groups`` and ``iter_groups`` are gone.
+
+:class:`Weights` satisfies both with one code path: ``metadata`` is a cached property whose
+value, a :class:`ParamList`, can also be called (returning itself), and iteration is
+``iter_full`` with ``__iter__`` delegating to it. Subclasses implement :meth:`Weights.declare`
+and :meth:`Weights.iter_full`; the layer groups and their batching live here, since 0.33 no
+longer provides them. Sources from elsewhere (a user's own vLLM ``WeightSource``) are read
+through :class:`ForeignWeights`, the one place that asks which API an object has.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from functools import cached_property
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
+
+
+class ParamList(list[ParamMeta]):
+    """A source's declared parameters; calling it returns itself.
+
+    vLLM 0.33 reads ``source.metadata``, vLLM 0.32 calls ``source.metadata()``: a list
+    that is also callable serves both.
+
+    Example::
+
+        >>> params = ParamList([ParamMeta("w", torch.float32, (2,))])
+        >>> params() is params, [meta.name for meta in params]
+        (True, ['w'])
+    """
+
+    def __call__(self) -> ParamList:
+        return self
+
+
+class Weights(WeightSource):
+    """A source of weights for vLLM's trainer engines (and ours), under vLLM 0.32 or 0.33.
+
+    Subclasses implement :meth:`declare` (names, dtypes, full shapes, read without
+    gathering) and :meth:`iter_full` (``(name, full tensor)`` in declared order, a fresh
+    pass per call); they may override :meth:`groups`. ``metadata`` is declared once
+    per source: build a new source for each push if the weights change shape.
+
+    Example::
+
+        >>> from lightning_vllm.weights import MappingWeights
+        >>> source = MappingWeights({"model.layers.0.w": torch.ones(2), "lm_head.weight": torch.ones(3)})
+        >>> [meta.name for meta in source.metadata], source.groups()
+        (['model.layers.0.w', 'lm_head.weight'], [['model.layers.0.w'], ['lm_head.weight']])
+    """
+
+    @abstractmethod
+    def declare(self) -> list[ParamMeta]:
+        """Every tensor :meth:`iter_full` yields, in the same order; nothing is gathered or copied."""
+
+    @abstractmethod
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` of every declared tensor, in declared order (gathers where sharded)."""
+
+    @cached_property
+    def metadata(self) -> ParamList:  # type: ignore[override]  # a method in vLLM 0.32's base, a property in 0.33's
+        """What :meth:`declare` returns, read once."""
+        return ParamList(self.declare())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.iter_full()
+
+    def groups(self) -> list[list[str]]:
+        """The names in layer groups (vLLM's ``layerwise_groups``: one per decoder layer), in send order."""
+        return layerwise_groups([meta.name for meta in self.metadata])
+
+    def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+        """``(names, tensors)`` of one layer group at a time, in the order of :meth:`groups`.
+
+        Raises:
+            RuntimeError: the source yields its tensors in another order than it declared them.
+        """
+        tensors = self.iter_full()
+        for group in self.groups():
+            batch = []
+            for expected in group:
+                name, tensor = next(tensors)
+                if name != expected:
+                    raise RuntimeError(
+                        f"{type(self).__name__} yielded {name!r} where {expected!r} was expected; a source must yield "
+                        "its tensors in the order of its metadata."
+                    )
+                batch.append(tensor)
+            yield list(group), batch
+
+
+class ForeignWeights(Weights):
+    """A vLLM ``WeightSource`` written by someone else, read through whichever API it has.
+
+    A source written for vLLM 0.32 has ``metadata()`` and ``__iter__``; one written for
+    0.33 has a ``metadata`` attribute and ``iter_full()``.
+
+    Args:
+        source: the source to read.
+    """
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+
+    def declare(self) -> list[ParamMeta]:
+        declared: Any = self.source.metadata
+        return list(declared() if callable(declared) else declared)
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        iter_full = getattr(self.source, "iter_full", None)
+        return iter_full() if callable(iter_full) else iter(self.source)  # type: ignore[call-overload]
