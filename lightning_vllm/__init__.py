@@ -1,5 +1,10 @@
 """lightning-vllm: keep a vLLM engine on the weights a PyTorch Lightning Trainer is training.
 
+The names below are imported when first used, not with the package: vLLM imports the
+package in every one of its processes to load our transport plugin
+(``lightning_vllm.transports.plugin``), and those processes need the transport, not
+Lightning or the callback.
+
 Example::
 
     >>> from lightning.pytorch import Trainer
@@ -7,48 +12,72 @@ Example::
     >>> trainer = Trainer(callbacks=[VLLMWeightSync(engine=llm, every_n_train_steps=4)])  # doctest: +SKIP
 """
 
-from lightning_vllm.callback import VLLMWeightSync
-from lightning_vllm.engines import (
-    AsyncLLMEngine,
-    EngineTarget,
-    Generation,
-    HTTPEngine,
-    LocalLLMEngine,
-    RayEngine,
-    VLLMActor,
-)
-from lightning_vllm.errors import (
-    EngineConfigError,
-    EngineDeadError,
-    StaleRolloutsError,
-    WeightsMismatchError,
-    WeightSyncError,
-    WeightSyncTimeoutError,
-)
-from lightning_vllm.rollouts import generate
-from lightning_vllm.server import PauseLease, PushedAdapters, RequireAPIKey
-from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
+from __future__ import annotations
 
-__all__ = [
-    "PauseLease",
-    "PushedAdapters",
-    "RequireAPIKey",
-    "StaleRolloutsError",
-    "generate",
-    "AsyncLLMEngine",
-    "Generation",
-    "HTTPEngine",
-    "RayEngine",
-    "VLLMActor",
-    "EngineConfigError",
-    "EngineDeadError",
-    "EngineTarget",
-    "LocalLLMEngine",
-    "SyncStats",
-    "VLLMUpdater",
-    "VLLMWeightSync",
-    "WeightSyncError",
-    "WeightSyncTimeoutError",
-    "WeightsMismatchError",
-    "vLLMUpdater",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_vllm.callback import VLLMWeightSync
+    from lightning_vllm.engines import (
+        AsyncLLMEngine,
+        EngineTarget,
+        Generation,
+        HTTPEngine,
+        LocalLLMEngine,
+        RayEngine,
+        VLLMActor,
+    )
+    from lightning_vllm.errors import (
+        EngineBusyError,
+        EngineConfigError,
+        EngineDeadError,
+        StaleRolloutsError,
+        WeightsMismatchError,
+        WeightSyncError,
+        WeightSyncTimeoutError,
+    )
+    from lightning_vllm.rollouts import generate
+    from lightning_vllm.server import PauseLease, PushedAdapters, RequireAPIKey
+    from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
+
+# Each public name and the module that defines it.
+_MODULES = {
+    "VLLMWeightSync": "lightning_vllm.callback",
+    "AsyncLLMEngine": "lightning_vllm.engines",
+    "EngineTarget": "lightning_vllm.engines",
+    "Generation": "lightning_vllm.engines",
+    "HTTPEngine": "lightning_vllm.engines",
+    "LocalLLMEngine": "lightning_vllm.engines",
+    "RayEngine": "lightning_vllm.engines",
+    "VLLMActor": "lightning_vllm.engines",
+    "EngineBusyError": "lightning_vllm.errors",
+    "EngineConfigError": "lightning_vllm.errors",
+    "EngineDeadError": "lightning_vllm.errors",
+    "StaleRolloutsError": "lightning_vllm.errors",
+    "WeightsMismatchError": "lightning_vllm.errors",
+    "WeightSyncError": "lightning_vllm.errors",
+    "WeightSyncTimeoutError": "lightning_vllm.errors",
+    "generate": "lightning_vllm.rollouts",
+    "PauseLease": "lightning_vllm.server",
+    "PushedAdapters": "lightning_vllm.server",
+    "RequireAPIKey": "lightning_vllm.server",
+    "SyncStats": "lightning_vllm.updater",
+    "VLLMUpdater": "lightning_vllm.updater",
+    "vLLMUpdater": "lightning_vllm.updater",
+}
+
+__all__ = list(_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_vllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # asked once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

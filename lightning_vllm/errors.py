@@ -29,5 +29,10 @@ class StaleRolloutsError(WeightSyncError, ValueError):
     """Rollouts came from weights older than the callback's ``max_staleness`` allows."""
 
 
+class EngineBusyError(WeightSyncError):
+    """The engine refused a request for now (vLLM 0.33 refuses new requests while generation is
+    paused for a weight update, HTTP 503); the same request succeeds once it resumes."""
+
+
 class EngineDeadError(WeightSyncError):
     """The vLLM engine (its process, server or actor) died; it must be restarted."""

@@ -11,7 +11,9 @@ rollouts older than ``max_staleness``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,13 +24,21 @@ import lightning.pytorch as pl
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.engines import EngineTarget, Generation
 from lightning_vllm.engines.base import version_number
-from lightning_vllm.errors import EngineDeadError, StaleRolloutsError, WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    StaleRolloutsError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from lightning_vllm.prompts import PromptLimits, checked_prompts
 from lightning_vllm.ranks import TrainerRanks
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 
 if TYPE_CHECKING:
     from lightning_vllm.updater import VLLMUpdater
+
+log = logging.getLogger(__name__)
 
 # How often a waiting generate asks whether the engine died (a cheap flag read).
 _DEATH_POLL_SECONDS = 0.2
@@ -170,6 +180,33 @@ class RolloutSampler:
 
             sampling_params = SamplingParams()
         self._await_timed_out(worker_id, engine, deadline)
+        # vLLM 0.33 refuses new requests while a push holds generation paused ("wait" and "abort" modes);
+        # the refusal is immediate and the pause short, so the same request is asked again until the deadline.
+        for attempt in itertools.count():
+            try:
+                return self._generate_once(engine, worker_id, checked, sampling_params, timeout, deadline)
+            except Exception as error:
+                if not _is_paused_refusal(error):
+                    raise
+                if time.monotonic() + _retry_delay(attempt) > deadline:
+                    raise WeightSyncTimeoutError(
+                        f"{engine.description} refused the request for {timeout:g} s: generation stayed paused "
+                        f"({error}). A push may be stuck; or raise timeout_seconds (generate_timeout_seconds of "
+                        "VLLMWeightSync)."
+                    ) from error
+                log.debug("%s refused the request while paused (%s); retrying.", engine.description, error)
+                time.sleep(_retry_delay(attempt))
+        raise AssertionError("unreachable")
+
+    def _generate_once(
+        self,
+        engine: EngineTarget,
+        worker_id: int,
+        checked: list[Any],
+        sampling_params: Any,
+        timeout: float,
+        deadline: float,
+    ) -> list[Generation]:
         call = BackgroundCall(
             engine.generate, checked, sampling_params, what=f"{engine.description} to generate {len(checked)} prompt(s)"
         )
@@ -286,6 +323,18 @@ def _raise_if_dead(engine: EngineTarget) -> None:
             f"{engine.description} has died (its engine-core process exited). Restart it; the next push "
             "re-joins an engine that is back."
         )
+
+
+def _is_paused_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is an engine's refusal to take a request while generation is paused."""
+    from vllm.exceptions import RetryableRequestError
+
+    return isinstance(error, (RetryableRequestError, EngineBusyError))
+
+
+def _retry_delay(attempt: int) -> float:
+    """Seconds to wait before asking a paused engine again: doubling from 10 ms, at most 0.5 s."""
+    return min(0.01 * 2**attempt, 0.5)
 
 
 def _is_engine_death(error: BaseException) -> bool:

@@ -272,3 +272,49 @@ def test_pushes_that_failed_count_as_versions_the_engine_missed():
     assert sampler.trainer_version == 5 and sampler.take_staleness() == 3
     with pytest.raises(StaleRolloutsError, match="3 versions behind.*The last 2 push\\(es\\) failed"):
         sampler.record(["2"])
+
+
+class PausedEngine(FakeEngine):
+    """Refuses new requests as vLLM 0.33 does while a push holds generation paused ("wait"/"abort")."""
+
+    def __init__(self, model, refusals: int, error: Exception) -> None:
+        super().__init__(model)
+        self.refusals, self.error, self.calls = refusals, error, 0
+
+    def generate(self, prompts, sampling_params):
+        self.calls += 1
+        if self.calls <= self.refusals:
+            raise self.error
+        return super().generate(prompts, sampling_params)
+
+
+def paused_refusals():
+    from vllm.exceptions import RetryableRequestError
+
+    from lightning_vllm.errors import EngineBusyError
+
+    return [RetryableRequestError("Generation is paused."), EngineBusyError("HTTP 503 engine_paused")]
+
+
+@pytest.mark.parametrize("error", paused_refusals(), ids=["in-process", "server"])
+def test_a_request_refused_while_a_push_holds_generation_paused_is_asked_again(error):
+    engine = PausedEngine(tiny_qwen2(), refusals=3, error=error)
+    sampler = RolloutSampler(VLLMUpdater(engine=engine), timeout_seconds=10)
+    generations = sampler.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    assert len(generations) == 1 and engine.calls == 4
+
+
+def test_an_engine_that_stays_paused_ends_the_generate_at_its_timeout():
+    engine = PausedEngine(tiny_qwen2(), refusals=10**6, error=paused_refusals()[0])
+    sampler = RolloutSampler(VLLMUpdater(engine=engine), timeout_seconds=0.5)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError, match="generation stayed paused"):
+        sampler.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    assert time.monotonic() - started < 2 and engine.calls > 2
+
+
+def test_other_generate_errors_are_not_retried():
+    engine = PausedEngine(tiny_qwen2(), refusals=1, error=ValueError("bad sampling params"))
+    with pytest.raises(ValueError, match="bad sampling params"):
+        RolloutSampler(VLLMUpdater(engine=engine)).generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    assert engine.calls == 1

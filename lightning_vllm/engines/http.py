@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter
 from lightning_vllm.engines.config_facts import lora_limits_from
-from lightning_vllm.errors import EngineConfigError, WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.server import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_timeout
@@ -180,6 +180,10 @@ class HTTPEngine(ServesAdapter):
             raise EngineConfigError(
                 f"{url} does not exist: "
                 + (missing or f"the server is not a vLLM server in dev mode. Start it with {SERVER_COMMAND}")
+            )
+        if response.status_code == 503:  # vLLM 0.33 while generation is paused for a weight update
+            raise EngineBusyError(
+                f"The vLLM server at {self.base_url} refused /{path} for now: {_server_message(response)}"
             )
         if not response.ok:
             raise WeightSyncError(

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from transformers import PreTrainedModel
 
 ModelMetadata = dict[str, tuple[torch.dtype, torch.Size]]
@@ -111,6 +110,10 @@ def find_hf_model(module: torch.nn.Module, attribute: str | None = None) -> torc
                 "that holds the Hugging Face model (model_attribute=...)."
             )
         return unwrap(found)
+    # Imported here: vLLM imports this module in each of its processes (through the transport
+    # plugin), which never hold a LightningModule and need not load Lightning.
+    from lightning.pytorch import LightningModule
+
     module = unwrap(module)
     if not isinstance(module, LightningModule):
         return module

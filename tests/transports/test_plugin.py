@@ -1,5 +1,8 @@
+import subprocess
+import sys
 from importlib.metadata import entry_points
 
+import pytest
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from lightning_vllm.transports.gloo import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine
@@ -16,3 +19,26 @@ def test_registering_twice_is_harmless_and_both_halves_resolve():
     register_backends()  # vLLM may load plugins more than once in a process
     assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
     assert WeightTransferTrainerFactory._registry["gloo"]() is GlooTrainerWeightTransferEngine
+
+
+def test_vllms_plugin_loader_registers_gloo_and_loads_the_transport_not_lightning():
+    # In a fresh interpreter, as vLLM loads plugins in its front end, engine core and every
+    # worker: none of them trains, and a plugin that fails to import is only logged there.
+    code = (
+        "import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as W, "
+        "WeightTransferTrainerFactory as T; print('gloo' in W._registry and 'gloo' in T._registry); "
+        "print(sorted(name for name in sys.modules if name.split('.')[0] in ('lightning', 'pytorch_lightning') "
+        "or name in ('lightning_vllm.callback', 'lightning_vllm.updater')))"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.stdout.strip().splitlines()[-2:] == ["True", "[]"], completed.stderr[-2000:]
+
+
+def test_the_package_still_offers_its_names_on_first_use():
+    import lightning_vllm
+
+    assert lightning_vllm.VLLMWeightSync.__name__ == "VLLMWeightSync"
+    assert set(lightning_vllm.__all__) <= set(dir(lightning_vllm))
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = lightning_vllm.Nope

@@ -1,0 +1,105 @@
+"""Every weight source satisfies the ``WeightSource`` API of the installed vLLM (0.32, or 0.33 in
+``make test-vllm-next``), and sources written for that API are read through ``ForeignWeights``."""
+
+import os
+from functools import cached_property
+
+import pytest
+import torch
+import vllm
+from helpers import lora_policy, tiny_qwen2
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
+
+from lightning_vllm.weights import DeclaredWeights, MappingWeights, ModuleWeights, WireWeights, weights_from
+from lightning_vllm.weights.adapter import AdapterWeights, adapter_source
+from lightning_vllm.weights.base import ParamList, Weights
+from lightning_vllm.weights.snapshot import SnapshotMemory
+from lightning_vllm.weights.sources import LoraBaseWeights, LoraMergedWeights
+
+VLLM_033 = hasattr(WeightSource, "iter_full")
+
+
+def test_the_vllm_under_test_is_the_one_asked_for():
+    # make test-vllm-next puts vLLM 0.33's sources first on the path: make sure they are what runs.
+    expected = os.environ.get("LIGHTNING_VLLM_EXPECT_VLLM")
+    if expected is None:
+        pytest.skip("LIGHTNING_VLLM_EXPECT_VLLM is set by make test-vllm-next only")
+    assert vllm.__version__ == expected
+    assert VLLM_033 == (expected >= "0.33")
+
+
+def every_source() -> dict[str, Weights]:
+    model, peft = tiny_qwen2(), lora_policy()
+    module = ModuleWeights(model)
+    wire = {meta.name: (torch.bfloat16, meta.shape) for meta in module.metadata if "layers.0" not in meta.name}
+    return {
+        "module": module,
+        "mapping": MappingWeights({"model.norm.weight": torch.ones(4), "lm_head.weight": torch.zeros(2, 3)}),
+        "lora merged": LoraMergedWeights(peft),
+        "lora base": LoraBaseWeights(peft),
+        "adapter": AdapterWeights(peft),
+        "base and adapter": adapter_source(peft, with_base=True),
+        "wire": WireWeights(module, wire),
+        "snapshot": SnapshotMemory().take(ModuleWeights(model)),
+        "foreign (vLLM's ModuleSource)": weights_from(ModuleSource(model)),
+    }
+
+
+@pytest.mark.parametrize("kind", list(every_source()))
+def test_each_source_iterates_as_the_installed_vllm_reads_it(kind):
+    source = every_source()[kind]
+    assert isinstance(source, WeightSource)  # created under the installed base class: its checks passed
+    declared = source.metadata
+    assert isinstance(declared, ParamList) and source.metadata() is declared  # 0.33 reads it, 0.32 calls it
+    pairs = list(source.iter_full())
+    assert [name for name, _ in pairs] == [meta.name for meta in declared] == [name for name, _ in source]
+    for (name, tensor), meta in zip(pairs, declared):
+        assert tuple(tensor.shape) == tuple(meta.shape), name
+    assert [name for group in source.groups() for name in group] == [meta.name for meta in declared]
+    if VLLM_033:  # what 0.33's NCCL and IPC trainer engines check at trainer_init
+        assert source.implements_iter_full()
+        assert source.owned_names(0) == [meta.name for meta in declared]
+        assert all(meta.owners is None for meta in declared)
+
+
+def test_a_wire_for_vllms_engines_converts_to_its_dtypes_on_the_way():
+    module = ModuleWeights(tiny_qwen2())
+    wire = {meta.name: (torch.bfloat16, meta.shape) for meta in module.metadata}
+    # vLLM's engines send the bytes they are given, and 0.33's NCCL engine checks each tensor's dtype.
+    converted = WireWeights(module, wire, device=torch.device("cpu"))
+    assert {tensor.dtype for _, tensor in converted} == {torch.bfloat16}
+    assert {tensor.dtype for _, tensor in WireWeights(module, wire)} == {torch.float32}  # gloo converts itself
+
+
+def test_declared_weights_declare_and_refuse_to_be_read():
+    source = DeclaredWeights({"lm_head.weight": (torch.float32, torch.Size([2, 3]))})
+    assert source.metadata == [ParamMeta("lm_head.weight", torch.float32, (2, 3))]
+    with pytest.raises(RuntimeError, match="holds no tensors"):
+        next(source.iter_full())
+
+
+def test_a_source_written_for_the_installed_api_is_read_through_it():
+    tensors = {"model.norm.weight": torch.ones(4), "lm_head.weight": torch.zeros(2, 3)}
+    params = [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
+    if VLLM_033:
+
+        class UserSource(WeightSource):
+            @cached_property
+            def metadata(self):
+                return params
+
+            def iter_full(self):
+                return iter(tensors.items())
+
+    else:
+
+        class UserSource(WeightSource):  # type: ignore[no-redef]
+            def metadata(self):
+                return params
+
+            def __iter__(self):
+                return iter(tensors.items())
+
+    source = weights_from(UserSource())
+    assert source.metadata == params
+    assert [name for name, _ in source] == list(tensors)
