@@ -15,7 +15,7 @@ import logging
 import math
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
 from lightning_vllm.engines.base import PolicyAdapter, version_number
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.transports import check_trainer_device, resolve_backend, trainer_init_info
+from lightning_vllm.transports import check_trainer_can_send, resolve_backend, trainer_init_info
 from lightning_vllm.transports.plugin import GLOO, register_backends
 from lightning_vllm.weights import DeclaredWeights, ModelMetadata, WireWeights, check_weights
 from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraLimits, adapter_problems
@@ -79,6 +79,7 @@ class EngineConnection:
         ties_word_embeddings: bool,
         reported_version: int = 0,
         backend: str = GLOO,
+        device: torch.device | None = None,
     ) -> None:
         self.engine = engine
         self.reported_version = reported_version
@@ -88,6 +89,8 @@ class EngineConnection:
         self.wire = wire
         self.ties_word_embeddings = ties_word_embeddings
         self.backend = backend
+        # The GPU vLLM's engines send from (their communicator's): pushes from other threads use it too.
+        self.device = device if device is not None or backend == GLOO else torch.device("cuda")
         self.has_policy_base = False
         self.last_num_bytes = 0
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
@@ -151,7 +154,8 @@ class EngineConnection:
             timeout=settings.timeout_seconds * _RENDEZVOUS_GRACE,
             what=f"the {backend} group with {engine.description}'s workers to form",
         )
-        return cls(engine, settings, client, transfer, wire, ties, reported_version, backend)
+        device = None if backend == GLOO else torch.device("cuda", torch.accelerator.current_device_index())
+        return cls(engine, settings, client, transfer, wire, ties, reported_version, backend, device)
 
     def adapter_problems(self, module: torch.nn.Module) -> list[str]:
         """Why this engine cannot be sent ``module``'s LoRA adapter alone (empty when it can).
@@ -245,7 +249,7 @@ class EngineConnection:
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
-        sent = WireWeights(source, wire, device=None if self.backend == GLOO else torch.device("cuda"))
+        sent = WireWeights(source, wire, device=self.device)
         sent.adapter_message = adapter.message(config) if adapter is not None and config is not None else None
         # vLLM's trainer engines replay their `source` and end the update with
         # `client.finish_weight_update()`: both are set for this push only.
@@ -285,8 +289,14 @@ class EngineConnection:
         if self.backend == GLOO:
             self.transfer.send_weights()
             return
+        device = self.device
+
+        def send_on_device() -> None:  # on a thread of its own, whose current device is not the trainer's
+            with torch.cuda.device(device) if device is not None and device.index is not None else nullcontext():
+                self.transfer.send_weights()
+
         call_with_timeout(
-            self.transfer.send_weights,
+            send_on_device,
             timeout=self.settings.timeout_seconds,
             what=f"the {self.backend} transfer to {self.engine.description}",
             hint="The engine may have stopped mid-push; the version was not committed. With nccl and ipc, "
@@ -366,7 +376,7 @@ def _checked_backend(engine: EngineTarget, settings: ConnectionSettings, bounded
             f"uses {backend!r}. Build the engine with weight_transfer_config={{'backend': '{backend}'}} or pass "
             f"backend={configured!r} to the updater."
         )
-    check_trainer_device(backend)
+    check_trainer_can_send(backend)
     tp_size = engine.tensor_parallel_size()
     if settings.vllm_tp_size is not None and settings.vllm_tp_size != tp_size:
         raise EngineConfigError(

@@ -8,7 +8,7 @@ from lightning_vllm.transports.select import (
     BACKENDS,
     GPU_BACKENDS,
     check_backend_name,
-    check_trainer_device,
+    check_trainer_can_send,
     resolve_backend,
     trainer_init_info,
 )
@@ -17,7 +17,7 @@ __all__ = [
     "BACKENDS",
     "GPU_BACKENDS",
     "check_backend_name",
-    "check_trainer_device",
+    "check_trainer_can_send",
     "resolve_backend",
     "trainer_init_info",
 ]

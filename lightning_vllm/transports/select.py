@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from lightning_vllm.errors import EngineConfigError
@@ -49,16 +50,27 @@ def resolve_backend(backend: str, *, engine_backend: str) -> str:
     return engine_backend if backend == "auto" else backend
 
 
-def check_trainer_device(backend: str) -> None:
-    """Raise unless this process can send over ``backend``: vLLM's ``nccl`` and ``ipc`` send from CUDA.
+def check_trainer_can_send(backend: str) -> None:
+    """Raise unless this trainer process can send over ``backend``.
+
+    vLLM's ``nccl`` and ``ipc`` send from CUDA. vLLM's IPC engine also all-gathers CUDA
+    handles over the default process group whenever it has several ranks (one trainer
+    rank per colocated worker), while pushes here go from rank 0 alone: with several
+    trainer processes it would wait for ranks that never send.
 
     Raises:
-        EngineConfigError: ``backend`` needs CUDA and this process has none.
+        EngineConfigError: ``backend`` cannot be sent from this process (the message says why and what to use).
     """
     if backend in GPU_BACKENDS and not torch.cuda.is_available():
         raise EngineConfigError(
             f"backend={backend!r} sends from the trainer's GPU, but this process has no CUDA device. Train on a GPU, "
             "or build the engine with weight_transfer_config={'backend': 'gloo'} to push from CPUs."
+        )
+    if backend == "ipc" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise EngineConfigError(
+            f"backend='ipc' with {dist.get_world_size()} trainer processes: vLLM's IPC engine gathers CUDA handles "
+            "from every trainer rank, each beside a worker of its own, but lightning-vllm pushes from rank 0 alone. "
+            "Build the engine with weight_transfer_config={'backend': 'nccl'} to push from several trainer ranks."
         )
 
 

@@ -8,7 +8,7 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.transports import check_trainer_device, resolve_backend, trainer_init_info
+from lightning_vllm.transports import check_trainer_can_send, resolve_backend, trainer_init_info
 from lightning_vllm.transports.gloo import GlooTrainerInitInfo
 
 
@@ -26,12 +26,12 @@ def test_explicit_backends_are_kept_and_unknown_ones_named():
 
 def test_vllms_gpu_engines_need_cuda_in_the_trainer(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    check_trainer_device("gloo")
+    check_trainer_can_send("gloo")
     for backend in ("nccl", "ipc"):
         with pytest.raises(EngineConfigError, match=f"backend='{backend}' sends from the trainer's GPU.*'gloo'"):
-            check_trainer_device(backend)
+            check_trainer_can_send(backend)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    check_trainer_device("nccl")
+    check_trainer_can_send("nccl")
 
 
 SETTINGS = dict(master_address="127.0.0.1", world_size=3, bucket_size_bytes=1 << 20, timeout_seconds=5.0)
@@ -54,3 +54,13 @@ def test_nccl_uses_vllms_packed_engine_with_our_bucket_size():
 def test_ipc_uses_vllms_packed_engine():
     info = trainer_init_info("ipc", master_port=None, **SETTINGS)
     assert isinstance(info, IPCTrainerInitInfo) and info.packed and info.packed_buffer_size_bytes == 1 << 20
+
+
+def test_ipc_is_refused_with_several_trainer_processes(monkeypatch):
+    # vLLM's IPC engine would wait in an all-gather for ranks that never send (we push from rank 0).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(EngineConfigError, match="backend='ipc' with 2 trainer processes.*'nccl'"):
+        check_trainer_can_send("ipc")
+    check_trainer_can_send("nccl")
