@@ -135,6 +135,7 @@ class EngineConnection:
             world_size=world_size,
             bucket_size_bytes=settings.bucket_size_bytes,
             timeout_seconds=settings.timeout_seconds,
+            largest_tensor_bytes=max((wire_bytes({name: meta}) for name, meta in wire.items()), default=0),
         )
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 

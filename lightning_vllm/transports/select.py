@@ -90,9 +90,15 @@ def trainer_init_info(
     world_size: int,
     bucket_size_bytes: int,
     timeout_seconds: float,
+    largest_tensor_bytes: int = 0,
 ) -> TrainerInitInfo:
     """The trainer-side init info of ``backend`` (sender rank 0), ready for
-    ``WeightTransferTrainerFactory.trainer_init``."""
+    ``WeightTransferTrainerFactory.trainer_init``.
+
+    vLLM's packed IPC producer refuses a tensor larger than its buffer (a large vocabulary's
+    embedding is ~0.5 GB), so for ``ipc`` the buffer grows to ``largest_tensor_bytes`` when
+    that is larger than ``bucket_size_bytes``; NCCL's producer sends such a tensor alone.
+    """
     if backend == "gloo":
         return GlooTrainerInitInfo(
             master_address=master_address,
@@ -116,5 +122,6 @@ def trainer_init_info(
     if backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_size_bytes, rank=0)
+        buffer_size = max(bucket_size_bytes, largest_tensor_bytes)
+        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=buffer_size, rank=0)
     raise ValueError(f"Invalid value for backend={backend!r}. Must be one of 'gloo', 'nccl', 'ipc'.")

@@ -64,3 +64,13 @@ def test_ipc_is_refused_with_several_trainer_processes(monkeypatch):
     with pytest.raises(EngineConfigError, match="backend='ipc' with 2 trainer processes.*'nccl'"):
         check_trainer_can_send("ipc")
     check_trainer_can_send("nccl")
+
+
+def test_ipc_buffers_grow_to_hold_the_largest_tensor():
+    # vLLM's packed IPC producer refuses a tensor larger than its buffer (seen on an H200: a 0.47 GB embedding).
+    info = trainer_init_info("ipc", master_port=None, largest_tensor_bytes=3 << 20, **SETTINGS)
+    assert info.packed_buffer_size_bytes == 3 << 20
+    assert (
+        trainer_init_info("ipc", master_port=None, largest_tensor_bytes=1, **SETTINGS).packed_buffer_size_bytes
+        == 1 << 20
+    )
