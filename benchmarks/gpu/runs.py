@@ -655,7 +655,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--kill-timeout", type=float, default=15, help="timeout_seconds of the updater in run kill")
     parser.add_argument("--rounds", type=int, default=3, help="timed pushes of the throughput runs")
     parser.add_argument(
-        "--bucket-size-bytes", type=int, default=256 << 20, help="the throughput run's bucket_size_bytes (vLLM's buffer)"
+        "--bucket-size-bytes", type=int, default=1 << 30, help="bucket_size_bytes of the throughput run (vLLM's buffer)"
     )
     parser.add_argument("--stall-steps", type=int, default=12, help="training steps per mode of the stall run")
     parser.add_argument("--in-session", action="store_true", help=argparse.SUPPRESS)  # set by run_one
