@@ -291,6 +291,11 @@ class EngineConnection:
             self.transfer.send_weights()
             return
         device = self.device
+        if device is not None and device.index is not None:
+            # vLLM's producers read the tensors on streams of their own, which do not wait for the work this
+            # thread queued on its stream (the optimizer step that wrote them). Seen on H200s: an FSDP2 push
+            # gathered an embedding shard before AdamW had written it, and the engine got stale rows.
+            torch.cuda.current_stream(device).synchronize()
 
         def send_on_device() -> None:  # on a thread of its own, whose current device is not the trainer's
             with torch.cuda.device(device) if device is not None and device.index is not None else nullcontext():

@@ -330,8 +330,9 @@ def train_and_check(
             backend=backend,
             master_address=MASTER_ADDRESS,
             timeout_seconds=args.timeout,
+            changed_only=not args.send_all,
         )
-        check, logger = PushCheck(sync, engine, per_push=per_push), MemoryLogger()
+        check, logger = PushCheck(sync, engine, per_push=per_push or args.check_every_push), MemoryLogger()
         callbacks = [sync, check] + ([extra(engine)] if extra else [])
         trainer = make_trainer(profile, gpus, callbacks, steps, fsdp2(gpus) if sharded else "auto", logger)
         policy = Policy(model, fsdp=sharded)
@@ -657,6 +658,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--bucket-size-bytes", type=int, default=1 << 30, help="bucket_size_bytes of the throughput run (vLLM's buffer)"
     )
+    parser.add_argument("--send-all", action="store_true", help="training runs: changed_only=False")
+    parser.add_argument("--check-every-push", action="store_true", help="fsdp2-throughput: check after each push")
     parser.add_argument("--stall-steps", type=int, default=12, help="training steps per mode of the stall run")
     parser.add_argument("--in-session", action="store_true", help=argparse.SUPPRESS)  # set by run_one
     args = parser.parse_args(argv)
@@ -666,6 +669,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     passed = ["--in-session", "--timeout", str(args.timeout), "--kill-timeout", str(args.kill_timeout)]
     passed += ["--rounds", str(args.rounds), "--stall-steps", str(args.stall_steps)]
     passed += ["--bucket-size-bytes", str(args.bucket_size_bytes)]
+    passed += (["--send-all"] if args.send_all else []) + (["--check-every-push"] if args.check_every_push else [])
     return args, passed + (["--cpu"] if args.cpu else [])  # what run_one gives the run
 
 
