@@ -1,6 +1,7 @@
 """Every weight source satisfies the ``WeightSource`` API of the installed vLLM (0.32, or 0.33 in
 ``make test-vllm-next``), and sources written for that API are read through ``ForeignWeights``."""
 
+import functools
 import os
 from functools import cached_property
 
@@ -28,6 +29,7 @@ def test_the_vllm_under_test_is_the_one_asked_for():
     assert VLLM_033 == (expected >= "0.33")
 
 
+@functools.cache
 def every_source() -> dict[str, Weights]:
     model, peft = tiny_qwen2(), lora_policy()
     module = ModuleWeights(model)
