@@ -89,8 +89,8 @@ class EngineConnection:
         self.wire = wire
         self.ties_word_embeddings = ties_word_embeddings
         self.backend = backend
-        # The GPU vLLM's engines send from (their communicator's): pushes from other threads use it too.
-        self.device = device if device is not None or backend == GLOO else torch.device("cuda")
+        # The GPU vLLM's engines send from (their communicator's), for pushes from any thread; None with gloo.
+        self.device = device
         self.has_policy_base = False
         self.last_num_bytes = 0
         self.sent = SentStamps()  # what this engine holds from this connection's pushes

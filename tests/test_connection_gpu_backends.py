@@ -14,25 +14,16 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import FakeEngine, tiny_qwen2
+from test_connection import SETTINGS as CONNECTION_SETTINGS
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
 from lightning_vllm import WeightSyncTimeoutError
 from lightning_vllm._waits import TimedClient
-from lightning_vllm.connection import ConnectionSettings, EngineConnection
+from lightning_vllm.connection import EngineConnection
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
 
-SETTINGS = ConnectionSettings(
-    backend="auto",
-    master_address="127.0.0.1",
-    master_port=None,
-    vllm_tp_size=None,
-    bucket_size_bytes=1 << 20,
-    timeout_seconds=2.0,
-    pause_mode="keep",
-    reset_prefix_cache=True,
-    changed_only=False,
-)
+SETTINGS = replace(CONNECTION_SETTINGS, timeout_seconds=2.0, changed_only=False)
 
 
 class GPUEngine(FakeEngine):
@@ -97,7 +88,9 @@ def nccl_connection(engine, model, broadcast, timeout_seconds=2.0):
     transfer = NCCLTrainerWeightTransferEngine(client=client, source=DeclaredWeights(wire))
     transfer._broadcast = broadcast  # type: ignore[method-assign]
     settings = replace(SETTINGS, backend="nccl", timeout_seconds=timeout_seconds)
-    return EngineConnection(engine, settings, client, transfer, wire, False, backend="nccl")
+    return EngineConnection(
+        engine, settings, client, transfer, wire, False, backend="nccl", device=torch.device("cuda")
+    )
 
 
 def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_wire_dtypes_and_commits_the_version():
