@@ -11,7 +11,7 @@ normalises rewards within each group (GRPO's group-relative advantage) and takes
 one policy-gradient step; ``VLLMWeightSync`` pushes the new weights to vLLM every
 few steps. Logs go to TensorBoard; a plot of reward and sync time is saved beside them.
 
-Run it with ``make demo``, or::
+Run it with ``make demo-tiny``, or::
 
     python examples/grpo_tiny.py --steps 60
     python examples/grpo_tiny.py --devices 2   # two trainer processes, the policy sharded with FSDP2

@@ -3,7 +3,7 @@
 Builds a tiny random Qwen2 locally (no model hub), starts a vLLM engine on it with
 the ``gloo`` weight-transfer backend (CPU), trains a few steps with
 ``VLLMWeightSync`` pushing every 2 optimizer steps, then shows that vLLM serves the
-trained weights. Run it with ``make demo`` (about a minute on 2 CPU cores).
+trained weights. Run it with ``python examples/minimal.py`` (about a minute on 2 CPU cores).
 """
 
 from __future__ import annotations

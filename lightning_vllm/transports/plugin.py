@@ -1,5 +1,7 @@
 """vLLM plugin entry point: makes the ``gloo`` backend known to vLLM (and caps vLLM's busy-wait
-when ``LIGHTNING_VLLM_BUSY_LOOP_SECONDS`` asks, see ``busy_wait.py``).
+when ``LIGHTNING_VLLM_BUSY_LOOP_SECONDS`` asks, see ``busy_wait.py``; applies LoRA adapters on
+CPUs one matrix product per adapter when ``LIGHTNING_VLLM_CPU_LORA_OPS=grouped`` asks, see
+``cpu_lora_ops.py``).
 
 Declared in ``pyproject.toml`` under the ``vllm.general_plugins`` entry-point
 group, so vLLM calls :func:`register_backends` in each of its processes (front
@@ -13,6 +15,7 @@ from __future__ import annotations
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from lightning_vllm.transports.busy_wait import limit_busy_wait
+from lightning_vllm.transports.cpu_lora_ops import install_grouped_cpu_lora_ops
 
 GLOO = "gloo"
 _WORKER_MODULE = "lightning_vllm.transports.gloo.worker"
@@ -20,7 +23,8 @@ _TRAINER_MODULE = "lightning_vllm.transports.gloo.trainer"
 
 
 def register_backends() -> None:
-    """Register the ``gloo`` worker and trainer engines with vLLM's factories; apply the busy-wait cap.
+    """Register the ``gloo`` worker and trainer engines with vLLM's factories; apply the busy-wait cap
+    and the CPU LoRA ops that the environment asks for.
 
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
     """
@@ -29,3 +33,4 @@ def register_backends() -> None:
     if GLOO not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(GLOO, _TRAINER_MODULE, "GlooTrainerWeightTransferEngine")
     limit_busy_wait()
+    install_grouped_cpu_lora_ops()
