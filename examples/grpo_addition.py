@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from smollm2 import ModelPreparationError, prepare_smollm2  # noqa: E402
 
 from lightning_vllm import VLLMWeightSync, generate  # noqa: E402
+from lightning_vllm.transports.busy_wait import BUSY_LOOP_VARIABLE  # noqa: E402
 from lightning_vllm.transports.cpu_lora_ops import CPU_LORA_OPS_VARIABLE  # noqa: E402
 
 # Training wordings. The held-out ones below share none of their phrasing ("sum", "plus"), so the
@@ -318,7 +319,7 @@ def save_model(module: AdditionGRPO, directory: Path) -> Path:
     return directory
 
 
-def save_plot(log_dir: str) -> Path:
+def save_plot(log_dir: str, lora_rank: int = 0) -> Path:
     """Reward, accuracies and sync time per step, from the run's TensorBoard events, as a PNG beside them."""
     import matplotlib
 
@@ -345,7 +346,8 @@ def save_plot(log_dir: str) -> Path:
     for axis in (accuracy_axis, sync_axis):
         axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
-    figure.suptitle("lightning-vllm: GRPO on SmolLM2-135M-Instruct, two-digit addition, 2 CPU cores")
+    trained = f"a rank-{lora_rank} LoRA adapter of " if lora_rank else ""
+    figure.suptitle(f"lightning-vllm: GRPO on {trained}SmolLM2-135M-Instruct, two-digit addition, 2 CPU cores")
     figure.tight_layout()
     path = Path(log_dir) / "grpo_addition.png"
     figure.savefig(path, dpi=110)
@@ -394,6 +396,9 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     args = parser.parse_args(argv)
     if not args.verbose_vllm:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM's processes spin for a second after each message; on 2 cores that spinning takes the training
+    # step's cores after every push and rollout (docs/engines.md): cap it.
+    os.environ.setdefault(BUSY_LOOP_VARIABLE, "0.002")
     if args.lora_rank:
         # vLLM's CPU LoRA ops copy the adapter's matrices for every token: serving the adapter was 5 times
         # slower than with the package's grouped ops, which the engine's processes take from the plugin.
@@ -446,7 +451,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     trainer.fit(module, loader)
 
     saved = save_model(module, Path(logger.log_dir) / "model")
-    plot = save_plot(logger.log_dir)
+    plot = save_plot(logger.log_dir, args.lora_rank)
     before, after = evaluation.curve[0][1], evaluation.curve[-1][1]
     print(f"TensorBoard: tensorboard --logdir {args.log_dir}\nplot: {plot}")
     print(f"saved: {saved}")
