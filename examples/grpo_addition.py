@@ -357,21 +357,21 @@ def save_plot(log_dir: str, lora_rank: int = 0) -> Path:
 def evaluate_saved(model_dir: Path, base_dir: Path, seed: int) -> None:
     """Score a saved model and the base model on held-out pairs the run did not score, in both
     held-out wordings (one vLLM engine at a time, the same protocol)."""
+    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     _, heldout = split_pairs(seed)
     problems = [Problem(a, b, w) for a, b in heldout[HELDOUT_SIZE:] for w in HELDOUT_WORDINGS]
     for name, directory in (("base", base_dir), ("trained", model_dir)):
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(directory)
         llm = LLM(**{k: v for k, v in engine_args(directory).items() if k != "weight_transfer_config"})
         prompts = [TokensPrompt(prompt_token_ids=chat_prompt(tokenizer, p)) for p in problems]
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
         right = sum(last_integer(o.outputs[0].text) == p.answer for o, p in zip(outputs, problems))
         print(f"{name}: {right}/{len(problems)} = {right / len(problems):.3f} on new held-out problems ({directory})")
-        llm.shutdown() if hasattr(llm, "shutdown") else None
+        if hasattr(llm, "shutdown"):  # vLLM releases the engine's processes before the next one starts
+            llm.shutdown()
         del llm
 
 

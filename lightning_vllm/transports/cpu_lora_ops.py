@@ -29,7 +29,6 @@ import torch
 
 CPU_LORA_OPS_VARIABLE = "LIGHTNING_VLLM_CPU_LORA_OPS"
 GROUPED = "grouped"
-_PATCHED = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
 
 
 def cpu_lora_ops_requested() -> bool:
