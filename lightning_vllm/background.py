@@ -67,7 +67,6 @@ class BackgroundPusher:
         self.memory = SnapshotMemory()
         self.num_skipped = 0  # push points skipped so far
         self._push: BackgroundCall[SyncStats] | None = None
-        self._version: int | None = None
 
     def check_engines(self) -> None:
         """Check that every engine may be pushed to from a thread other than the one generating.
@@ -83,9 +82,9 @@ class BackgroundPusher:
                     "Let vLLM run its engine core in a process of its own (the default), or push with blocking=True."
                 )
 
-    def in_flight_version(self) -> int | None:
-        """The version of the push on its way (``None`` when none is; one that ended counts until collected)."""
-        return self._version if self._push is not None else None
+    def in_flight(self) -> bool:
+        """Whether a push is on its way (one that ended counts until :meth:`collect` reads it)."""
+        return self._push is not None
 
     def submit(
         self, weights: Any, worker_ids: int | torch.device | Sequence[int | torch.device] | None = None
@@ -105,29 +104,34 @@ class BackgroundPusher:
             if self.when_busy == "skip":
                 self.num_skipped += 1
                 log.info(
-                    "Push point skipped: version %s is still on its way; the next push point sends newer weights "
+                    "Push point skipped: %s is still on its way; the next push point sends newer weights "
                     "(skipped so far: %d).",
-                    self._version,
+                    self._push.what,
                     self.num_skipped,
                 )
+                self.updater.versions.skip()
                 return Submitted(False, time.perf_counter() - start)
             self.wait_or_raise("at a push point (when_busy='wait')")  # a push still running stays in flight
             push, self._push = self._push, None
             landed = push.result(0)
-        prepared = self.updater.prepare_push(weights, worker_ids)
-        snapshot = self.memory.take(prepared.source)
-        self._version = self.updater.weight_version + 1
+        try:
+            prepared = self.updater.prepare_push(weights, worker_ids)
+            snapshot = self.memory.take(prepared.source)
+        except BaseException:
+            self.updater.versions.skip()  # these weights reach no engine
+            raise
+        version = self.updater.versions.begin()
         self._push = BackgroundCall(
-            self.updater.send_prepared, replace(prepared, source=snapshot), what=f"weight version {self._version}"
+            self.updater.send_prepared, replace(prepared, source=snapshot), version, what=f"weight version {version}"
         )
-        return Submitted(True, time.perf_counter() - start, self._version, landed)
+        return Submitted(True, time.perf_counter() - start, version, landed)
 
     def collect(self) -> SyncStats | None:
         """The figures of the push that ended since the last call (``None``: none did).
 
         Raises:
-            WeightSyncError: that push failed (the engines kept their previous weights, or the
-                engines before the failing one committed it: see ``push_weights``).
+            WeightSyncError: that push failed (the engines kept their previous weights), or
+                ``PartialPushError``: it failed on some engines only (see ``VLLMUpdater.send_prepared``).
         """
         if self._push is None or not self._push.done():
             return None
@@ -146,8 +150,9 @@ class BackgroundPusher:
                 at which point of training.
         """
         if not self.wait(self.updater.timeout_seconds):
+            assert self._push is not None, "wait() is True when nothing is on its way"
             raise WeightSyncTimeoutError(
-                f"Weight version {self._version} was still on its way to vLLM {when}, after "
+                f"{self._push.what.capitalize()} was still on its way to vLLM {when}, after "
                 f"{self.updater.timeout_seconds:g} s (timeout_seconds): the engine may be frozen. No other push "
                 "starts until it ends."
             )
@@ -157,8 +162,8 @@ class BackgroundPusher:
         outcome unread, and free the snapshot memory. The updater's groups are left as they are."""
         if self._push is not None and not self._push.wait(self.updater.timeout_seconds):
             log.warning(
-                "Weight version %s was still on its way after %g s; closing the groups ends it.",
-                self._version,
+                "%s was still on its way after %g s; closing the groups ends it.",
+                self._push.what.capitalize(),
                 self.updater.timeout_seconds,
             )
         self._push = None

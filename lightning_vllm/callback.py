@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -15,7 +15,13 @@ from typing_extensions import override
 from lightning_vllm.background import BackgroundPusher, WhenBusy
 from lightning_vllm.engines import Generation, PauseMode
 from lightning_vllm.engines.local import build_local_engine
-from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.errors import (
+    EngineConfigError,
+    PartialPushError,
+    WeightsMismatchError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.rollouts import RolloutSampler
 from lightning_vllm.schedule import PushSchedule
@@ -33,7 +39,9 @@ class VLLMWeightSync(Callback):
     then every ``every_n_train_steps`` optimizer steps and/or every
     ``every_n_epochs`` epochs. Each push logs ``vllm/weight_version``,
     ``vllm/sync_seconds`` and ``vllm/sync_bytes`` to every Lightning logger. Only
-    global rank 0 talks to vLLM; other ranks skip the push and never wait for it.
+    global rank 0 talks to vLLM. Under DDP the other ranks skip the push and then receive
+    rank 0's versions (so they wait for a blocking push); a sharded policy is gathered by
+    every rank for every push (``docs/strategies.md``).
 
     Rollouts: inside ``training_step``, :meth:`generate` (or
     ``lightning_vllm.generate(self, prompts)``) samples from the engine this callback
@@ -144,8 +152,6 @@ class VLLMWeightSync(Callback):
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         # Background pushes (blocking=False); built here so a bad when_busy fails at construction.
         self.pusher = None if blocking else BackgroundPusher(self.updater, when_busy)
-        if self.pusher is not None:
-            self.rollouts.version_in_flight = self.pusher.in_flight_version
         self._unsent_push_points = 0  # skipped since the last push that started
         self._last_global_step_pushed = -1
         self._ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
@@ -160,7 +166,7 @@ class VLLMWeightSync(Callback):
     def push_in_flight(self) -> bool:
         """Whether a background push (``blocking=False``) is on its way; rollouts meanwhile come from
         the last committed version, which their ``weight_version`` says."""
-        return self.pusher is not None and self.pusher.in_flight_version() is not None
+        return self.pusher is not None and self.pusher.in_flight()
 
     @property
     def max_staleness(self) -> int | None:
@@ -218,12 +224,16 @@ class VLLMWeightSync(Callback):
         if self.pusher is None:
             return
         # The engine ends on the weights of the last push point: the push in flight lands (its
-        # error, if any, is raised here), and a skipped push point is sent now.
+        # error, if any, is raised here), and a skipped push point is sent now. Every rank
+        # knows whether one was skipped: the count travels with the versions (``_share_versions``).
         try:
-            self.pusher.wait_or_raise("at the end of fitting")
-        except WeightSyncTimeoutError as error:
-            return self._failed(trainer, error)
-        self._collect(trainer)
+            try:
+                self.pusher.wait_or_raise("at the end of fitting")
+            except WeightSyncTimeoutError as error:
+                return self._failed(trainer, error)
+            self._collect(trainer)
+        finally:
+            self._share_versions()
         if self._unsent_push_points:
             self._push(trainer, pl_module, background=False)
 
@@ -320,24 +330,50 @@ class VLLMWeightSync(Callback):
             self._failed(trainer, error)
 
     def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
-        start = time.perf_counter()
         if self._ranks is not None and self._sharded:  # every rank gathers, rank 0 sends
             # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
             # the parameters no sub-module unit does.
+            start = time.perf_counter()
             stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self._ranks)
-        elif not trainer.is_global_zero:  # every rank holds the full weights (DDP): rank 0 alone
+            self._unsent_push_points = 0
+            if stats is not None:
+                self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
             return
-        elif background:
+        # Every rank holds the full weights (DDP, or one process): rank 0 alone sends, then
+        # tells the others the versions, which they need for staleness.
+        try:
+            if trainer.is_global_zero:
+                self._push_from_rank_zero(trainer, pl_module, background)
+        finally:
+            self._share_versions()
+
+    def _push_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
+        if background:
             return self._submit(trainer, pl_module)
-        else:
-            if self.pusher is not None:  # a blocking push after background ones: they end first
-                self.pusher.wait_or_raise("before a blocking push")
-                self._collect(trainer)
+        start = time.perf_counter()
+        if self.pusher is not None:  # a blocking push after background ones: they end first
+            self.pusher.wait_or_raise("before a blocking push")
+            self._collect(trainer)
+        try:
             stats = self.updater.push_weights(pl_module)
-        self._unsent_push_points = self.rollouts.missed_versions = 0
-        if stats is not None:
-            log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
-            self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
+        except PartialPushError as error:
+            self._unsent_push_points = 0
+            self._log(trainer, cast(SyncStats, error.stats), stall_seconds=time.perf_counter() - start)
+            raise
+        self._unsent_push_points = 0
+        log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
+        self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
+
+    def _share_versions(self) -> None:
+        """Under DDP, global rank 0's versions (and skipped push points) on every rank; a collective
+        of every rank at each push point. Sharded pushes share them themselves."""
+        if self._ranks is None or self._sharded:
+            return
+        values = [*self.updater.versions.as_ints(), self._unsent_push_points]
+        shared = self._ranks.broadcast_ints(values)
+        if self._ranks.rank != 0:
+            self.updater.versions.adopt(shared[:-1])
+            self._unsent_push_points = shared[-1]
 
     def _submit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.pusher is not None
@@ -347,10 +383,9 @@ class VLLMWeightSync(Callback):
             self._log(trainer, submitted.landed)
         metrics = {"vllm/sync_stall_seconds": submitted.stall_seconds}
         if submitted.started:
-            self._unsent_push_points = self.rollouts.missed_versions = 0
+            self._unsent_push_points = 0
         else:
             self._unsent_push_points += 1
-            self.rollouts.missed_versions += 1  # the engines will not get these weights
             metrics["vllm/sync_skipped"] = float(self.pusher.num_skipped)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -361,16 +396,19 @@ class VLLMWeightSync(Callback):
             return
         try:
             stats = self.pusher.collect()
+        except PartialPushError as error:
+            self._log(trainer, cast(SyncStats, error.stats))
+            return self._failed(trainer, error)
         except WeightSyncError as error:
             return self._failed(trainer, error)
         if stats is not None:
             self._log(trainer, stats)
 
     def _failed(self, trainer: pl.Trainer, error: WeightSyncError) -> None:
+        # (The updater has counted the push point as missed, unless some engine took it.)
         if self.on_sync_error == "raise" or isinstance(error, (EngineConfigError, WeightsMismatchError)):
             raise error  # (a misconfigured engine or weights that do not fit: a retry would fail the same way)
         self.sync_failures += 1
-        self.rollouts.missed_versions += 1
         rank_zero_warn(
             f"Pushing weights to vLLM failed ({error}). Training goes on (on_sync_error='warn'); the engine keeps "
             f"its last weights and the next push point tries again. Failed pushes so far: {self.sync_failures}."

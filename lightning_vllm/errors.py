@@ -36,3 +36,18 @@ class EngineBusyError(WeightSyncError):
 
 class EngineDeadError(WeightSyncError):
     """The vLLM engine (its process, server or actor) died; it must be restarted."""
+
+
+class PartialPushError(WeightSyncError):
+    """A push reached some engines and failed on others.
+
+    The engines that took it serve the new version, which is committed (a version never
+    names two sets of weights); the others keep their previous weights and report their
+    own version on their rollouts. ``stats`` holds the push's figures and
+    ``failures`` each failed engine's error, by worker id.
+    """
+
+    def __init__(self, message: str, stats: object, failures: dict[int, BaseException]) -> None:
+        super().__init__(message)
+        self.stats = stats
+        self.failures = failures

@@ -144,6 +144,12 @@ class TrainerRanks:
                 f"push ({error}). A rank is stuck or gone; see its log."
             ) from error
 
+    def broadcast_ints(self, values: list[int], source: int = 0) -> list[int]:
+        """``source``'s ``values`` on every rank (the others pass as many, ignored)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self._collective(dist.broadcast, tensor, src=source)
+        return [int(value) for value in tensor]
+
     def close(self) -> None:
         dist.destroy_process_group(self.group)
 
@@ -234,26 +240,35 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
     """Push ``module``'s weights with every rank taking part; returns the figures on rank 0.
 
     Must be called on every rank at the same point. Rank 0 pushes through ``updater``
-    (which holds the engines); the other ranks gather in lockstep and discard, and
-    move their ``updater``'s version to the one rank 0 committed.
+    (which holds the engines); the other ranks gather in lockstep and discard. Every
+    rank's ``updater.versions`` ends the same: the version rank 0 committed, or one more
+    missed push point when the push failed.
 
     Raises:
         WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
     """
-    view = _agreed_lora_view(updater, module, ranks)
+    try:
+        view = _agreed_lora_view(updater, module, ranks)  # every rank raises alike, no check-in to share
+    except BaseException:
+        updater.versions.skip()  # the push point's weights reached no engine
+        raise
     weights: LockstepWeights | None = None
+    counted = False  # whether updater.push_weights counted this push point in the versions
     try:
         weights = LockstepWeights(updater.source_for_view(module, view), ranks)
         weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
         if ranks.rank == 0:
+            counted = True
             stats = updater.push_weights(weights)
             weights.check_in(DONE, stats.weight_version)
             return stats
-        updater.weight_version = weights.follow()
+        updater.versions.adopt([weights.follow(), -1, 0, 0])  # rank 0's, after its commit
         return None
-    except PushAborted:
-        raise
     except BaseException as error:
+        if not counted:
+            updater.versions.skip()  # the push point's weights reached no engine
+        if isinstance(error, PushAborted):
+            raise
         if weights is None:  # this rank never got its weights: it fails at the first check-in
             weights = LockstepWeights(_NoWeights(), ranks)
         weights.fail(error)

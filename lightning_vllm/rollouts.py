@@ -16,14 +16,13 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.engines import EngineTarget, Generation
-from lightning_vllm.engines.base import version_number
 from lightning_vllm.errors import (
     EngineBusyError,
     EngineDeadError,
@@ -66,11 +65,6 @@ class RolloutSampler:
         self.max_staleness = max_staleness
         self.timeout_seconds = timeout_seconds
         self._oldest_version: int | None = None
-        # Push points that failed since the last push that landed (``on_sync_error="warn"``):
-        # the policy moved on that many versions the engines never got.
-        self.missed_versions = 0
-        # The version of a background push on its way (blocking=False): the trainer is there already.
-        self.version_in_flight: Callable[[], int | None] = _nothing_in_flight
         # Set when this rank holds no engine and rank 0 generates for every rank.
         self.ranks: TrainerRanks | None = None
         # A generate that timed out keeps running on its thread; the next one on the
@@ -258,7 +252,7 @@ class RolloutSampler:
             )
         del self._timed_out[worker_id]
 
-    def record(self, weight_versions: Sequence[str | None]) -> None:
+    def record(self, weight_versions: Sequence[int]) -> None:
         """Note the versions of samples about to be used; refuse them if too stale.
 
         Raises:
@@ -266,14 +260,15 @@ class RolloutSampler:
         """
         if not weight_versions:
             return
-        oldest = min(version_number(version) for version in weight_versions)
-        current = self.trainer_version
+        oldest = min(weight_versions)
+        versions = self.updater.versions
+        current, missed = versions.trainer, versions.missed
         if self.max_staleness is not None and current - oldest > self.max_staleness:
             raise StaleRolloutsError(
                 f"Rollouts from weight version {oldest} are {current - oldest} versions behind the trainer "
                 f"(version {current}), more than max_staleness={self.max_staleness}. Push more often "
                 "(every_n_train_steps), generate from the engines this callback updates, or raise max_staleness."
-                + (f" The last {self.missed_versions} push(es) failed." if self.missed_versions else "")
+                + (f" {missed} push point(s) since sent no weights (failed or skipped)." if missed else "")
             )
         if self._oldest_version is None or oldest < self._oldest_version:
             self._oldest_version = oldest
@@ -282,19 +277,9 @@ class RolloutSampler:
         """The trainer's version minus the oldest version sampled since the last call (``None``: no samples)."""
         if self._oldest_version is None:
             return None
-        staleness = self.trainer_version - self._oldest_version
+        staleness = self.updater.versions.staleness(self._oldest_version)
         self._oldest_version = None
         return staleness
-
-    @property
-    def trainer_version(self) -> int:
-        """The version the engines would serve if every push had landed (one in flight included)."""
-        committed = self.updater.weight_version  # read first: a push in flight may commit meanwhile
-        return max(committed, self.version_in_flight() or 0) + self.missed_versions
-
-
-def _nothing_in_flight() -> int | None:
-    return None
 
 
 # Errors that cross ranks as JSON, raised again under the same type on every rank.

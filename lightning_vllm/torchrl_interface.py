@@ -20,6 +20,7 @@ from typing_extensions import Self
 
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.versions import WeightVersions
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class TorchRLInterface:
     """Construction from a policy, versions, post hooks and the registered collector of
     :class:`~lightning_vllm.VLLMUpdater`."""
 
-    _version: int
+    versions: WeightVersions
     _post_hooks: list[Callable[[], Any]]
     _collector_ref: weakref.ref[Any] | None
     _engines: list[EngineTarget]
@@ -165,18 +166,16 @@ class TorchRLInterface:
     @property
     def weight_version(self) -> int:
         """The version of the weights last pushed (0 before the first push)."""
-        return self._version
+        return self.versions.committed
 
     @weight_version.setter
     def weight_version(self, value: int) -> None:
-        if value < 0:
-            raise ValueError(f"Invalid value for weight_version={value}. Must be >= 0.")
-        self._version = int(value)
+        self.versions.set_committed(value)
 
     def increment_version(self) -> None:
         """Count one more version without pushing: this updater's weight version and, as
         TorchRL's updaters do, the registered collector's policy version."""
-        self._version += 1
+        self.versions.count_one()
         collector = self.collector
         if collector is not None and hasattr(collector, "increment_version"):
             collector.increment_version()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import WeightSource
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.connection import ConnectionSettings, EngineConnection
 from lightning_vllm.engines import EngineTarget, PauseMode, as_engine_targets
+from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
 from lightning_vllm.settings import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_TIMEOUT_SECONDS,
@@ -28,6 +29,7 @@ from lightning_vllm.settings import (
 )
 from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl
 from lightning_vllm.transports import check_backend_name
+from lightning_vllm.versions import WeightVersions
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.adapter import LoraMode, adapter_source, choose_view, lora_policy, validate_lora_mode
 from lightning_vllm.weights.base import Weights
@@ -36,19 +38,32 @@ from lightning_vllm.weights.model import as_metadata
 
 @dataclass(frozen=True)
 class SyncStats:
-    """Figures of one successful push."""
+    """Figures of one push that landed in at least one engine.
+
+    Attributes:
+        weight_version: the version committed.
+        seconds: how long the push took, every engine included.
+        num_bytes: the bytes sent, every engine included.
+        worker_ids: the engines that committed it.
+        failed_worker_ids: the engines it failed on (they keep their previous weights; see
+            :class:`~lightning_vllm.errors.PartialPushError`).
+    """
 
     weight_version: int
     seconds: float
     num_bytes: int
+    worker_ids: tuple[int, ...] = ()
+    failed_worker_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class PreparedPush:
-    """A checked push not sent yet: the source to send and the engines, by worker id."""
+    """A checked push not sent yet: the source to send, the engines it goes to (by worker id),
+    and the engines it cannot reach (their errors, by worker id)."""
 
     source: Weights
     worker_ids: list[int]
+    unreachable: dict[int, BaseException] = field(default_factory=dict)
 
 
 class VLLMUpdater(TorchRLInterface):
@@ -146,7 +161,7 @@ class VLLMUpdater(TorchRLInterface):
         self.changed_only = changed_only
         self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
         self._connections: dict[int, EngineConnection] = {}
-        self._version = 0
+        self.versions = WeightVersions()
         self._post_hooks: list[Callable[[], Any]] = []
         self._collector_ref: weakref.ref[Any] | None = None
         self.last_sync: SyncStats | None = None
@@ -217,11 +232,29 @@ class VLLMUpdater(TorchRLInterface):
         connection = EngineConnection.open(self._engines[worker_id], self.model_metadata, settings)
         self._connections[worker_id] = connection
         # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.
-        self._version = max(self._version, connection.reported_version)
+        self.versions.follow(connection.reported_version)
         return connection
 
-    def _connected(self, worker_ids: Sequence[int]) -> list[EngineConnection]:
-        return [self._connections.get(worker_id) or self._connect(worker_id) for worker_id in worker_ids]
+    def _connect_each(self, worker_ids: Sequence[int]) -> tuple[dict[int, EngineConnection], dict[int, BaseException]]:
+        """The connection of each engine, joining the groups not formed yet, and the engines that
+        cannot be reached now (their errors): a push still goes to the others.
+
+        Raises:
+            EngineConfigError, WeightsMismatchError: an engine is misconfigured, which no retry fixes.
+            WeightSyncError: no engine can be reached (the first one's error).
+        """
+        connections: dict[int, EngineConnection] = {}
+        unreachable: dict[int, BaseException] = {}
+        for worker_id in worker_ids:
+            try:
+                connections[worker_id] = self._connections.get(worker_id) or self._connect(worker_id)
+            except (EngineConfigError, WeightsMismatchError):
+                raise
+            except WeightSyncError as error:
+                unreachable[worker_id] = error
+        if not connections:
+            raise next(iter(unreachable.values()))
+        return connections, unreachable
 
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""
@@ -247,8 +280,9 @@ class VLLMUpdater(TorchRLInterface):
         """Send weights to vLLM and commit them as a new version.
 
         Joins the groups first if :meth:`init` has not run (metadata then comes from
-        the weights). An engine whose push fails is disconnected and joined again at
-        the next push, so an engine that restarted is picked up.
+        the weights). Every engine is tried; an engine whose push fails is disconnected and
+        joined again at the next push, so an engine that restarted is picked up. The version
+        is committed once any engine has it (see :meth:`send_prepared`).
 
         Args:
             policy_or_weights: a Hugging Face or PEFT model, a LightningModule holding one,
@@ -261,9 +295,15 @@ class VLLMUpdater(TorchRLInterface):
 
         Raises:
             WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.
-            WeightSyncError: a transfer failed (that engine keeps its previous version).
+            PartialPushError: some engines took the push, some did not.
+            WeightSyncError: no engine took it; every engine keeps its previous version.
         """
-        return self.send_prepared(self.prepare_push(policy_or_weights, worker_ids))
+        try:
+            push = self.prepare_push(policy_or_weights, worker_ids)
+        except BaseException:
+            self.versions.skip()  # these weights reach no engine
+            raise
+        return self.send_prepared(push, self.versions.begin())
 
     def prepare_push(
         self,
@@ -282,32 +322,62 @@ class VLLMUpdater(TorchRLInterface):
         if self.model_metadata is None:  # (an adapter view set it from the merged weights)
             self.model_metadata = source_metadata(source)
         offered = source_metadata(source)
-        for connection in self._connected(targets):  # every check before the first byte moves
+        connections, unreachable = self._connect_each(targets)
+        for connection in connections.values():  # every check before the first byte moves
             connection.check(source, offered)
-        return PreparedPush(source, targets)
+        return PreparedPush(source, list(connections), unreachable)
 
-    def send_prepared(self, push: PreparedPush) -> SyncStats:
+    def send_prepared(self, push: PreparedPush, version: int) -> SyncStats:
         """Send a push made by :meth:`prepare_push` (whose ``source`` may since have been replaced
-        by a copy with the same metadata) and commit it as the next version.
+        by a copy with the same metadata) and commit it as ``version`` (from ``versions.begin()``).
+
+        Every engine is tried, whatever happened to the others. The version is committed as soon
+        as one engine has it (a version never names two sets of weights); an engine that fails
+        keeps its previous weights and joins again at the next push. Post hooks run once the
+        version is committed.
 
         Raises:
-            WeightSyncError: a transfer failed (that engine keeps its previous version).
+            PartialPushError: some engines took the push and some did not (its ``stats`` and
+                ``failures`` say which).
+            WeightSyncError: no engine took it; the error of the first engine that failed (the
+                version is not committed).
         """
-        version = self._version + 1
         start = time.perf_counter()
-        num_committed = num_bytes = 0
+        committed: list[int] = []
+        failures: dict[int, BaseException] = dict(push.unreachable)
+        num_bytes = 0
         try:
             for worker_id in push.worker_ids:
-                self._sync_weights_with_worker(worker_id=worker_id, server_weights=push.source, version=version)
+                try:
+                    self._sync_weights_with_worker(worker_id=worker_id, server_weights=push.source, version=version)
+                except Exception as error:  # noqa: BLE001  # the other engines still get the push
+                    failures[worker_id] = error
+                    continue
                 num_bytes += self._connections[worker_id].last_num_bytes
-                num_committed += 1
+                committed.append(worker_id)
         finally:
-            if num_committed:  # the version is used once any engine has committed it
-                self._version = version
-        self.last_sync = SyncStats(version, time.perf_counter() - start, num_bytes)
+            if committed:
+                self.versions.commit(version)
+            else:
+                self.versions.abandon(version)
+        if not committed:
+            raise next(iter(failures.values()))
+        stats = SyncStats(version, time.perf_counter() - start, num_bytes, tuple(committed), tuple(sorted(failures)))
+        self.last_sync = stats
         for hook in self._post_hooks:
             hook()
-        return self.last_sync
+        if failures:
+            named = "; ".join(
+                f"engine {worker_id} ({self._engines[worker_id].description}): {type(error).__name__}: {error}"
+                for worker_id, error in sorted(failures.items())
+            )
+            raise PartialPushError(
+                f"Weight version {version} reached engine(s) {committed} but failed on {named}. Those engines keep "
+                "their previous weights, and their rollouts say so; the next push joins them again.",
+                stats,
+                failures,
+            ) from next(iter(failures.values()))
+        return stats
 
     # -- LoRA policies ------------------------------------------------------------
 
@@ -332,7 +402,8 @@ class VLLMUpdater(TorchRLInterface):
             return "merged"
         if self.model_metadata is None:
             self.model_metadata = source_metadata(self._maybe_map_weights(weights))
-        connections = self._connected(self._resolve_worker_ids(None) if worker_ids is None else worker_ids)
+        targets = self._resolve_worker_ids(None) if worker_ids is None else worker_ids
+        connections = list(self._connect_each(targets)[0].values())  # (the engines not reached get nothing)
         problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(model)]
         problems += self._collector_lora_problems()
         return choose_view(self.lora, problems, all(connection.has_policy_base for connection in connections))
@@ -379,7 +450,7 @@ class VLLMUpdater(TorchRLInterface):
             raise RuntimeError(f"The updater is not connected to engine {worker_id!r}: call init() first.")
         source = self._maybe_map_weights(server_weights)
         try:
-            self._connections[worker_id].push(source, self._version + 1 if version is None else version)
+            self._connections[worker_id].push(source, self.versions.committed + 1 if version is None else version)
         except BaseException:
             del self._connections[worker_id]  # the failed push closed it
             raise

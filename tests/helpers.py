@@ -474,10 +474,10 @@ class FakeEngine:
     def generate(self, prompts, sampling_params):
         """One empty sample per prompt, labelled with the version the fake holds."""
         from lightning_vllm import Generation
+        from lightning_vllm.engines.base import version_number
 
-        return [
-            Generation(prompt_token_ids=list(prompt), token_ids=[], weight_version=self.version) for prompt in prompts
-        ]
+        version = version_number(self.version)
+        return [Generation(prompt_token_ids=list(prompt), token_ids=[], weight_version=version) for prompt in prompts]
 
     def holds(self, model: torch.nn.Module) -> bool:
         """Whether the last update carried exactly ``model``'s parameters."""
@@ -514,7 +514,8 @@ class CallsAtBatch(TinyCausalLM):
 
 class RolloutCausalLM(TinyCausalLM):
     """Samples from vLLM in every training step, prompts that differ by rank, and records
-    ``(global step, prompt ids of each sample, tokens per sample, versions)``."""
+    ``(global step, prompt ids of each sample, tokens per sample, logprobs per sample, versions,
+    the trainer's version on this rank)``."""
 
     def __init__(self, model: torch.nn.Module, lr: float = 1e-2) -> None:
         super().__init__(model, lr)
@@ -524,9 +525,11 @@ class RolloutCausalLM(TinyCausalLM):
         from vllm import SamplingParams
 
         from lightning_vllm import generate
+        from lightning_vllm.rollouts import sampler_of
 
         prompts = [[1 + self.global_rank, 2, 3], [4, 5 + self.global_rank]]
         rollouts = generate(self, prompts, SamplingParams(n=2, max_tokens=3, logprobs=0, seed=0))
+        trainer_version = sampler_of(self).updater.versions.trainer
         self.seen.append(
             (
                 self.global_step,
@@ -534,15 +537,19 @@ class RolloutCausalLM(TinyCausalLM):
                 [len(r.token_ids) for r in rollouts],
                 [len(r.logprobs) for r in rollouts],
                 [r.weight_version for r in rollouts],
+                trainer_version,
             )
         )
         return super().training_step(batch, batch_idx)
 
 
-def expected_rollouts(rank: int, versions: list[str]) -> list:
-    """What ``RolloutCausalLM`` records on ``rank`` for steps 0, 1, ... sampled from ``versions``."""
+def expected_rollouts(rank: int, versions: list[int], staleness: int = 0) -> list:
+    """What ``RolloutCausalLM`` records on ``rank`` for steps 0, 1, ... sampled from ``versions``,
+    the trainer being ``staleness`` versions ahead."""
     prompts = [[1 + rank, 2, 3], [1 + rank, 2, 3], [4, 5 + rank], [4, 5 + rank]]
-    return [[step, prompts, [3] * 4, [3] * 4, [version] * 4] for step, version in enumerate(versions)]
+    return [
+        [step, prompts, [3] * 4, [3] * 4, [version] * 4, version + staleness] for step, version in enumerate(versions)
+    ]
 
 
 def push_from_every_rank_and_record(result: dict, key: str, updater, ranks, sharded, reference, llm) -> None:

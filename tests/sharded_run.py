@@ -175,6 +175,7 @@ def ddp_run(out_dir: Path, llm, rank: int) -> dict:
     trainer.fit(module, token_batches(num_batches=8))
     result = {"weight_version": sync.weight_version, "rollouts": module.seen}
     if rank == 0:
+        result["staleness"] = [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/staleness")]
         module.hf.eval()
         result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(module.hf))
         result["engine_version"] = llm.get_weight_version()
@@ -194,6 +195,7 @@ def run(model_dir: Path, out_dir: Path) -> None:
     result["weight_version"] = sync.weight_version
     result["rollouts"] = module.seen
     if rank == 0:
+        result["staleness"] = [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/staleness")]
         result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
         result["engine_version"] = llm.get_weight_version()
     # A second run whose push fails on rank 1.

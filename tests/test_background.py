@@ -86,7 +86,7 @@ def test_a_push_in_flight_commits_its_version_when_the_engine_finishes():
     pusher = BackgroundPusher(VLLMUpdater(engine=engine, timeout_seconds=10))
     engine.gate.clear()
     submitted = pusher.submit(model)
-    assert submitted.started and submitted.version == 1 and pusher.in_flight_version() == 1
+    assert submitted.started and submitted.version == 1 and pusher.updater.versions.in_flight == 1
     with torch.no_grad():  # training goes on: the push sends the weights of its push point
         for param in model.parameters():
             param.add_(1.0)
@@ -96,7 +96,7 @@ def test_a_push_in_flight_commits_its_version_when_the_engine_finishes():
     assert pusher.wait(10)
     stats = pusher.collect()
     assert stats is not None and stats.weight_version == 1 and engine.version == "1"
-    assert pusher.updater.weight_version == 1 and pusher.in_flight_version() is None
+    assert pusher.updater.weight_version == 1 and pusher.updater.versions.in_flight is None
     assert not engine.holds(model)  # the snapshot, not the weights written after it
     assert pusher.submit(model).started and pusher.wait(10) and pusher.collect() is not None
     assert engine.holds(model) and engine.version == "2"
@@ -147,7 +147,7 @@ def test_a_push_point_that_finds_a_push_in_flight_is_skipped_and_fit_ends_on_the
     assert not sync.push_in_flight and not lightning_threads()
     # Rollouts during a push in flight came from the last committed version, and count as stale:
     # at step 1's end the trainer was at v2 (in flight) and the rollout at v1.
-    assert module.versions == ["1", "1", "2", "3", "3"]
+    assert module.versions == [1, 1, 2, 3, 3]
     assert (2, 1.0) in scalars(trainer, "vllm/staleness")
     assert len(scalars(trainer, "vllm/sync_stall_seconds")) == 7  # fit start, 5 push points, the final push
 
@@ -199,7 +199,7 @@ def test_with_warn_a_failed_background_push_is_counted_and_the_next_one_lands(tm
         trainer.fit(module, token_batches(num_batches=4))
     assert sync.sync_failures == 1 and len(scalars(trainer, "vllm/sync_failures")) == 1
     assert engine.holds(module.hf) and engine.version == str(sync.weight_version)
-    assert sync.rollouts.missed_versions == 0 and not lightning_threads()
+    assert sync.updater.versions.missed == 0 and not lightning_threads()
 
 
 def test_a_frozen_engine_at_the_end_of_fit_is_an_error_not_a_hang(tmp_path):
@@ -285,6 +285,6 @@ def test_vllm_serves_the_trained_weights_once_the_background_push_lands(llm, tmp
     assert [value for _, value in scalars(trainer, "vllm/weight_version")] == [float(start + i) for i in range(1, 5)]
     assert_serves(llm, module.hf)
     # Every rollout came from a committed version, at most the one pushed before its step.
-    versions = [int(version) for *_, step_versions in module.seen for version in step_versions]
+    versions = [version for step in module.seen for version in step[4]]  # (step, prompts, ..., versions, trainer)
     assert versions == sorted(versions) and start + 1 <= versions[0] and versions[-1] <= start + 3
     assert not lightning_threads()

@@ -128,7 +128,7 @@ def test_with_warn_failed_pushes_are_counted_and_the_next_push_point_reconnects(
     assert tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_failures") == [(2, 1.0), (3, 2.0)]
     assert pushed_steps(trainer) == [0, 1, 4, 5]  # fit start, step 1, then again once the engine is back
     assert sync.weight_version == 4 and engine.version == "4" and engine.holds(module.hf)
-    assert sync.rollouts.missed_versions == 0  # the last push landed
+    assert sync.updater.versions.missed == 0  # the last push landed
 
 
 def test_by_default_a_failed_push_ends_training(tmp_path):

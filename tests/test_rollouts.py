@@ -29,7 +29,8 @@ from lightning_vllm import (
     WeightSyncTimeoutError,
     generate,
 )
-from lightning_vllm.rollouts import RolloutSampler, sampler_of, version_number
+from lightning_vllm.engines.base import version_number
+from lightning_vllm.rollouts import RolloutSampler, sampler_of
 
 
 class RolloutModule(TinyCausalLM):
@@ -39,7 +40,7 @@ class RolloutModule(TinyCausalLM):
         super().__init__(tiny_qwen2(seed=0), lr=1e-3)
         self.versions_ahead = versions_ahead
         self.rollouts: list = []
-        self.seen: list[tuple[int, str | None, int]] = []
+        self.seen: list[tuple[int, int, int]] = []
 
     def training_step(self, batch, batch_idx):
         updater = sampler_of(self).updater
@@ -60,10 +61,10 @@ def test_rollouts_carry_the_version_that_produced_them(llm, tmp_path):
     trainer.fit(module, token_batches(num_batches=4))
     # Pushes at fit start (v+1) and after steps 2 (v+2) and 4 (v+3); step s samples from the latest.
     assert module.seen == [
-        (0, str(v + 1), v + 1),
-        (1, str(v + 1), v + 1),
-        (2, str(v + 2), v + 2),
-        (3, str(v + 2), v + 2),
+        (0, v + 1, v + 1),
+        (1, v + 1, v + 1),
+        (2, v + 2, v + 2),
+        (3, v + 2, v + 2),
     ]
     assert [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/staleness")] == [0.0] * 4
     for rollouts in module.rollouts:
@@ -93,8 +94,8 @@ def test_the_sampler_keeps_the_oldest_version_until_asked():
     sampler = RolloutSampler(updater, max_staleness=None)
     assert sampler.take_staleness() is None
     updater.weight_version = 5
-    sampler.record(["5", "3"])
-    sampler.record(["4", None])  # None: the engine never reported a version, counted as 0
+    sampler.record([5, 3])
+    sampler.record([4, 0])  # 0: the weights the engine started with
     assert sampler.take_staleness() == 5
     assert sampler.take_staleness() is None  # forgotten once taken
 
@@ -266,12 +267,13 @@ def test_ranks_that_each_hold_an_engine_generate_from_their_own(tmp_path):
 
 def test_pushes_that_failed_count_as_versions_the_engine_missed():
     sampler = RolloutSampler(VLLMUpdater(), max_staleness=1)
-    sampler.updater.weight_version = 3
-    sampler.record(["2"])  # one behind: allowed
-    sampler.missed_versions = 2  # two push points failed since version 3 landed
-    assert sampler.trainer_version == 5 and sampler.take_staleness() == 3
-    with pytest.raises(StaleRolloutsError, match="3 versions behind.*The last 2 push\\(es\\) failed"):
-        sampler.record(["2"])
+    versions = sampler.updater.versions
+    versions.set_committed(3)
+    sampler.record([2])  # one behind: allowed
+    versions.skip(), versions.skip()  # two push points sent nothing since version 3 landed
+    assert versions.trainer == 5 and sampler.take_staleness() == 3
+    with pytest.raises(StaleRolloutsError, match="3 versions behind.*2 push point\\(s\\) since sent no weights"):
+        sampler.record([2])
 
 
 class PausedEngine(FakeEngine):

@@ -32,21 +32,24 @@ def run(model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
 
 def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_sends_its_adapter(model_dir, tmp_path):
     rank0, rank1 = run(model_dir, tmp_path)
-    # DDP first: rank 0 pushed at fit start and at steps 2 and 4; rank 1 never talked to vLLM.
+    # DDP first: rank 0 pushed at fit start and at steps 2 and 4; rank 1 never talked to vLLM, yet
+    # knows every version rank 0 committed, so its staleness is right.
     ddp0, ddp1 = rank0["ddp"], rank1["ddp"]
-    assert ddp0["weight_version"] == 3 and ddp0["engine_version"] == "3"
-    assert ddp1["weight_version"] == 0
+    assert ddp0["weight_version"] == ddp1["weight_version"] == 3 and ddp0["engine_version"] == "3"
     assert ddp0["max_logprob_diff"] < TOLERANCE
-    # Rank 1 holds no engine: its rollouts came from rank 0's, its own prompts back.
+    # Rank 1 holds no engine: its rollouts came from rank 0's, its own prompts back; on both ranks the
+    # trainer's version is the rollouts' (staleness 0, logged on rank 0).
     for rank, seen in enumerate((ddp0, ddp1)):
-        assert seen["rollouts"] == expected_rollouts(rank, ["1", "1", "2", "2"])
+        assert seen["rollouts"] == expected_rollouts(rank, [1, 1, 2, 2])
+    assert ddp0["staleness"] == [0.0] * 4
     # FSDP2 on the same engine, counting on from 3: fit start, steps 2 and 4; vLLM serves the
     # gathered full model, both ranks count the same versions.
     assert rank0["engine_version"] == "6" and rank0["weight_version"] == rank1["weight_version"] == 6
     assert rank0["max_logprob_diff"] < TOLERANCE
     # Both ranks sampled in every step through rank 0's engine, each getting its own prompts back.
     for rank, seen in enumerate((rank0, rank1)):
-        assert seen["rollouts"] == expected_rollouts(rank, ["4", "4", "5", "5"])
+        assert seen["rollouts"] == expected_rollouts(rank, [4, 4, 5, 5])
+    assert rank0["staleness"] == [0.0] * 4
     # Rank 1 could not read its weights: both ranks stop, rank 0 names rank 1's error, vLLM was not touched.
     assert rank1["failure"] == "RuntimeError: rank 1 cannot read its weights"
     assert (

@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import FakeEngine, assert_serves, build_llm, served_version, shutdown, tiny_qwen2, vllm_prompt_logprobs
 
-from lightning_vllm import EngineConfigError, VLLMUpdater, WeightSyncTimeoutError, vLLMUpdater
+from lightning_vllm import EngineConfigError, VLLMUpdater, WeightSyncError, WeightSyncTimeoutError, vLLMUpdater
+from lightning_vllm.errors import PartialPushError
 
 
 @pytest.mark.engine
@@ -278,3 +279,41 @@ def test_each_kind_of_bad_input_is_refused_and_vllm_keeps_serving(llm):
     updater.push_weights(model)  # the group survived the refusals
     assert llm.get_weight_version() == str(v + 1)
     updater.close()
+
+
+class FailsAtStart(FakeEngine):
+    """A fake engine whose next update fails (as a server that went away mid-push)."""
+
+    failing = False
+
+    def start_weight_update(self) -> None:
+        if self.failing:
+            raise WeightSyncError("the engine went away (test)")
+        super().start_weight_update()
+
+
+def test_a_push_that_fails_on_one_engine_still_reaches_the_others_and_reports_each():
+    model = tiny_qwen2(seed=0)
+    first, second = FailsAtStart(model), FakeEngine(model)
+    hook_calls: list[int] = []
+    updater = VLLMUpdater(engine=[first, second], timeout_seconds=5)
+    updater.register_post_hook(lambda: hook_calls.append(updater.weight_version))
+    updater.init(VLLMUpdater.get_model_metadata(model))
+    first.failing = True
+    message = r"reached engine\(s\) \[1\] but failed on engine 0.*went away"
+    with pytest.raises(PartialPushError, match=message) as caught:
+        updater.push_weights(model)
+    stats = caught.value.stats
+    assert (stats.weight_version, stats.worker_ids, stats.failed_worker_ids) == (1, (1,), (0,))
+    assert list(caught.value.failures) == [0] and updater.last_sync == stats
+    # The engine that took it serves version 1, which is committed; the other keeps its weights.
+    assert second.version == "1" and second.holds(model) and first.version == "default"
+    assert updater.weight_version == 1 and updater.versions.missed == 0 and hook_calls == [1]
+    # When no engine takes a push, its own error is raised and nothing is committed.
+    second_fails = FailsAtStart(model)
+    updater.set_engine([first, second_fails])
+    second_fails.failing = True
+    with pytest.raises(WeightSyncError, match="went away") as caught_all:
+        updater.push_weights(model)
+    assert not isinstance(caught_all.value, PartialPushError)
+    assert updater.weight_version == 1 and updater.versions.missed == 1 and hook_calls == [1]

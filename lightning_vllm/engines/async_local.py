@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
-from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
+from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs, version_number
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 
 _T = TypeVar("_T")
@@ -111,8 +111,10 @@ class AsyncLLMEngine(EngineConfigFacts):
                 final = output
             return final
 
+        before = version_number(await self.async_llm.get_weight_version())
         outputs = await asyncio.gather(*(one(prompt) for prompt in prompts))
-        return generations_from_outputs(outputs, await self.async_llm.get_weight_version())
+        after = version_number(await self.async_llm.get_weight_version())
+        return generations_from_outputs(outputs, before, after)
 
     def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         return self.run(self.generate_async(prompts, sampling_params))

@@ -28,9 +28,14 @@ class Generation:
         logprobs: log-probability of each generated token, if asked for.
         prompt_logprobs: log-probability of each prompt token after the first, if asked for.
         text: the generated text, when the engine has a tokenizer.
-        weight_version: the version of the weights that produced the tokens (the
-            first token's, if an update happened while it was generated).
+        weight_version: the version of the weights that produced the first token (0: the
+            weights the engine started with). Where the engine cannot say which version
+            produced the first token and a push landed while the request ran,
+            ``weight_version_exact`` is ``False`` and this is the version the engine served
+            when the request was sent: never newer than the first token's, so staleness is
+            never under-reported.
         weight_versions: ``(version, start, end)`` spans over ``token_ids`` when vLLM reports them.
+        weight_version_exact: whether ``weight_version`` is known to be the first token's.
     """
 
     prompt_token_ids: list[int]
@@ -38,8 +43,9 @@ class Generation:
     logprobs: list[float] | None = None
     prompt_logprobs: list[float] | None = None
     text: str | None = None
-    weight_version: str | None = None
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    weight_version: int = 0
+    weight_versions: list[tuple[int, int, int]] = field(default_factory=list)
+    weight_version_exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -170,19 +176,24 @@ def as_prompt(prompt: list[int] | str) -> Any:
     return TokensPrompt(prompt_token_ids=list(prompt))
 
 
-def spans(weight_versions: Any) -> list[tuple[str, int, int]]:
-    """vLLM's ``WeightVersionSpan`` list (or dicts from JSON) as plain tuples."""
+def spans(weight_versions: Any) -> list[tuple[int, int, int]]:
+    """vLLM's ``WeightVersionSpan`` list (or dicts from JSON) as plain tuples of ints."""
     result = []
     for span in weight_versions or []:
         if isinstance(span, dict):
-            result.append((str(span["version"]), int(span["start"]), int(span["end"])))
+            result.append((version_number(str(span["version"])), int(span["start"]), int(span["end"])))
         else:
-            result.append((str(span.version), int(span.start), int(span.end)))
+            result.append((version_number(str(span.version)), int(span.start), int(span.end)))
     return result
 
 
-def generations_from_outputs(outputs: Any, fallback_version: str | None) -> list[Generation]:
-    """Turn vLLM ``RequestOutput`` objects into :class:`Generation` s."""
+def generations_from_outputs(outputs: Any, version_before: int, version_after: int) -> list[Generation]:
+    """Turn vLLM ``RequestOutput`` objects into :class:`Generation` s.
+
+    ``version_before`` and ``version_after`` are the engine's versions read before the
+    request was sent and after it finished: a sample for which vLLM reports no spans (no
+    token generated) takes ``version_before``, exact when no push landed in between.
+    """
     result = []
     for output in outputs:
         prompt = list(output.prompt_token_ids or [])
@@ -194,7 +205,7 @@ def generations_from_outputs(outputs: Any, fallback_version: str | None) -> list
             logprobs = None
             if sample.logprobs is not None:
                 logprobs = [entry[token].logprob for entry, token in zip(sample.logprobs, token_ids)]
-            versions = spans(getattr(sample, "weight_versions", None))
+            versions = spans(getattr(sample, "weight_versions", None))  # (absent before vLLM 0.32)
             result.append(
                 Generation(
                     prompt_token_ids=prompt,
@@ -202,8 +213,9 @@ def generations_from_outputs(outputs: Any, fallback_version: str | None) -> list
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                     text=sample.text or None,
-                    weight_version=versions[0][0] if versions else fallback_version,
+                    weight_version=versions[0][0] if versions else version_before,
                     weight_versions=versions,
+                    weight_version_exact=bool(versions) or version_before == version_after,
                 )
             )
     return result

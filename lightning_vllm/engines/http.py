@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter
+from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter, version_number
 from lightning_vllm.engines.config_facts import lora_limits_from
 from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits
@@ -309,6 +309,10 @@ class HTTPEngine(ServesAdapter):
 
         The server needs a tokenizer beside its model for this route. Every field of
         ``sampling_params`` the route accepts is sent (see :func:`completion_fields`).
+
+        The route does not say which weight version produced the first token, so the version
+        is read before the request and after it: equal, it is exact; different (a push landed
+        meanwhile), each sample carries the earlier one with ``weight_version_exact=False``.
         """
         body = {
             "model": self.adapter.name if self.adapter is not None else self.served_model,
@@ -316,8 +320,9 @@ class HTTPEngine(ServesAdapter):
             "return_token_ids": True,
             **completion_fields(sampling_params),
         }
+        before = version_number(self.get_weight_version())
         response = self._request("POST", "v1/completions", json=body, timeout=self.generate_timeout_seconds)
-        version = self.get_weight_version()
+        exact = version_number(self.get_weight_version()) == before
         generations = []
         for choice in sorted(response["choices"], key=lambda choice: choice["index"]):
             prompt = list(choice.get("prompt_token_ids") or [])
@@ -335,7 +340,8 @@ class HTTPEngine(ServesAdapter):
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                     text=choice.get("text") or None,
-                    weight_version=version,
+                    weight_version=before,
+                    weight_version_exact=exact,
                 )
             )
         return generations

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs
+from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs, version_number
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 
 
@@ -84,10 +84,11 @@ class LocalLLMEngine(EngineConfigFacts):
 
     def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
         with self._generating:  # no commit in between: the version read is the one the tokens came from
+            version = version_number(self.get_weight_version())
             outputs = self.llm.generate(
                 [as_prompt(p) for p in prompts], sampling_params, use_tqdm=False, lora_request=self.lora_request()
             )
-            return generations_from_outputs(outputs, self.get_weight_version())
+            return generations_from_outputs(outputs, version, version)
 
 
 def _guard_request_socket(client: Any) -> bool:

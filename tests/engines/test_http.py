@@ -26,7 +26,42 @@ def test_generations_carry_tokens_logprobs_text_and_version(server):
     stats = updater.push_weights(tiny_qwen2(seed=5))
     (generation,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=0))
     assert len(generation.token_ids) == 4 and len(generation.logprobs) == 4
-    assert generation.text and generation.weight_version == str(stats.weight_version)
+    assert generation.text and generation.weight_version == stats.weight_version and generation.weight_version_exact
+    updater.close()
+
+
+def requests_running(url: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge, read from the server's open ``/metrics`` probe."""
+    import requests
+
+    for line in requests.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.engine
+def test_a_completion_overtaken_by_a_push_reports_the_version_it_started_on(server):
+    """A server cannot say which version produced a completion's first token: when a push lands while it
+    runs, the completion carries the version served when it was sent (never newer), marked inexact."""
+    from lightning_vllm._waits import BackgroundCall, wait_polling
+
+    engine = HTTPEngine(server.url)
+    updater = VLLMUpdater(engine=server.url)
+    started_on = updater.push_weights(tiny_qwen2(seed=5)).weight_version
+    long = SamplingParams(n=16, max_tokens=100, temperature=1.0, ignore_eos=True)
+    call = BackgroundCall(engine.generate, [[1, 2, 3]], long, what="a long completion")
+    wait_polling(
+        lambda: requests_running(server.url) >= 1 or call.done(),
+        timeout=30,
+        interval=0.05,
+        timeout_error=lambda: AssertionError("the server never ran the completion"),
+    )
+    assert not call.done(), "the completion ended before the push could overtake it"
+    updater.push_weights(tiny_qwen2(seed=6))
+    generations = call.result(60)
+    assert {g.weight_version for g in generations} == {started_on}
+    assert not any(g.weight_version_exact for g in generations)
     updater.close()
 
 

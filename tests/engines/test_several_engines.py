@@ -73,3 +73,20 @@ def test_tensor_parallel_workers_all_join_the_group(tp2_llm):
     assert_serves(tp2_llm, model)
     assert tp2_llm.get_weight_version() == "1"
     updater.close()
+
+
+def test_an_engine_that_cannot_be_reached_does_not_keep_the_push_from_the_others(llm):
+    from helpers import free_port
+
+    from lightning_vllm.errors import PartialPushError
+
+    model = tiny_qwen2(seed=63)
+    updater = VLLMUpdater(engine=[f"http://127.0.0.1:{free_port()}", llm], timeout_seconds=5)
+    message = r"reached engine\(s\) \[1\] but failed on engine 0.*Cannot reach"
+    with pytest.raises(PartialPushError, match=message) as caught:
+        updater.push_weights(model)
+    stats = caught.value.stats
+    assert (stats.worker_ids, stats.failed_worker_ids) == ((1,), (0,))
+    assert_serves(llm, model)
+    assert updater.weight_version == stats.weight_version == served_version(llm)
+    updater.close()
