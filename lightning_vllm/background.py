@@ -15,22 +15,19 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.errors import EngineConfigError, WeightSyncTimeoutError
+from lightning_vllm.options import WhenBusy
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
     from lightning_vllm.updater import SyncStats, VLLMUpdater
 
 log = logging.getLogger(__name__)
-
-WhenBusy = Literal["skip", "wait"]
-"""What a push point does while the previous push is still in flight: ``"skip"`` (training goes
-on; the next push point sends the newer weights) or ``"wait"`` (the training loop waits for it)."""
 
 
 @dataclass(frozen=True)

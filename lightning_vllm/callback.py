@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_vllm.background import BackgroundPusher, WhenBusy
-from lightning_vllm.engines import Generation, PauseMode
+from lightning_vllm.background import BackgroundPusher
+from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
 from lightning_vllm.errors import (
     EngineConfigError,
@@ -22,12 +22,12 @@ from lightning_vllm.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
+from lightning_vllm.options import LoraMode, PauseMode, SyncOptions, UpdaterOptions, WhenBusy, check_options
 from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.rollouts import RolloutSampler
 from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.updater import SyncStats, VLLMUpdater
-from lightning_vllm.weights.adapter import LoraMode
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class VLLMWeightSync(Callback):
             found automatically when ``None``.
         backend: ``"auto"``, ``"gloo"``, ``"nccl"`` or ``"ipc"`` (see ``VLLMUpdater``).
         master_address: address the trainer listens on for the rendezvous (loopback by default).
-        master_port: rendezvous port; ``None`` picks a free one.
+        master_port: rendezvous port; ``None`` picks a free one. With several engines, engine ``i``
+            listens on ``master_port + i``.
         timeout_seconds: the longest any single wait of a push may take.
         bucket_size_bytes: largest packed bucket on the wire.
         pause_mode: what engines serving during a push do with requests in flight
@@ -74,7 +75,8 @@ class VLLMWeightSync(Callback):
         max_staleness: the most versions a rollout may lag the trainer; ``None`` for no limit.
         generate_timeout_seconds: the longest one :meth:`generate` may take (10 minutes by
             default: long rollouts are legitimate, a frozen engine is not).
-        updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above.
+        updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above
+            (which must then stay at their defaults).
         blocking: ``True`` (default): a push point holds the training step until the engine
             has the weights. ``False``: the push point copies the weights into memory kept
             between pushes and training goes on while a background thread sends them; the
@@ -93,8 +95,9 @@ class VLLMWeightSync(Callback):
             misconfigured engine, weights that do not fit it) are raised either way.
 
     Raises:
-        ValueError: for a negative interval, both ``engine`` and ``updater``, or an unknown
-            ``on_sync_error`` or ``lora``.
+        ValueError: for an argument out of range, or two that conflict (``engine`` and ``updater``;
+            ``updater`` with settings it would ignore; ``when_busy`` without ``blocking=False``;
+            ``blocking=False`` with ``max_staleness=0``): see ``lightning_vllm.options``.
 
     Example::
 
@@ -127,30 +130,44 @@ class VLLMWeightSync(Callback):
         when_busy: WhenBusy = "skip",
         changed_only: bool = True,
     ) -> None:
+        updater_options = UpdaterOptions(
+            master_address=master_address,
+            master_port=master_port,
+            backend=backend,
+            bucket_size_bytes=bucket_size_bytes,
+            timeout_seconds=timeout_seconds,
+            model_attribute=model_attribute,
+            pause_mode=pause_mode,
+            lora=lora,
+            changed_only=changed_only,
+        )
+        num_engines = len(engine) if isinstance(engine, (list, tuple)) else int(engine is not None)
+        check_options(
+            SyncOptions(
+                updater=updater_options,
+                num_engines=len(updater.engines) if isinstance(updater, VLLMUpdater) else num_engines,
+                updater_given=updater is not None,
+                engine_given=engine is not None,
+                every_n_train_steps=every_n_train_steps or 0,
+                every_n_epochs=every_n_epochs or 0,
+                max_staleness=max_staleness,
+                generate_timeout_seconds=generate_timeout_seconds,
+                on_sync_error=on_sync_error,
+                blocking=blocking,
+                when_busy=when_busy,
+            )
+        )
         self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)
-        if on_sync_error not in ("raise", "warn"):
-            raise ValueError(f"Invalid value for on_sync_error={on_sync_error!r}. Must be 'raise' or 'warn'.")
         self.on_sync_error = on_sync_error
         self.sync_failures = 0
-        if engine is not None and updater is not None:
-            raise ValueError("Pass either engine=... or updater=..., not both: the updater already holds its engine.")
         self.push_on_fit_start = push_on_fit_start
         # vllm.LLM arguments: the engine is built on global rank 0 in setup.
         self._engine_args = dict(engine) if isinstance(engine, Mapping) else None
         self.updater = updater or VLLMUpdater(
-            master_address=master_address,
-            master_port=master_port,
             engine=None if self._engine_args is not None else engine,
-            pause_mode=pause_mode,
-            backend=backend,
-            timeout_seconds=timeout_seconds,
-            bucket_size_bytes=bucket_size_bytes,
-            model_attribute=model_attribute,
-            lora=lora,
-            changed_only=changed_only,
+            **vars(updater_options),
         )
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
-        # Background pushes (blocking=False); built here so a bad when_busy fails at construction.
         self.pusher = None if blocking else BackgroundPusher(self.updater, when_busy)
         self._unsent_push_points = 0  # skipped since the last push that started
         self._last_global_step_pushed = -1

@@ -202,7 +202,11 @@ class RolloutSampler:
         deadline: float,
     ) -> list[Generation]:
         call = BackgroundCall(
-            engine.generate, checked, sampling_params, what=f"{engine.description} to generate {len(checked)} prompt(s)"
+            engine.generate,
+            checked,
+            sampling_params,
+            timeout_seconds=max(deadline - time.monotonic(), 0.001),
+            what=f"{engine.description} to generate {len(checked)} prompt(s)",
         )
         try:
             wait_polling(

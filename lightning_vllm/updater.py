@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -19,19 +19,14 @@ from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.connection import ConnectionSettings, EngineConnection
-from lightning_vllm.engines import EngineTarget, PauseMode, as_engine_targets
+from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
-from lightning_vllm.settings import (
-    DEFAULT_BUCKET_SIZE_BYTES,
-    DEFAULT_TIMEOUT_SECONDS,
-    validate_bucket_size,
-    validate_timeout,
-)
+from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions, check_updater_options
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl
-from lightning_vllm.transports import check_backend_name
 from lightning_vllm.versions import WeightVersions
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
-from lightning_vllm.weights.adapter import LoraMode, adapter_source, choose_view, lora_policy, validate_lora_mode
+from lightning_vllm.weights.adapter import adapter_source, choose_view, lora_policy
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import as_metadata
 
@@ -81,7 +76,8 @@ class VLLMUpdater(TorchRLInterface):
     Args:
         master_address: address the trainer listens on for the rendezvous; the engine's
             workers must reach it there. Defaults to ``127.0.0.1`` (loopback).
-        master_port: port for the rendezvous; ``None`` picks a free one.
+        master_port: port for the rendezvous; ``None`` picks a free one. With several engines,
+            engine ``i`` (its worker id) listens on ``master_port + i``.
         model_metadata: ``{name: (dtype, shape)}`` of the weights to send, dtypes being
             the engine's serving dtypes; taken from the first pushed model when ``None``.
         vllm_tp_size: vLLM's tensor-parallel size; checked against the engine when given.
@@ -137,16 +133,22 @@ class VLLMUpdater(TorchRLInterface):
         lora: LoraMode = "auto",
         changed_only: bool = True,
     ) -> None:
-        if master_port is not None and not 0 <= master_port < 65536:
-            raise ValueError(f"Invalid value for master_port={master_port}. Must be in [0, 65535], or None.")
-        if vllm_tp_size is not None and vllm_tp_size < 1:
-            raise ValueError(f"Invalid value for vllm_tp_size={vllm_tp_size}. Must be >= 1.")
-        validate_timeout(timeout_seconds)
-        validate_bucket_size(bucket_size_bytes)
-        check_backend_name(backend)
-        if pause_mode not in ("keep", "wait", "abort"):
-            raise ValueError(f"Invalid value for pause_mode={pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
-        validate_lora_mode(lora)
+        self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
+        check_updater_options(
+            UpdaterOptions(
+                master_address=master_address,
+                master_port=master_port,
+                vllm_tp_size=vllm_tp_size,
+                backend=backend,
+                bucket_size_bytes=bucket_size_bytes,
+                timeout_seconds=timeout_seconds,
+                model_attribute=model_attribute,
+                pause_mode=pause_mode,
+                lora=lora,
+                changed_only=changed_only,
+            ),
+            num_engines=len(self._engines),
+        )
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
         self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
@@ -159,7 +161,6 @@ class VLLMUpdater(TorchRLInterface):
         self.pause_mode: PauseMode = pause_mode
         self.lora: LoraMode = lora
         self.changed_only = changed_only
-        self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
         self._connections: dict[int, EngineConnection] = {}
         self.versions = WeightVersions()
         self._post_hooks: list[Callable[[], Any]] = []
@@ -181,8 +182,14 @@ class VLLMUpdater(TorchRLInterface):
 
     def set_engine(self, engine: Any) -> None:
         """Replace the engine(s) this updater pushes to (leaving any group formed with the old ones)."""
+        engines = as_engine_targets(engine) if engine is not None else []
+        check_updater_options(self.options(), num_engines=len(engines))
         self.close()
-        self._engines = as_engine_targets(engine) if engine is not None else []
+        self._engines = engines
+
+    def options(self) -> UpdaterOptions:
+        """The settings this updater pushes with (its public attributes of the same names)."""
+        return UpdaterOptions(**{field.name: getattr(self, field.name) for field in fields(UpdaterOptions)})
 
     @property
     def initialized(self) -> bool:
@@ -229,6 +236,8 @@ class VLLMUpdater(TorchRLInterface):
         assert self.model_metadata is not None, "set by init or by the first push"
         # Read at each connection: the settings are public attributes a user may change.
         settings = ConnectionSettings(**{field.name: getattr(self, field.name) for field in fields(ConnectionSettings)})
+        if settings.master_port:  # a fixed port: one per engine, each group has its own rendezvous
+            settings = replace(settings, master_port=settings.master_port + worker_id)
         connection = EngineConnection.open(self._engines[worker_id], self.model_metadata, settings)
         self._connections[worker_id] = connection
         # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.

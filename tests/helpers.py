@@ -471,7 +471,7 @@ class FakeEngine:
     def resume_generation(self) -> None:
         pass
 
-    def generate(self, prompts, sampling_params):
+    def generate(self, prompts, sampling_params, *, timeout_seconds=None):
         """One empty sample per prompt, labelled with the version the fake holds."""
         from lightning_vllm import Generation
         from lightning_vllm.engines.base import version_number

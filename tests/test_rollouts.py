@@ -126,7 +126,7 @@ class GatedEngine(FakeEngine):
         self.gate = threading.Event()
         self.num_generates = 0
 
-    def generate(self, prompts, sampling_params):
+    def generate(self, prompts, sampling_params, *, timeout_seconds=None):
         self.num_generates += 1
         assert self.gate.wait(30), "the test never opened the gate"
         return super().generate(prompts, sampling_params)
@@ -161,7 +161,7 @@ def test_bad_prompts_never_reach_the_engine():
 
 
 class DeadEngine(FakeEngine):
-    def generate(self, prompts, sampling_params):
+    def generate(self, prompts, sampling_params, *, timeout_seconds=None):
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 
         raise VLLMEngineDeadError()
@@ -245,26 +245,6 @@ def test_an_engine_core_killed_mid_run_is_named_in_time(model_dir):
         shutdown(doomed)
 
 
-class OwnEngineRolloutModule(TinyCausalLM):
-    """Under DDP with an engine on every rank: each rank generates from its own, no gathering."""
-
-    def training_step(self, batch, batch_idx):
-        sampler = sampler_of(self)
-        assert sampler.ranks is None, "every rank holds an engine: nothing should go through rank 0"
-        prompts = [[1 + self.global_rank, 2], [3, 4 + self.global_rank]]
-        rollouts = generate(self, prompts)
-        assert [r.prompt_token_ids for r in rollouts] == prompts
-        return super().training_step(batch, batch_idx)
-
-
-def test_ranks_that_each_hold_an_engine_generate_from_their_own(tmp_path):
-    module = OwnEngineRolloutModule(tiny_qwen2(seed=0), lr=1e-3)
-    # Each spawned rank gets its own copy of the fake engine.
-    sync = VLLMWeightSync(engine=FakeEngine(module.hf), every_n_train_steps=1)
-    trainer = cpu_trainer(tmp_path, [sync], max_steps=2, strategy="ddp_spawn", devices=2, logger=False)
-    trainer.fit(module, token_batches(num_batches=4))  # an assertion failing on a rank fails the fit
-
-
 def test_pushes_that_failed_count_as_versions_the_engine_missed():
     sampler = RolloutSampler(VLLMUpdater(), max_staleness=1)
     versions = sampler.updater.versions
@@ -283,7 +263,7 @@ class PausedEngine(FakeEngine):
         super().__init__(model)
         self.refusals, self.error, self.calls = refusals, error, 0
 
-    def generate(self, prompts, sampling_params):
+    def generate(self, prompts, sampling_params, *, timeout_seconds=None):
         self.calls += 1
         if self.calls <= self.refusals:
             raise self.error
@@ -320,3 +300,21 @@ def test_other_generate_errors_are_not_retried():
     with pytest.raises(ValueError, match="bad sampling params"):
         RolloutSampler(VLLMUpdater(engine=engine)).generate([[1, 2, 3]], SamplingParams(max_tokens=1))
     assert engine.calls == 1
+
+
+class RecordsTimeouts(FakeEngine):
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.timeouts: list[float | None] = []
+
+    def generate(self, prompts, sampling_params, *, timeout_seconds=None):
+        self.timeouts.append(timeout_seconds)
+        return super().generate(prompts, sampling_params)
+
+
+def test_the_engine_is_given_what_is_left_of_the_generate_timeout():
+    engine = RecordsTimeouts(tiny_qwen2())
+    sampler = RolloutSampler(VLLMUpdater(engine=engine), timeout_seconds=30)
+    sampler.generate([[1, 2]])
+    sampler.generate([[1, 2]], timeout_seconds=5)
+    assert 29 < engine.timeouts[0] <= 30 and 4 < engine.timeouts[1] <= 5

@@ -197,7 +197,9 @@ class ReceiverEngine:
     def resume_generation(self) -> None:
         """Nothing to resume."""
 
-    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None
+    ) -> list[Generation]:
         raise ValueError(
             f"{self.description} only loads weights (a Hugging Face model standing in for vLLM's model runner); "
             "it does not generate."

@@ -116,5 +116,7 @@ class AsyncLLMEngine(EngineConfigFacts):
         after = version_number(await self.async_llm.get_weight_version())
         return generations_from_outputs(outputs, before, after)
 
-    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None
+    ) -> list[Generation]:
         return self.run(self.generate_async(prompts, sampling_params))

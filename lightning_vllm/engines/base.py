@@ -4,18 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
+from lightning_vllm.options import PauseMode
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.transports.lora_worker import adapter_directory
 from lightning_vllm.weights.checks import ExpectedWeights
-
-PauseMode = Literal["abort", "wait", "keep"]
-"""How requests in flight are treated while weights change (vLLM's ``pause_generation`` modes):
-``"keep"`` freezes them and resumes them afterwards (nothing is lost), ``"wait"`` lets them
-finish first, ``"abort"`` drops them."""
 
 
 @dataclass
@@ -158,11 +154,16 @@ class EngineTarget(Protocol):
 
     def resume_generation(self) -> None: ...
 
-    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None
+    ) -> list[Generation]:
         """Sample completions with vLLM ``SamplingParams``; one entry per sample, prompt by prompt.
 
         Prompts are token-id lists, or text when the engine has a tokenizer, already
-        checked against :meth:`prompt_limits`. The caller bounds the wait.
+        checked against :meth:`prompt_limits`. ``timeout_seconds`` is the longest the call
+        may take (``None``: the adapter's own default); an adapter that can end its request
+        at that time does (a server's HTTP request, a Ray call), the others rely on the
+        caller, which bounds the wait either way.
         """
         ...
 

@@ -101,7 +101,9 @@ class HTTPEngine(ServesAdapter):
         api_key: sent as ``Authorization: Bearer`` on every request; defaults to the
             ``VLLM_API_KEY`` environment variable. Servers that guard their RL routes
             with :class:`lightning_vllm.server.RequireAPIKey` (or ``--api-key``) need it.
-        generate_timeout_seconds: the longest one ``/v1/completions`` request may take.
+        generate_timeout_seconds: the longest one ``/v1/completions`` request may take when
+            :meth:`generate` is not given its own ``timeout_seconds`` (rollouts through the callback
+            always give the callback's ``generate_timeout_seconds``).
 
     Example::
 
@@ -304,7 +306,9 @@ class HTTPEngine(ServesAdapter):
         """The model name the server answers to."""
         return str(self._request("GET", "v1/models")["data"][0]["id"])
 
-    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None
+    ) -> list[Generation]:
         """Sample through the OpenAI-compatible ``/v1/completions`` route (token-id or text prompts).
 
         The server needs a tokenizer beside its model for this route. Every field of
@@ -321,7 +325,8 @@ class HTTPEngine(ServesAdapter):
             **completion_fields(sampling_params),
         }
         before = version_number(self.get_weight_version())
-        response = self._request("POST", "v1/completions", json=body, timeout=self.generate_timeout_seconds)
+        timeout = self.generate_timeout_seconds if timeout_seconds is None else timeout_seconds
+        response = self._request("POST", "v1/completions", json=body, timeout=timeout)
         exact = version_number(self.get_weight_version()) == before
         generations = []
         for choice in sorted(response["choices"], key=lambda choice: choice["index"]):

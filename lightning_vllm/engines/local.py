@@ -82,7 +82,9 @@ class LocalLLMEngine(EngineConfigFacts):
     def resume_generation(self) -> None:
         """Nothing to resume."""
 
-    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None
+    ) -> list[Generation]:
         with self._generating:  # no commit in between: the version read is the one the tokens came from
             version = version_number(self.get_weight_version())
             outputs = self.llm.generate(

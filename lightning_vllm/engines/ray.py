@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter
 from lightning_vllm.engines.local import LocalLLMEngine
+from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights
@@ -71,10 +72,19 @@ class RayEngine(ServesAdapter):
         self.handle = handle
         self._facts: dict[str, Any] | None = None
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, timeout_seconds: float | None = None) -> Any:
+        """Call the actor's ``method`` and wait for its answer (at most ``timeout_seconds``; callers of
+        control calls bound them too)."""
         import ray
+        from ray.exceptions import GetTimeoutError
 
-        return ray.get(getattr(self.handle, method).remote(*args))
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_seconds)
+        except GetTimeoutError as error:
+            raise WeightSyncTimeoutError(
+                f"{self.description} did not answer {method} within {timeout_seconds:g} s; it may be frozen or "
+                "overloaded (raise generate_timeout_seconds for longer rollouts)."
+            ) from error
 
     @property
     def facts(self) -> dict[str, Any]:
@@ -153,5 +163,7 @@ class RayEngine(ServesAdapter):
     def resume_generation(self) -> None:
         """Nothing to resume."""
 
-    def generate(self, prompts: Sequence[list[int] | str], sampling_params: Any) -> list[Generation]:
-        return self._call("generate", prompts, sampling_params)
+    def generate(
+        self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None
+    ) -> list[Generation]:
+        return self._call("generate", prompts, sampling_params, timeout_seconds=timeout_seconds)

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.options import BACKENDS
 from lightning_vllm.transports.gloo.messages import GlooTrainerInitInfo
 
-BACKENDS = ("auto", "gloo", "nccl", "ipc")
 GPU_BACKENDS = ("nccl", "ipc")
 """vLLM's own engines: they send from the trainer's GPU."""
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
 
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.options import LoraMode
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.lora import is_adapter_parameter
@@ -30,12 +31,6 @@ from lightning_vllm.weights.model import canonical_name
 
 log = logging.getLogger(__name__)
 
-LoraMode = Literal["auto", "adapter", "merged"]
-"""How a PEFT LoRA policy is pushed: ``"adapter"`` sends the adapter alone (the engine
-serves it as a LoRA), ``"merged"`` sends base + adapter merged into full weights,
-``"auto"`` sends the adapter whenever every engine can serve it, merged weights otherwise."""
-
-LORA_MODES = get_args(LoraMode)
 ADAPTER_PREFIX = "base_model.model."
 # Config fields vLLM's PEFTHelper reads; the rest of a PEFT config (paths, init
 # options that only matter before training) is left out of the message.
@@ -44,12 +39,6 @@ _CONFIG_FIELDS = (
     "init_lora_weights", "alora_invocation_tokens", "layer_replication", "use_qalora", "rank_pattern",
     "alpha_pattern",
 )  # fmt: skip
-
-
-def validate_lora_mode(lora: str) -> None:
-    """Raise a ``ValueError`` naming the accepted values if ``lora`` is not one of them."""
-    if lora not in LORA_MODES:
-        raise ValueError(f"Invalid value for lora={lora!r}. Must be 'auto', 'adapter' or 'merged'.")
 
 
 @dataclass(frozen=True)

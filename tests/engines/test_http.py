@@ -7,10 +7,17 @@ import threading
 import time
 
 import pytest
-from helpers import free_port, tiny_qwen2
+from helpers import TinyCausalLM, cpu_trainer, free_port, tiny_qwen2, token_batches
 from vllm import SamplingParams
 
-from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm import (
+    EngineConfigError,
+    HTTPEngine,
+    VLLMUpdater,
+    VLLMWeightSync,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 
 
 @pytest.mark.engine
@@ -206,3 +213,59 @@ def test_the_guarded_servers_rl_routes_refuse_requests_without_the_key(server):
     assert not requests.get(
         f"{server.url}/is_paused", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30
     ).json()["is_paused"]
+
+
+def test_a_completion_is_bounded_by_the_timeout_its_caller_gives():
+    """The callback's generate_timeout_seconds reaches the server's request, not the adapter's own 600 s."""
+
+    class Hangs(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  # (http.server's name)
+            time.sleep(5)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hangs)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    engine = HTTPEngine(f"http://127.0.0.1:{httpd.server_address[1]}")
+    engine.served_model = "m"  # (what /v1/models would say)
+    engine.get_weight_version = lambda: "1"  # (what /weight_info would say)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncTimeoutError, match="did not answer /v1/completions within 1 s"):
+            engine.generate([[1, 2]], SamplingParams(max_tokens=1), timeout_seconds=1)
+    finally:
+        httpd.shutdown()
+    assert time.monotonic() - start < 4 and engine.generate_timeout_seconds == 600
+
+
+class ServerRolloutModule(TinyCausalLM):
+    """Under DDP with the server's URL on every rank: each rank generates from it directly (nothing goes
+    through rank 0), and every rank knows the version rank 0 pushed (staleness 0 on both)."""
+
+    def training_step(self, batch, batch_idx):
+        from vllm import SamplingParams
+
+        from lightning_vllm import generate
+        from lightning_vllm.rollouts import sampler_of
+
+        sampler = sampler_of(self)
+        assert sampler.ranks is None, "every rank holds an engine: nothing should go through rank 0"
+        prompts = [[1 + self.global_rank, 2], [3, 4 + self.global_rank]]
+        rollouts = generate(self, prompts, SamplingParams(max_tokens=2))
+        assert [r.prompt_token_ids for r in rollouts] == prompts
+        versions = {r.weight_version for r in rollouts}
+        assert versions == {sampler.updater.weight_version}, (
+            self.global_rank,
+            versions,
+            sampler.updater.weight_version,
+        )
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.engine
+def test_ddp_ranks_that_each_hold_the_server_generate_from_it_and_know_its_version(server, tmp_path):
+    module = ServerRolloutModule(tiny_qwen2(seed=0), lr=1e-3)
+    sync = VLLMWeightSync(engine=server.url, every_n_train_steps=1)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=2, strategy="ddp_spawn", devices=2, logger=False)
+    trainer.fit(module, token_batches(num_batches=4))  # an assertion failing on a rank fails the fit

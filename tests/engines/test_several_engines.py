@@ -26,9 +26,26 @@ def second_llm(model_dir):
     shutdown(engine)
 
 
+def two_free_ports() -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` are free on loopback now (bounded: 50 tries)."""
+    import socket
+
+    from helpers import free_port
+
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.create_server(("127.0.0.1", port + 1)):
+                return port
+        except OSError:
+            continue
+    raise AssertionError("no two consecutive free ports in 50 tries")
+
+
 def test_training_keeps_two_engines_in_sync(llm, second_llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
-    sync = VLLMWeightSync(engine=[llm, second_llm], every_n_train_steps=2)
+    # A fixed master_port: engine i listens on master_port + i, so both groups form.
+    sync = VLLMWeightSync(engine=[llm, second_llm], every_n_train_steps=2, master_port=two_free_ports())
     served_before = max(served_version(llm), served_version(second_llm))
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
     assert_serves(llm, module.hf)

@@ -1,0 +1,160 @@
+"""The arguments of ``VLLMWeightSync`` and ``VLLMUpdater``, checked together by one pure function.
+
+Options that conflict (an option another one makes meaningless, two that cannot both
+hold) are refused at construction with an error that names both, instead of being
+ignored or failing later depending on timing. :func:`check_options` is a pure
+function of :class:`SyncOptions`, so every combination is tested without an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from lightning_vllm.settings import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_GENERATE_TIMEOUT_SECONDS,
+    DEFAULT_TIMEOUT_SECONDS,
+    validate_bucket_size,
+    validate_timeout,
+)
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""How requests in flight are treated while weights change (vLLM's ``pause_generation`` modes):
+``"keep"`` freezes them and resumes them afterwards (nothing is lost), ``"wait"`` lets them
+finish first, ``"abort"`` drops them."""
+
+LoraMode = Literal["auto", "adapter", "merged"]
+"""How a PEFT LoRA policy is pushed: ``"adapter"`` sends the adapter alone (the engine
+serves it as a LoRA), ``"merged"`` sends base + adapter merged into full weights,
+``"auto"`` sends the adapter whenever every engine can serve it, merged weights otherwise."""
+
+WhenBusy = Literal["skip", "wait"]
+"""What a push point does while the previous push is still in flight: ``"skip"`` (training goes
+on; the next push point sends the newer weights) or ``"wait"`` (the training loop waits for it)."""
+
+BACKENDS = ("auto", "gloo", "nccl", "ipc")
+"""Weight-transfer backends: ``gloo`` is ours (CPUs), ``nccl`` and ``ipc`` are vLLM's (GPUs)."""
+
+_MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class UpdaterOptions:
+    """``VLLMUpdater``'s settings (see its docstring); the defaults are its defaults."""
+
+    master_address: str | None = None
+    master_port: int | None = None
+    vllm_tp_size: int | None = None
+    backend: str = "auto"
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    model_attribute: str | None = None
+    pause_mode: PauseMode = "keep"
+    lora: LoraMode = "auto"
+    changed_only: bool = True
+
+    def given(self) -> list[str]:
+        """The names of the settings that differ from the defaults."""
+        default = UpdaterOptions()
+        return [field.name for field in fields(self) if getattr(self, field.name) != getattr(default, field.name)]
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """Everything ``VLLMWeightSync`` is built with, as :func:`check_options` judges it.
+
+    Attributes:
+        updater: the updater's settings, as passed to the callback (or to the updater).
+        num_engines: how many engines the updater pushes to (0: none on this rank, or not known yet).
+        updater_given: the callback was handed a ready ``VLLMUpdater`` (``updater=``).
+        engine_given: the callback was handed an engine (``engine=``).
+    """
+
+    updater: UpdaterOptions = UpdaterOptions()
+    num_engines: int = 1
+    updater_given: bool = False
+    engine_given: bool = False
+    every_n_train_steps: int = 1
+    every_n_epochs: int = 0
+    max_staleness: int | None = None
+    generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS
+    on_sync_error: str = "raise"
+    blocking: bool = True
+    when_busy: str = "skip"
+
+
+def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None:
+    """Raise ``ValueError`` for a ``VLLMUpdater`` setting out of range or in conflict with another.
+
+    Several engines with a fixed ``master_port`` take one port each, from ``master_port`` on.
+
+    Example::
+
+        >>> check_updater_options(UpdaterOptions(master_port=65535), num_engines=2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid value for master_port=65535 with 2 engines: ... at most 65534.
+    """
+    port = options.master_port
+    if port is not None and not 0 <= port <= _MAX_PORT:
+        raise ValueError(f"Invalid value for master_port={port}. Must be in [0, 65535], or None.")
+    if port and port + num_engines - 1 > _MAX_PORT:
+        raise ValueError(
+            f"Invalid value for master_port={port} with {num_engines} engines: engine i listens on "
+            f"master_port + i, so it must be at most {_MAX_PORT - num_engines + 1}."
+        )
+    if options.vllm_tp_size is not None and options.vllm_tp_size < 1:
+        raise ValueError(f"Invalid value for vllm_tp_size={options.vllm_tp_size}. Must be >= 1.")
+    validate_timeout(options.timeout_seconds)
+    validate_bucket_size(options.bucket_size_bytes)
+    if options.backend not in BACKENDS:
+        raise ValueError(
+            f"Invalid value for backend={options.backend!r}. Must be one of {', '.join(map(repr, BACKENDS))}."
+        )
+    if options.pause_mode not in ("keep", "wait", "abort"):
+        raise ValueError(f"Invalid value for pause_mode={options.pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
+    if options.lora not in ("auto", "adapter", "merged"):
+        raise ValueError(f"Invalid value for lora={options.lora!r}. Must be 'auto', 'adapter' or 'merged'.")
+
+
+def check_options(options: SyncOptions) -> None:
+    """Raise ``ValueError`` for an argument of ``VLLMWeightSync`` out of range, or in conflict with another.
+
+    Example::
+
+        >>> check_options(SyncOptions(blocking=False, max_staleness=0))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: blocking=False cannot hold max_staleness=0: ... or blocking=True.
+    """
+    if options.engine_given and options.updater_given:
+        raise ValueError("Pass either engine=... or updater=..., not both: the updater already holds its engine.")
+    ignored = options.updater.given()
+    if options.updater_given and ignored:
+        raise ValueError(
+            f"updater=... already holds its own settings, so {', '.join(ignored)} would be ignored. Set them on the "
+            "VLLMUpdater, or pass engine=... instead of updater=...."
+        )
+    check_updater_options(options.updater, options.num_engines)
+    for name in ("every_n_train_steps", "every_n_epochs"):
+        if getattr(options, name) < 0:
+            raise ValueError(f"Invalid value for {name}={getattr(options, name)}. Must be >= 0.")
+    if options.max_staleness is not None and options.max_staleness < 0:
+        raise ValueError(f"Invalid value for max_staleness={options.max_staleness}. Must be >= 0, or None.")
+    if options.generate_timeout_seconds <= 0:
+        raise ValueError(f"Invalid value for generate_timeout_seconds={options.generate_timeout_seconds}. Must be > 0.")
+    if options.on_sync_error not in ("raise", "warn"):
+        raise ValueError(f"Invalid value for on_sync_error={options.on_sync_error!r}. Must be 'raise' or 'warn'.")
+    if options.when_busy not in ("skip", "wait"):
+        raise ValueError(f"Invalid value for when_busy={options.when_busy!r}. Must be 'skip' or 'wait'.")
+    if options.blocking and options.when_busy != "skip":
+        raise ValueError(
+            f"when_busy={options.when_busy!r} applies to background pushes only: pass blocking=False with it, or "
+            "leave when_busy at its default."
+        )
+    if not options.blocking and options.max_staleness == 0:
+        raise ValueError(
+            "blocking=False cannot hold max_staleness=0: rollouts sampled while a background push is on its way "
+            "are one version behind. Pass max_staleness >= 1, or blocking=True."
+        )
