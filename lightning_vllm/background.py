@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_vllm._waits import BackgroundCall
+from lightning_vllm.engines.base import ChecksBackgroundPushes
 from lightning_vllm.errors import EngineConfigError, WeightSyncTimeoutError
 from lightning_vllm.options import WhenBusy
 from lightning_vllm.weights.snapshot import SnapshotMemory
@@ -72,7 +73,7 @@ class BackgroundPusher:
             EngineConfigError: an engine may not (says which and why).
         """
         for engine in self.updater.engines:
-            problem = getattr(engine, "background_push_problem", lambda: None)()
+            problem = engine.background_push_problem() if isinstance(engine, ChecksBackgroundPushes) else None
             if problem is not None:
                 raise EngineConfigError(
                     f"Background pushes (blocking=False) cannot drive the {engine.description} engine: {problem}. "
@@ -113,13 +114,16 @@ class BackgroundPusher:
             landed = push.result(0)
         try:
             prepared = self.updater.prepare_push(weights, worker_ids)
-            snapshot = self.memory.take(prepared.source)
+            snapshot = self.memory.take(prepared.payload.weights, prepared.payload.stamps)
         except BaseException:
             self.updater.versions.skip()  # these weights reach no engine
             raise
         version = self.updater.versions.begin()
         self._push = BackgroundCall(
-            self.updater.send_prepared, replace(prepared, source=snapshot), version, what=f"weight version {version}"
+            self.updater.send_prepared,
+            replace(prepared, payload=prepared.payload.with_weights(snapshot)),
+            version,
+            what=f"weight version {version}",
         )
         return Submitted(True, time.perf_counter() - start, version, landed)
 

@@ -24,15 +24,17 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
 from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
-from lightning_vllm.engines.base import PolicyAdapter, version_number
+from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.transports import check_trainer_can_send, resolve_backend, trainer_init_info
+from lightning_vllm.transports.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.transports.plugin import GLOO, register_backends
 from lightning_vllm.weights import DeclaredWeights, ModelMetadata, WireWeights, check_weights
 from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraLimits, adapter_problems
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.changes import SentStamps, source_stamps
+from lightning_vllm.weights.changes import SentStamps
 from lightning_vllm.weights.checks import ExpectedWeights, check_tied_output_embedding, loaded_by_engine
+from lightning_vllm.weights.payload import Payload
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +116,8 @@ class EngineConnection:
         def bounded(fn: Callable[..., Any], what: str) -> Any:
             return call_with_timeout(fn, timeout=settings.timeout_seconds, what=what)
 
-        follow_timeout = getattr(engine, "follow_timeout", None)
-        if follow_timeout is not None:  # a server adapter's requests wait as long as the updater does
-            follow_timeout(settings.timeout_seconds)
+        if isinstance(engine, FollowsUpdaterTimeout):  # a server's requests wait as long as the updater does
+            engine.follow_timeout(settings.timeout_seconds)
 
         backend = _checked_backend(engine, settings, bounded)
         wire, ties = _wire_metadata(engine, metadata, bounded)
@@ -178,36 +179,35 @@ class EngineConnection:
             problems.append(
                 f"adapter pushes need the gloo backend; the {engine.description} engine uses {self.backend!r}"
             )
-        elif not hasattr(engine, "lora_limits") or not hasattr(engine, "serve_adapter"):
-            problems.append(f"the {engine.description} engine target has no lora_limits() and serve_adapter()")
+        elif not isinstance(engine, ServesLoraAdapters):
+            problems.append(f"the {engine.description} engine target does not declare ServesLoraAdapters")
         else:
             limits = self._call(engine.lora_limits, what=f"{engine.description}'s LoRA settings")
             expected = self._call(engine.expected_weights, what=f"{engine.description}'s model facts")
-            check_serves_adapters = getattr(engine, "check_serves_adapters", None)
-            if limits is not None and check_serves_adapters is not None:
+            if limits is not None:
                 try:
-                    self._call(check_serves_adapters, what=f"{engine.description} to describe its LoRA routes")
+                    self._call(engine.check_serves_adapters, what=f"{engine.description} to describe its LoRA routes")
                 except EngineConfigError as error:
                     problems.append(str(error))
         self._lora_facts = (limits, expected, problems)
         return self._lora_facts
 
-    def check(self, source: Weights, offered: ModelMetadata) -> None:
-        """Check that ``source`` (whose metadata is ``offered``) fits this engine; nothing is sent.
+    def check(self, payload: Payload, offered: ModelMetadata) -> None:
+        """Check that ``payload`` (whose weights' metadata is ``offered``) fits this engine; nothing is sent.
 
-        An adapter push (a source with an ``adapter_config``) is checked on its base
-        weights, if it carries them; the adapter itself was judged when it was chosen.
+        An adapter push is checked on its base weights, if it carries them; the adapter
+        itself was judged when it was chosen.
 
         Raises:
             WeightsMismatchError: names, shapes, dtypes or tied embeddings do not fit.
         """
         base = {name: meta for name, meta in offered.items() if not name.startswith(ADAPTER_PREFIX)}
-        if getattr(source, "adapter_config", None) is not None and not base:
+        if payload.carries_adapter and not base:
             return
         offered_here = loaded_by_engine(base, self.ties_word_embeddings)
         check_weights(self.wire, offered_here, what="The weights pushed")
         if self.ties_word_embeddings:
-            check_tied_output_embedding(source, offered)
+            check_tied_output_embedding(payload.weights, offered)
 
     def _push_wire(self, source: Weights) -> ModelMetadata:
         """What one push of ``source`` puts on the wire: the engine's weights, and an adapter's
@@ -223,8 +223,8 @@ class EngineConnection:
             wire[name] = (dtype, torch.Size(meta.shape))
         return wire
 
-    def push(self, source: Weights, version: int) -> int:
-        """Send ``source`` and commit it as ``version``; returns the bytes sent.
+    def push(self, payload: Payload, version: int) -> int:
+        """Send ``payload`` and commit it as ``version``; returns the bytes sent.
 
         With the gloo backend the workers receive the whole update while the engine
         keeps generating with its current weights, and generation is paused only
@@ -236,38 +236,35 @@ class EngineConnection:
         With ``changed_only``, layer groups whose every tensor is as this connection last
         sent it are left out (``weights/changes.py``); the engine keeps them.
 
-        A source with an ``adapter_config`` carries a LoRA adapter: the workers stage it
-        for vLLM's LoRA loader, and from the commit on the engine generates through it.
+        A payload that carries a LoRA adapter: the workers stage it for vLLM's LoRA
+        loader, and from the commit on the engine generates through it.
         """
-        pause_for_transfer = not getattr(self.transfer, "loads_at_finish", False)
+        # Our gloo workers receive the whole update while vLLM serves and load it inside
+        # finish_weight_update: generation needs pausing around that call only.
+        pause_for_transfer = self.backend != GLOO
         if pause_for_transfer:
             self._pause()
-        config = getattr(source, "adapter_config", None)
-        adapter = self.adapter if config is not None else None
+        source = payload.weights
+        adapter = self.adapter if payload.adapter_config is not None else None
         wire = self._push_wire(source)
-        stamps = source_stamps(source) if self.settings.changed_only else None
+        stamps = payload.stamps if self.settings.changed_only else None
         unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps)
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
         sent = WireWeights(source, wire, device=self.device)
-        sent.adapter_message = adapter.message(config) if adapter is not None and config is not None else None
-        # vLLM's trainer engines replay their `source` and end the update with
-        # `client.finish_weight_update()`: both are set for this push only.
-        self.transfer.source = sent
-        self.transfer.client = self.client.committing(
+        client = self.client.committing(
             str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
         )
+        adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
         try:
-            self._send()
+            self._send(sent, client, adapter_message)
         except BaseException:
             # The engine may be frozen or gone: release its side without waiting, so
             # the error reaches the caller within timeout_seconds.
             self.close(wait=False)
             raise
         finally:
-            self.transfer.source = None
-            self.transfer.client = self.client
             if pause_for_transfer:
                 self._resume()
         if adapter is None:
@@ -278,8 +275,13 @@ class EngineConnection:
         self.last_num_bytes = wire_bytes(wire)
         return self.last_num_bytes
 
-    def _send(self) -> None:
-        """Run the trainer engine's ``send_weights``, every wait bounded.
+    def _send(self, source: Weights, client: TimedClient, adapter_message: dict[str, Any] | None) -> None:
+        """Send ``source`` through the trainer engine, ending with ``client.finish_weight_update()``
+        (which commits the version); every wait bounded.
+
+        Ours (gloo) is handed the push's source, client and adapter. vLLM's NCCL and IPC
+        engines read ``self.source`` and ``self.client`` in ``send_weights``: they are set for
+        this push only, and restored after it.
 
         Ours (gloo) bounds each of its waits by ``timeout_seconds``. vLLM's NCCL and IPC
         engines wait on NCCL and CUDA, which have no timeouts (a receiver killed mid-push
@@ -287,9 +289,16 @@ class EngineConnection:
         ``timeout_seconds``; on timeout the caller closes the connection, which aborts the
         NCCL communicator and so releases the GPU work stuck in it.
         """
-        if self.backend == GLOO:
-            self.transfer.send_weights()
+        if isinstance(self.transfer, GlooTrainerWeightTransferEngine):
+            self.transfer.send_push(source, client, adapter_message)
             return
+        self.transfer.source, self.transfer.client = source, client
+        try:
+            self._send_vllm()
+        finally:
+            self.transfer.source, self.transfer.client = None, self.client
+
+    def _send_vllm(self) -> None:
         device = self.device
         if device is not None and device.index is not None:
             # vLLM's producers read the tensors on streams of their own, which do not wait for the work this
@@ -319,9 +328,11 @@ class EngineConnection:
             self._pause()
         try:
             yield
-            if getattr(self.engine, "adapter", None) != adapter:  # a first adapter push, or a merged one after it
-                serve_adapter = self.engine.serve_adapter  # type: ignore[attr-defined]  # see adapter_problems
-                self._call(serve_adapter, adapter, what=f"{self.engine.description} to serve the adapter")
+            engine = self.engine
+            # A first adapter push, or a merged one after adapter pushes (an engine that cannot serve
+            # adapters was sent merged weights only: see adapter_problems).
+            if isinstance(engine, ServesLoraAdapters) and engine.adapter != adapter:
+                self._call(engine.serve_adapter, adapter, what=f"{engine.description} to serve the adapter")
             if self.settings.reset_prefix_cache:
                 self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
         except BaseException:

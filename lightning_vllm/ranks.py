@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.fsdp import holds_fsdp_units
+from lightning_vllm.weights.payload import PushView
 from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
 if TYPE_CHECKING:
@@ -169,11 +171,6 @@ class LockstepWeights(Weights):
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
         self._left_in_group = 0
 
-    @property
-    def adapter_config(self) -> dict[str, Any] | None:
-        """The source's LoRA adapter config, when it carries an adapter (see ``weights.adapter``)."""
-        return getattr(self.source, "adapter_config", None)
-
     def declare(self) -> list[ParamMeta]:
         return list(self.source.metadata)
 
@@ -255,11 +252,13 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
     weights: LockstepWeights | None = None
     counted = False  # whether updater.push_weights counted this push point in the versions
     try:
-        weights = LockstepWeights(updater.source_for_view(module, view), ranks)
+        # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
+        payload = replace(updater.payload_for(module, view), stamps=None)
+        weights = LockstepWeights(payload.weights, ranks)
         weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
         if ranks.rank == 0:
             counted = True
-            stats = updater.push_weights(weights)
+            stats = updater.push_weights(payload.with_weights(weights))
             weights.check_in(DONE, stats.weight_version)
             return stats
         updater.versions.adopt([weights.follow(), -1, 0, 0])  # rank 0's, after its commit
@@ -275,7 +274,7 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
         raise
 
 
-def _agreed_lora_view(updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks) -> str:
+def _agreed_lora_view(updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks) -> PushView:
     """How this push sends a LoRA policy (``VLLMUpdater.lora_view``), decided on rank 0 for every rank.
 
     The ranks must iterate the same tensors (adapter alone, or base then adapter) to
@@ -296,7 +295,7 @@ def _agreed_lora_view(updater: VLLMUpdater, module: torch.nn.Module, ranks: Trai
         raise error
     if shared.startswith("!"):
         raise PushAborted(f"The push failed on trainer rank 0: {shared[1:]}")
-    return shared
+    return cast(PushView, shared)
 
 
 class _NoWeights(Weights):

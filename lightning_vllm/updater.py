@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import WeightSource
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.connection import ConnectionSettings, EngineConnection
 from lightning_vllm.engines import EngineTarget, as_engine_targets
+from lightning_vllm.engines.base import ServesLoraAdapters
 from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
 from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions, check_updater_options
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
@@ -29,6 +30,7 @@ from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.adapter import adapter_source, choose_view, lora_policy
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import as_metadata
+from lightning_vllm.weights.payload import Payload, PushView
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,10 @@ class SyncStats:
 
 @dataclass(frozen=True)
 class PreparedPush:
-    """A checked push not sent yet: the source to send, the engines it goes to (by worker id),
+    """A checked push not sent yet: what it carries, the engines it goes to (by worker id),
     and the engines it cannot reach (their errors, by worker id)."""
 
-    source: Weights
+    payload: Payload
     worker_ids: list[int]
     unreachable: dict[int, BaseException] = field(default_factory=dict)
 
@@ -327,18 +329,21 @@ class VLLMUpdater(TorchRLInterface):
         """
         weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
         targets = self._resolve_worker_ids(worker_ids)
-        source = self.source_for_view(weights, self.lora_view(weights, targets))
+        if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
+            payload = weights
+        else:
+            payload = self.payload_for(weights, self.lora_view(weights, targets))
+        offered = source_metadata(payload.weights)
         if self.model_metadata is None:  # (an adapter view set it from the merged weights)
-            self.model_metadata = source_metadata(source)
-        offered = source_metadata(source)
+            self.model_metadata = offered
         connections, unreachable = self._connect_each(targets)
         for connection in connections.values():  # every check before the first byte moves
-            connection.check(source, offered)
-        return PreparedPush(source, list(connections), unreachable)
+            connection.check(payload, offered)
+        return PreparedPush(payload, list(connections), unreachable)
 
     def send_prepared(self, push: PreparedPush, version: int) -> SyncStats:
-        """Send a push made by :meth:`prepare_push` (whose ``source`` may since have been replaced
-        by a copy with the same metadata) and commit it as ``version`` (from ``versions.begin()``).
+        """Send a push made by :meth:`prepare_push` (whose payload's weights may since have been
+        replaced by a copy with the same metadata) and commit it as ``version`` (from ``versions.begin()``).
 
         Every engine is tried, whatever happened to the others. The version is committed as soon
         as one engine has it (a version never names two sets of weights); an engine that fails
@@ -358,7 +363,7 @@ class VLLMUpdater(TorchRLInterface):
         try:
             for worker_id in push.worker_ids:
                 try:
-                    self._sync_weights_with_worker(worker_id=worker_id, server_weights=push.source, version=version)
+                    self._sync_weights_with_worker(worker_id=worker_id, server_weights=push.payload, version=version)
                 except Exception as error:  # noqa: BLE001  # the other engines still get the push
                     failures[worker_id] = error
                     continue
@@ -394,7 +399,7 @@ class VLLMUpdater(TorchRLInterface):
         """Whether a push of ``weights`` may send a LoRA adapter alone (then :meth:`lora_view` decides)."""
         return self.lora != "merged" and lora_policy(weights, self.model_attribute) is not None
 
-    def lora_view(self, weights: Any, worker_ids: Sequence[int] | None = None) -> str:
+    def lora_view(self, weights: Any, worker_ids: Sequence[int] | None = None) -> PushView:
         """How a push of ``weights`` is sent: ``"merged"`` (full weights, as given), ``"adapter"``
         (the LoRA adapter alone) or ``"base_and_adapter"`` (an engine lacks the policy's base weights);
         connects to the engines if needed.
@@ -417,20 +422,23 @@ class VLLMUpdater(TorchRLInterface):
         problems += self._collector_lora_problems()
         return choose_view(self.lora, problems, all(connection.has_policy_base for connection in connections))
 
-    def source_for_view(self, weights: Any, view: str) -> Weights:
-        """The source a push of ``weights`` reads for ``view`` (see :meth:`lora_view`)."""
+    def payload_for(self, weights: Any, view: PushView) -> Payload:
+        """What a push of ``weights`` carries for ``view`` (see :meth:`lora_view`): the one place
+        where a push's tensors, its LoRA adapter and its stamps are chosen."""
         if view == "merged":
-            return self._maybe_map_weights(weights)
+            source = self._maybe_map_weights(weights)
+            return Payload(source, view, stamps=source.stamps() if self.changed_only else None)
         model = lora_policy(weights, self.model_attribute)
         assert model is not None, "lora_view chose an adapter view for a LoRA policy"
-        return adapter_source(model, with_base=view == "base_and_adapter")
+        source, config = adapter_source(model, with_base=view == "base_and_adapter")
+        return Payload(source, view, adapter_config=config)
 
     @property
     def lora_request(self) -> Any:
         """The ``LoRARequest`` to pass to ``llm.generate`` to sample from the policy's adapter
         (``None`` before an adapter push, and when merged weights are pushed)."""
-        lora_request = getattr(self.engine, "lora_request", None)
-        return lora_request() if lora_request is not None else None
+        engine = self.engine
+        return engine.lora_request() if isinstance(engine, ServesLoraAdapters) else None
 
     def _get_server_weights(self) -> Any:
         """Not used, as in TorchRL's vLLMUpdater: weights must be passed to :meth:`push_weights`."""
@@ -457,9 +465,9 @@ class VLLMUpdater(TorchRLInterface):
         worker_id = 0 if worker_id is None else worker_id
         if not isinstance(worker_id, int) or worker_id not in self._connections:
             raise RuntimeError(f"The updater is not connected to engine {worker_id!r}: call init() first.")
-        source = self._maybe_map_weights(server_weights)
+        payload = server_weights if isinstance(server_weights, Payload) else self.payload_for(server_weights, "merged")
         try:
-            self._connections[worker_id].push(source, self.versions.committed + 1 if version is None else version)
+            self._connections[worker_id].push(payload, self.versions.committed + 1 if version is None else version)
         except BaseException:
             del self._connections[worker_id]  # the failed push closed it
             raise

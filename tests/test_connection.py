@@ -10,7 +10,8 @@ from helpers import FakeEngine, tiny_qwen2
 
 from lightning_vllm import EngineConfigError, WeightsMismatchError
 from lightning_vllm.connection import ConnectionSettings, EngineConnection
-from lightning_vllm.weights import ModuleWeights, source_metadata
+from lightning_vllm.weights import DeclaredWeights, ModuleWeights, source_metadata
+from lightning_vllm.weights.payload import Payload
 
 SETTINGS = ConnectionSettings(
     backend="auto",
@@ -79,11 +80,11 @@ def test_a_push_sends_the_wire_bytes_and_commits_the_version_it_is_given():
     model = tiny_qwen2(seed=4)
     engine = FakeEngine(model)
     connection = EngineConnection.open(engine, source_metadata(ModuleWeights(model)), SETTINGS)
-    connection.check(ModuleWeights(model), source_metadata(ModuleWeights(model)))
-    sent = connection.push(ModuleWeights(model), version=7)
+    connection.check(Payload(ModuleWeights(model)), source_metadata(ModuleWeights(model)))
+    sent = connection.push(Payload(ModuleWeights(model)), version=7)
     assert sent == connection.last_num_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert engine.holds(model) and engine.version == "7"
-    # Nothing of the push is left on vLLM's trainer engine for the next one.
-    assert connection.transfer.source is None and connection.transfer.client is connection.client
+    # Our transport is handed each push's source and client: the engine object keeps what it was built with.
+    assert isinstance(connection.transfer.source, DeclaredWeights) and connection.transfer.client is connection.client
     connection.close()
     assert engine.receiver is None

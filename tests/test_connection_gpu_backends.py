@@ -22,6 +22,7 @@ from lightning_vllm import WeightSyncTimeoutError
 from lightning_vllm._waits import TimedClient
 from lightning_vllm.connection import EngineConnection
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
+from lightning_vllm.weights.payload import Payload
 
 SETTINGS = replace(CONNECTION_SETTINGS, timeout_seconds=2.0, changed_only=False)
 
@@ -99,14 +100,14 @@ def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_wire_dtypes_and_c
     broadcasts = []
     connection = nccl_connection(engine, model, lambda source, meta: broadcasts.append((source, list(meta))))
 
-    connection.push(ModuleWeights(model), version=1)
+    connection.push(Payload(ModuleWeights(model)), version=1)
 
     ((source, meta),) = broadcasts
     assert isinstance(source, WireWeights) and source.device == torch.device("cuda")
     assert [m.name for m in meta] == list(source_metadata(ModuleWeights(model)))
     assert engine.update_infos[0]["names"] == [m.name for m in meta]  # the workers size their buffers from it
     assert engine.version == "1" and engine.paused == 1  # committed at finish; paused around the transfer
-    connection.push(ModuleWeights(model), version=2)
+    connection.push(Payload(ModuleWeights(model)), version=2)
     assert engine.version == "2" and len(broadcasts) == 2
 
 
@@ -117,7 +118,7 @@ def test_an_nccl_transfer_that_never_ends_is_an_error_within_the_timeout_and_com
     connection = nccl_connection(engine, model, lambda source, meta: stuck.wait(), timeout_seconds=1.0)
     started = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError, match="nccl transfer.*the version was not committed"):
-        connection.push(ModuleWeights(model), version=1)
+        connection.push(Payload(ModuleWeights(model)), version=1)
     assert time.monotonic() - started < 3.0
     assert engine.version == "default"  # nothing committed
     stuck.set()

@@ -11,6 +11,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 from lightning_vllm.options import PauseMode
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.transports.lora_worker import adapter_directory
+from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights
 
 
@@ -74,17 +75,74 @@ class PolicyAdapter:
         return {"key": self.key, "config": config}
 
 
-class ServesAdapter:
-    """The part of an engine adapter that remembers whether generation goes through the policy's LoRA."""
+@runtime_checkable
+class ServesLoraAdapters(Protocol):
+    """Capability of an engine target: it can generate through a LoRA adapter that a push staged.
 
-    adapter: PolicyAdapter | None = None
+    Adapter pushes of LoRA policies (``lora="adapter"``/``"auto"``) need it; a target without it
+    is sent merged weights. Every target of this package declares it through :class:`ServesAdapter`.
+    """
+
+    @property
+    def adapter(self) -> PolicyAdapter | None:
+        """The adapter generation goes through, ``None`` while the base model serves the policy."""
+        ...
+
+    def lora_limits(self) -> LoraLimits | None:
+        """The engine's LoRA settings; ``None`` when it was built without LoRA."""
+        ...
+
+    def check_serves_adapters(self) -> None:
+        """Raise ``EngineConfigError`` (saying why and how to fix it) if the engine cannot serve a pushed adapter."""
+        ...
 
     def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
         """Generate through ``adapter`` from now on (``None``: through the base model)."""
-        self.adapter = adapter
+        ...
 
     def lora_request(self) -> Any:
         """The ``LoRARequest`` generation passes, ``None`` while the base model serves the policy."""
+        ...
+
+
+@runtime_checkable
+class FollowsUpdaterTimeout(Protocol):
+    """Capability of an engine target whose requests have a timeout of their own: it takes the
+    updater's ``timeout_seconds`` when a connection opens, unless it was given one."""
+
+    def follow_timeout(self, timeout_seconds: float) -> None: ...
+
+
+@runtime_checkable
+class ChecksBackgroundPushes(Protocol):
+    """Capability of an engine target that may not accept pushes from a thread other than the one
+    generating (``blocking=False``); targets without it always may."""
+
+    def background_push_problem(self) -> str | None:
+        """Why a push may not run on another thread than generation (``None``: it may)."""
+        ...
+
+
+class ServesAdapter(ServesLoraAdapters):
+    """What every engine target of this package shares to serve a pushed LoRA adapter: it remembers
+    which adapter generation goes through. Subclasses read :meth:`lora_limits` from their engine."""
+
+    _adapter: PolicyAdapter | None = None
+
+    @property
+    def adapter(self) -> PolicyAdapter | None:
+        return self._adapter
+
+    def lora_limits(self) -> LoraLimits | None:
+        raise NotImplementedError
+
+    def check_serves_adapters(self) -> None:
+        """In-process engines and actors serve any adapter they stage: nothing to check."""
+
+    def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
+        self._adapter = adapter
+
+    def lora_request(self) -> Any:
         return self.adapter.lora_request() if self.adapter is not None else None
 
 
@@ -95,10 +153,9 @@ class EngineTarget(Protocol):
     The four ``*_weight_*`` methods are vLLM's ``VLLMWeightSyncClient`` protocol; each
     blocks until the engine has done it (the updater bounds every call with a timeout).
 
-    Adapter pushes of LoRA policies also need ``lora_limits() -> LoraLimits | None``
-    (the engine's LoRA settings) and what :class:`ServesAdapter` adds (``adapter``,
-    ``serve_adapter``); every adapter of this package has them, and a target without
-    them is sent merged weights.
+    Optional capabilities are small protocols of their own, which a target declares by
+    subclassing them: :class:`ServesLoraAdapters` (adapter pushes of LoRA policies),
+    :class:`FollowsUpdaterTimeout`, :class:`ChecksBackgroundPushes`.
     """
 
     @property

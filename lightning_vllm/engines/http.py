@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter, version_number
+from lightning_vllm.engines.base import (
+    FollowsUpdaterTimeout,
+    Generation,
+    PauseMode,
+    PolicyAdapter,
+    ServesAdapter,
+    version_number,
+)
 from lightning_vllm.engines.config_facts import lora_limits_from
 from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.prompts import PromptLimits
@@ -91,7 +98,7 @@ _NO_ADAPTER_MIDDLEWARE = (
 )
 
 
-class HTTPEngine(ServesAdapter):
+class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout):
     """Adapter for a vLLM server.
 
     Args:
@@ -253,7 +260,7 @@ class HTTPEngine(ServesAdapter):
         if adapter is not None:
             body = {"name": adapter.name, "id": adapter.lora_id, "key": adapter.key}
             self._request("POST", ADAPTER_ROUTE, json=body, missing=_NO_ADAPTER_MIDDLEWARE)
-        self.adapter = adapter
+        self._adapter = adapter
 
     def prompt_limits(self) -> PromptLimits:
         model_config, hf_config = self._config["model_config"], self._model_dir_config

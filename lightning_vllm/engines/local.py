@@ -8,11 +8,18 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs, version_number
+from lightning_vllm.engines.base import (
+    ChecksBackgroundPushes,
+    Generation,
+    PauseMode,
+    as_prompt,
+    generations_from_outputs,
+    version_number,
+)
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 
 
-class LocalLLMEngine(EngineConfigFacts):
+class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes):
     """Adapter for a ``vllm.LLM``.
 
     ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.

@@ -28,6 +28,7 @@ from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.lora import is_adapter_parameter
 from lightning_vllm.weights.model import canonical_name
+from lightning_vllm.weights.payload import PushView
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,6 @@ class WithAdapter(Weights):
     def __init__(self, base: Weights, adapter: AdapterWeights) -> None:
         self.base = base
         self.adapter = adapter
-        self.adapter_config = adapter.adapter_config
 
     def declare(self) -> list[ParamMeta]:
         return [*self.base.metadata, *self.adapter.metadata]
@@ -234,7 +234,7 @@ def _lora_policy(weights: Any, model_attribute: str | None) -> torch.nn.Module |
     return model
 
 
-def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) -> str:
+def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) -> PushView:
     """How a LoRA policy is sent: ``"merged"``, ``"adapter"`` or ``"base_and_adapter"``.
 
     Args:
@@ -261,9 +261,11 @@ def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) ->
     return "adapter" if engines_have_base else "base_and_adapter"
 
 
-def adapter_source(model: torch.nn.Module, with_base: bool) -> Weights:
-    """What an adapter push of ``model`` sends: its adapter, after its base weights if ``with_base``."""
+def adapter_source(model: torch.nn.Module, with_base: bool) -> tuple[Weights, dict[str, Any]]:
+    """What an adapter push of ``model`` sends (its adapter, after its base weights if ``with_base``),
+    and the adapter's config."""
     from lightning_vllm.weights.sources import LoraBaseWeights
 
     adapter = AdapterWeights(model)
-    return WithAdapter(LoraBaseWeights(model), adapter) if with_base else adapter
+    source = WithAdapter(LoraBaseWeights(model), adapter) if with_base else adapter
+    return source, adapter.adapter_config

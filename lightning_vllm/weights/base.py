@@ -23,10 +23,13 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterator
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
+
+if TYPE_CHECKING:
+    from lightning_vllm.weights.changes import Stamp
 
 
 class ParamList(list[ParamMeta]):
@@ -77,6 +80,11 @@ class Weights(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.iter_full()
+
+    def stamps(self) -> dict[str, Stamp] | None:
+        """What each tensor is computed from (``weights/changes.py``), for changed-only pushes;
+        ``None`` (the default) when the source cannot tell: every tensor counts as changed."""
+        return None
 
     def groups(self) -> list[list[str]]:
         """The names in layer groups (vLLM's ``layerwise_groups``: one per decoder layer), in send order."""

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_vllm.weights.base import Weights
-
 
 @dataclass(frozen=True, eq=False)
 class TensorStamp:
@@ -85,12 +83,6 @@ def stamps_of(tensors: Iterable[tuple[str, Iterable[torch.Tensor]]]) -> dict[str
             return None
         stamps[name] = tuple(part for part in parts if part is not None)
     return stamps
-
-
-def source_stamps(source: Weights) -> dict[str, Stamp] | None:
-    """The stamps a source declares (a ``stamps()`` method), or ``None``: every tensor counts as changed."""
-    stamps = getattr(source, "stamps", None)
-    return stamps() if stamps is not None else None
 
 
 def unchanged_names(groups: Iterable[list[str]], stamps: Mapping[str, Stamp], sent: Mapping[str, Stamp]) -> set[str]:

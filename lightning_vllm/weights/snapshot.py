@@ -10,13 +10,12 @@ frozen parameters cost their memory once and no time after.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.changes import Stamp, same_stamp, source_stamps
+from lightning_vllm.weights.changes import Stamp, same_stamp
 
 
 class SnapshotMemory:
@@ -40,13 +39,12 @@ class SnapshotMemory:
         self._stamps: dict[str, Stamp] = {}
         self.num_copied_bytes = 0  # bytes copied by the last take
 
-    def take(self, source: Weights) -> SnapshotWeights:
+    def take(self, source: Weights, stamps: dict[str, Stamp] | None = None) -> SnapshotWeights:
         """Copy every tensor of ``source`` that changed since the last snapshot; returns the copy.
 
-        The copy has the source's metadata, groups, stamps and LoRA adapter config, so a
-        push treats it as it would the source.
+        ``stamps`` are the tensors' stamps now (``None``: every tensor is copied). The copy
+        has the source's metadata and groups, so a push treats it as it would the source.
         """
-        stamps = source_stamps(source)
         self.num_copied_bytes = 0
         with torch.no_grad():
             for name, tensor in source:
@@ -62,7 +60,7 @@ class SnapshotMemory:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies out of the device have landed
         self._stamps = dict(stamps) if stamps is not None else {}
-        return SnapshotWeights(source, {meta.name: self._buffers[meta.name] for meta in source.metadata}, stamps)
+        return SnapshotWeights(source, {meta.name: self._buffers[meta.name] for meta in source.metadata})
 
     def release(self) -> None:
         """Free the buffers (the next snapshot allocates them again)."""
@@ -70,15 +68,12 @@ class SnapshotMemory:
 
 
 class SnapshotWeights(Weights):
-    """A source's tensors as copied at a push point, under the source's names, groups and stamps."""
+    """A source's tensors as copied at a push point, under the source's names and groups."""
 
-    def __init__(self, source: Weights, tensors: dict[str, torch.Tensor], stamps: dict[str, Stamp] | None) -> None:
+    def __init__(self, source: Weights, tensors: dict[str, torch.Tensor]) -> None:
         self._metadata = list(source.metadata)
         self._groups = source.groups()
         self._tensors = tensors
-        self._stamps = stamps
-        # A LoRA adapter push carries its config (see weights/adapter.py).
-        self.adapter_config: dict[str, Any] | None = getattr(source, "adapter_config", None)
 
     def declare(self) -> list[ParamMeta]:
         return list(self._metadata)
@@ -88,7 +83,3 @@ class SnapshotWeights(Weights):
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((meta.name, self._tensors[meta.name]) for meta in self._metadata)
-
-    def stamps(self) -> dict[str, Stamp] | None:
-        """The stamps the tensors had when copied: the engine holds them once this push lands."""
-        return self._stamps

@@ -16,7 +16,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
 from lightning_vllm.weights.base import ForeignWeights, Weights
-from lightning_vllm.weights.changes import Stamp, source_stamps, stamps_of
+from lightning_vllm.weights.changes import Stamp, stamps_of
 from lightning_vllm.weights.fsdp import FSDPWeights, holds_fsdp_units
 from lightning_vllm.weights.lora import has_lora, lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
@@ -230,9 +230,6 @@ class WireWeights(Weights):
             transport converts by itself.
     """
 
-    # The LoRA adapter among the tensors, as the workers are told (set by the connection).
-    adapter_message: dict[str, Any] | None = None
-
     def __init__(
         self, source: Weights, wire: Mapping[str, tuple[torch.dtype, Any]], device: torch.device | None = None
     ) -> None:
@@ -259,6 +256,3 @@ class WireWeights(Weights):
             if self.device is not None:  # a no-op for a tensor already in place
                 tensor = tensor.to(device=self.device, dtype=self.wire_dtypes[name], non_blocking=True)
             yield name, tensor
-
-    def stamps(self) -> dict[str, Stamp] | None:
-        return source_stamps(self.source)

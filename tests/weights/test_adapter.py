@@ -15,6 +15,7 @@ from lightning_vllm.weights.adapter import (
     WithAdapter,
     adapter_config,
     adapter_problems,
+    adapter_source,
 )
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.sources import LoraBaseWeights, ModuleWeights
@@ -58,7 +59,7 @@ def test_the_first_push_sends_the_base_weights_then_the_adapter_in_groups_of_the
     groups = source.groups()
     assert [name for group in groups for name in group] == names  # vLLM's grouping would interleave them
     assert names.index("lm_head.weight") < names.index(next(n for n in names if n.startswith("base_model.model.")))
-    assert source.adapter_config["r"] == 4
+    assert adapter_source(policy, with_base=True)[1]["r"] == 4
 
 
 def test_an_engine_that_can_serve_the_adapter_has_no_problem():

@@ -40,7 +40,7 @@ def every_source() -> dict[str, Weights]:
         "lora merged": LoraMergedWeights(peft),
         "lora base": LoraBaseWeights(peft),
         "adapter": AdapterWeights(peft),
-        "base and adapter": adapter_source(peft, with_base=True),
+        "base and adapter": adapter_source(peft, with_base=True)[0],
         "wire": WireWeights(module, wire),
         "snapshot": SnapshotMemory().take(ModuleWeights(model)),
         "foreign (vLLM's ModuleSource)": weights_from(ModuleSource(model)),

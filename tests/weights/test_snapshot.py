@@ -28,19 +28,24 @@ def test_a_snapshot_keeps_the_weights_of_its_push_point_and_the_source_layout():
 def test_unchanged_tensors_are_not_copied_again_and_buffers_are_reused():
     model = tiny_qwen2(seed=0)
     memory = SnapshotMemory()
-    first = dict(memory.take(ModuleWeights(model)))
+    source = ModuleWeights(model)
+    first = dict(memory.take(source, source.stamps()))
     with torch.no_grad():
         model.model.norm.weight.add_(1)
-    second = dict(memory.take(ModuleWeights(model)))
+    second = dict(memory.take(source, source.stamps()))
     assert memory.num_copied_bytes == model.model.norm.weight.numel() * 4
     assert all(first[name].data_ptr() == second[name].data_ptr() for name in first)  # the same memory
     assert torch.equal(second["model.norm.weight"], model.model.norm.weight)
 
 
-def test_an_adapter_snapshot_carries_its_config():
+def test_an_adapter_push_keeps_its_config_and_stamps_when_its_weights_are_a_snapshot():
     from peft import LoraConfig, get_peft_model
+
+    from lightning_vllm.weights.payload import Payload
 
     policy = get_peft_model(tiny_qwen2(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
     source = AdapterWeights(policy)
-    snapshot = SnapshotMemory().take(source)
-    assert snapshot.adapter_config == source.adapter_config and snapshot.stamps() is None
+    payload = Payload(source, "adapter", adapter_config=source.adapter_config, stamps={"x": ()})
+    copied = payload.with_weights(SnapshotMemory().take(source))
+    assert copied.adapter_config == source.adapter_config and copied.stamps == {"x": ()} and copied.view == "adapter"
+    assert [meta.name for meta in copied.weights.metadata] == [meta.name for meta in source.metadata]

@@ -57,9 +57,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     """
 
     init_info_cls = GlooTrainerInitInfo
-    # The workers receive the whole update while vLLM serves and load it inside
-    # finish_weight_update: generation needs pausing around that call only.
-    loads_at_finish = True
 
     def __init__(
         self,
@@ -165,14 +162,23 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @override
     def send_weights(self) -> None:
-        """Send every tensor of ``self.source`` and load it in vLLM, between start and finish.
+        """vLLM's entry point: send ``self.source`` through ``self.client`` (see :meth:`send_push`)."""
+        if self.source is None:
+            raise ValueError("No weights to send: pass a WeightSource to trainer_init.")
+        source = self.source if isinstance(self.source, Weights) else ForeignWeights(self.source)
+        self.send_push(source, self.client)
+
+    def send_push(self, source: Weights, client: Any, adapter: dict[str, Any] | None = None) -> None:
+        """Send every tensor of ``source`` and load it in vLLM, between start and finish.
+
+        Our connection calls this with each push's own source and client (whose
+        ``finish_weight_update`` commits the version), so nothing of one push is left on
+        the engine object for the next. ``adapter`` is the LoRA adapter among the
+        tensors, as the workers are told (``GlooWeightTransferUpdateInfo``).
 
         Blocks until the workers have loaded the weights and finished the update,
         each wait bounded by ``timeout_seconds``.
         """
-        if self.source is None:
-            raise ValueError("No weights to send: pass a WeightSource to trainer_init.")
-        source = self.source if isinstance(self.source, Weights) else ForeignWeights(self.source)
         groups = send_order(source)
         tensors = (tensor for _, batch in source.iter_groups() for tensor in batch)
         if not self.is_sender:
@@ -180,12 +186,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 pass
             return
         self._connected_group()  # before the engine starts an update it could not finish
-        self._start_update()
+        self._start_update(client)
         if groups:  # (nothing changed since the last push: only the version moves)
-            self.send_update(groups, tensors, adapter=getattr(source, "adapter_message", None))
-        self.client.finish_weight_update()
+            self.send_update(groups, tensors, adapter=adapter, client=client)
+        client.finish_weight_update()
 
-    def _start_update(self) -> None:
+    def _start_update(self, client: Any) -> None:
         """Start an update, closing first one that a stopped trainer left open.
 
         vLLM refuses to start an update while another is open, and a trainer killed
@@ -193,7 +199,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         with nothing received loads nothing and commits no version, so it is a safe way
         to close it; if it does not help, the first error is what is raised.
         """
-        client = self.client if isinstance(self.client, TimedClient) else TimedClient(self.client, self.timeout_seconds)
+        client = client if isinstance(client, TimedClient) else TimedClient(client, self.timeout_seconds)
         try:
             client.start_weight_update()
         except WeightSyncTimeoutError:
@@ -211,6 +217,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         groups: Sequence[Sequence[TensorSpec]],
         tensors: Iterator[torch.Tensor],
         adapter: dict[str, Any] | None = None,
+        client: Any = None,
     ) -> None:
         """One ``update_weights`` call and the broadcasts that carry its tensors.
 
@@ -223,15 +230,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             groups: the tensor specs, one list per layer group, in send order.
             tensors: the tensors of ``groups``, in the same order.
             adapter: the LoRA adapter among them, if any (see ``GlooWeightTransferUpdateInfo``).
+            client: the engine's client (default: ``self.client``).
         """
         process_group = self._connected_group()
         specs = [spec for group in groups for spec in group]
         buckets = plan_buckets(groups, self.bucket_size_bytes)
         segment_ends = plan_segments(specs, buckets, min(self.coalesce_bytes, self.bucket_size_bytes))
         update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets, segment_ends, adapter)
-        receive = BackgroundCall(
-            self.client.update_weights, asdict(update_info), what="vLLM workers to load the weights"
-        )
+        client = self.client if client is None else client
+        receive = BackgroundCall(client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
         segments = [update_info.segments(specs, bucket) for bucket in buckets]
         self._send_segments(process_group, specs, segments, tensors, receive)
         receive.result(self.timeout_seconds)

@@ -1,0 +1,57 @@
+"""What one push carries: the tensors, and what travels beside them.
+
+A push is chosen once (``VLLMUpdater.payload_for``) and then handed down unchanged:
+the connection checks it against each engine, a background push copies its tensors
+(``weights/snapshot.py``) and a sharded push walks them in lockstep
+(``ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the
+engine needs (the LoRA adapter's config, what each tensor was computed from) stays
+in the :class:`Payload`, so no wrapper of the weights must remember to forward it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from lightning_vllm.weights.base import Weights
+from lightning_vllm.weights.changes import Stamp
+
+PushView = Literal["merged", "adapter", "base_and_adapter"]
+"""What a push of a policy sends: its full weights (a LoRA policy's merged), its LoRA adapter
+alone, or the base weights with the adapter (the first adapter push of a connection)."""
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What one push carries.
+
+    Attributes:
+        weights: the tensors, streamed in layer groups.
+        view: how they were chosen from the policy (see :data:`PushView`).
+        adapter_config: the PEFT config of the LoRA adapter among the tensors (``"adapter"`` and
+            ``"base_and_adapter"`` views); vLLM's loader needs rank, alpha and target modules.
+        stamps: what each tensor was computed from when the push was prepared
+            (``weights/changes.py``), for changed-only pushes; ``None``: every tensor counts as changed.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_vllm.weights import MappingWeights
+        >>> payload = Payload(MappingWeights({"w": torch.ones(2)}))
+        >>> payload.view, payload.carries_adapter
+        ('merged', False)
+    """
+
+    weights: Weights
+    view: PushView = "merged"
+    adapter_config: dict[str, Any] | None = None
+    stamps: dict[str, Stamp] | None = None
+
+    @property
+    def carries_adapter(self) -> bool:
+        """Whether the tensors include a LoRA adapter the engine is to serve."""
+        return self.adapter_config is not None
+
+    def with_weights(self, weights: Weights) -> Payload:
+        """The same push, its tensors read from ``weights`` (a copy, a lockstep walk) with the same metadata."""
+        return replace(self, weights=weights)
