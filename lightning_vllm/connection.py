@@ -26,11 +26,12 @@ from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_problems
+from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.transports import check_trainer_can_send, resolve_backend, trainer_init_info
 from lightning_vllm.transports.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.transports.plugin import GLOO, register_backends
 from lightning_vllm.weights import DeclaredWeights, ModelMetadata, WireWeights, check_weights
-from lightning_vllm.weights.adapter import ADAPTER_PREFIX, LoraLimits, adapter_problems
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.changes import SentStamps
 from lightning_vllm.weights.checks import ExpectedWeights, check_tied_output_embedding, loaded_by_engine

@@ -29,6 +29,8 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from lightning_vllm.lora.serving import PolicyAdapter
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -192,8 +194,6 @@ class PushedAdapters:
         if scope.get("method") == "GET":
             await _answer(send, 200, {"pushed_adapters": True})
             return
-        from lightning_vllm.engines.base import PolicyAdapter  # the engines import this module
-
         try:
             body = json.loads(await _read_body(receive))
             adapter = PolicyAdapter(key=str(body["key"]), name=str(body["name"]), lora_id=int(body["id"]))

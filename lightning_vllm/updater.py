@@ -22,12 +22,12 @@ from lightning_vllm.connection import ConnectionSettings, EngineConnection
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters
 from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
+from lightning_vllm.lora.adapter import adapter_source, choose_view, lora_policy
 from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions, check_updater_options
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl
 from lightning_vllm.versions import WeightVersions
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
-from lightning_vllm.weights.adapter import adapter_source, choose_view, lora_policy
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import as_metadata
 from lightning_vllm.weights.payload import Payload, PushView

@@ -8,10 +8,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
+from lightning_vllm.lora.serving import LoraLimits, PolicyAdapter
 from lightning_vllm.options import PauseMode
 from lightning_vllm.prompts import PromptLimits
-from lightning_vllm.transports.lora_worker import adapter_directory
-from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights
 
 
@@ -43,36 +42,6 @@ class Generation:
     weight_version: int = 0
     weight_versions: list[tuple[int, int, int]] = field(default_factory=list)
     weight_version_exact: bool = True
-
-
-@dataclass(frozen=True)
-class PolicyAdapter:
-    """The LoRA adapter through which an engine serves the policy after adapter pushes.
-
-    Every adapter push replaces it in place (same name, id and directory), as a full
-    push replaces the weights; requests through :meth:`lora_request` (or, on a server,
-    with this ``name`` as the model) sample from the adapter of the last commit. The
-    workers stage it in :func:`adapter_directory` of ``key`` on the engine's host.
-
-    Example::
-
-        >>> PolicyAdapter(key="0123abcd").lora_request().lora_name
-        'lightning-vllm-policy'
-    """
-
-    key: str
-    name: str = "lightning-vllm-policy"
-    lora_id: int = 1 << 30  # far from the small ids vLLM's server hands out to its own adapters
-
-    def lora_request(self) -> Any:
-        """The ``vllm.lora.request.LoRARequest`` to generate with; made on the engine's host."""
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(self.name, self.lora_id, adapter_directory(self.key))
-
-    def message(self, config: dict[str, Any]) -> dict[str, Any]:
-        """What an update carrying this adapter tells the workers."""
-        return {"key": self.key, "config": config}
 
 
 @runtime_checkable

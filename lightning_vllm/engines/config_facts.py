@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from lightning_vllm.engines.base import ServesAdapter
+from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
-from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 
@@ -19,23 +17,6 @@ def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
         model_config.model,
         serving_dtype=model_config.dtype,
         ties_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
-    )
-
-
-def lora_limits_from(lora_config: Any) -> LoraLimits | None:
-    """An engine's :class:`LoraLimits` from vLLM's ``LoRAConfig`` (an object, or a dict from ``/server_info``)."""
-    if not lora_config:
-        return None
-    read = lora_config.get if isinstance(lora_config, dict) else lambda key: getattr(lora_config, key, None)
-    dtype = read("lora_dtype")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    targets = read("target_modules")
-    return LoraLimits(
-        max_lora_rank=int(read("max_lora_rank") or 0),
-        max_loras=int(read("max_loras") or 1),
-        lora_dtype=dtype if isinstance(dtype, torch.dtype) else None,
-        target_modules=tuple(targets) if targets else None,
     )
 
 

@@ -23,8 +23,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter
 from lightning_vllm.engines.local import LocalLLMEngine
 from lightning_vllm.errors import WeightSyncTimeoutError
+from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.prompts import PromptLimits
-from lightning_vllm.weights.adapter import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights
 
 

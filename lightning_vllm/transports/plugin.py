@@ -1,7 +1,7 @@
 """vLLM plugin entry point: makes the ``gloo`` backend known to vLLM (and caps vLLM's busy-wait
 when ``LIGHTNING_VLLM_BUSY_LOOP_SECONDS`` asks, see ``busy_wait.py``; applies LoRA adapters on
 CPUs one matrix product per adapter when ``LIGHTNING_VLLM_CPU_LORA_OPS=grouped`` asks, see
-``cpu_lora_ops.py``).
+``lora/cpu_ops.py``).
 
 Declared in ``pyproject.toml`` under the ``vllm.general_plugins`` entry-point
 group, so vLLM calls :func:`register_backends` in each of its processes (front
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+from lightning_vllm.lora.cpu_ops import install_grouped_cpu_lora_ops
 from lightning_vllm.transports.busy_wait import limit_busy_wait
-from lightning_vllm.transports.cpu_lora_ops import install_grouped_cpu_lora_ops
 
 GLOO = "gloo"
 _WORKER_MODULE = "lightning_vllm.transports.gloo.worker"

@@ -24,8 +24,8 @@ from helpers import (
 )
 
 from lightning_vllm import HTTPEngine, RayEngine, VLLMWeightSync
+from lightning_vllm.lora.adapter import AdapterWeights
 from lightning_vllm.weights import source_metadata
-from lightning_vllm.weights.adapter import AdapterWeights
 from lightning_vllm.weights.sources import LoraBaseWeights
 
 pytestmark = pytest.mark.engine

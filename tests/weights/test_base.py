@@ -11,8 +11,8 @@ import vllm
 from helpers import lora_policy, tiny_qwen2
 from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
 
+from lightning_vllm.lora.adapter import AdapterWeights, adapter_source
 from lightning_vllm.weights import DeclaredWeights, MappingWeights, ModuleWeights, WireWeights, weights_from
-from lightning_vllm.weights.adapter import AdapterWeights, adapter_source
 from lightning_vllm.weights.base import ParamList, Weights
 from lightning_vllm.weights.snapshot import SnapshotMemory
 from lightning_vllm.weights.sources import LoraBaseWeights, LoraMergedWeights

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from helpers import tiny_qwen2
 
+from lightning_vllm.lora.adapter import AdapterWeights
 from lightning_vllm.weights import ModuleWeights
-from lightning_vllm.weights.adapter import AdapterWeights
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 

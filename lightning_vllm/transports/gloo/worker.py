@@ -11,11 +11,11 @@ import torch
 from typing_extensions import override
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from lightning_vllm.lora.adapter import ADAPTER_PREFIX
+from lightning_vllm.lora.worker import ReceivedAdapter
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 from lightning_vllm.transports.gloo.receiver import GlooReceiver, NamedTensors, PostedUpdate
 from lightning_vllm.transports.gloo.tied_embedding_fix import tied_embeddings_refreshed
-from lightning_vllm.transports.lora_worker import ReceivedAdapter
-from lightning_vllm.weights.adapter import ADAPTER_PREFIX
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,7 +42,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     An update may carry a LoRA adapter (``update_info.adapter``): it is checked against
     the engine before anything is loaded, then, after any base weights of the same
-    update, staged on this host for vLLM's LoRA loader (``transports/lora_worker.py``).
+    update, staged on this host for vLLM's LoRA loader (``lora/worker.py``).
     """
 
     init_info_cls = GlooWeightTransferInitInfo

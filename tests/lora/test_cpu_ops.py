@@ -7,7 +7,7 @@ import torch
 from vllm.lora.ops import torch_ops
 from vllm.lora.punica_wrapper import punica_cpu
 
-from lightning_vllm.transports.cpu_lora_ops import (
+from lightning_vllm.lora.cpu_ops import (
     CPU_LORA_OPS_VARIABLE,
     cpu_lora_ops_requested,
     grouped_ops,

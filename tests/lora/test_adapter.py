@@ -8,8 +8,7 @@ from helpers import FakeEngine, tiny_qwen2
 
 from lightning_vllm import VLLMUpdater
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.weights import source_metadata
-from lightning_vllm.weights.adapter import (
+from lightning_vllm.lora.adapter import (
     AdapterWeights,
     LoraLimits,
     WithAdapter,
@@ -17,6 +16,7 @@ from lightning_vllm.weights.adapter import (
     adapter_problems,
     adapter_source,
 )
+from lightning_vllm.weights import source_metadata
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.sources import LoraBaseWeights, ModuleWeights
 

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
 
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.lora.merge import is_adapter_parameter
+from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.options import LoraMode
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.checks import ExpectedWeights
-from lightning_vllm.weights.lora import is_adapter_parameter
 from lightning_vllm.weights.model import canonical_name
 from lightning_vllm.weights.payload import PushView
 
@@ -40,23 +40,6 @@ _CONFIG_FIELDS = (
     "init_lora_weights", "alora_invocation_tokens", "layer_replication", "use_qalora", "rank_pattern",
     "alpha_pattern",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class LoraLimits:
-    """An engine's LoRA settings (``enable_lora=True`` and its options).
-
-    Attributes:
-        max_lora_rank: the largest adapter rank the engine accepts.
-        max_loras: adapters one batch may use at once (the policy's adapter takes one).
-        lora_dtype: the dtype the engine keeps adapters in; ``None`` for the serving dtype.
-        target_modules: the modules the engine restricts LoRA to, ``None`` for all it supports.
-    """
-
-    max_lora_rank: int
-    max_loras: int
-    lora_dtype: torch.dtype | None = None
-    target_modules: tuple[str, ...] | None = None
 
 
 def _lora_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
@@ -171,7 +154,7 @@ class AdapterWeights(Weights):
         return [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in self._params]
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self._params:  # (no grad mode held across a yield: see weights/lora.py)
+        for name, param in self._params:  # (no grad mode held across a yield: see lora/merge.py)
             with torch.no_grad():
                 tensor = materialize_full_tensor(param.detach())
             yield name, tensor
@@ -218,8 +201,8 @@ def lora_policy(weights: Any, model_attribute: str | None = None, required: bool
 
 
 def _lora_policy(weights: Any, model_attribute: str | None) -> torch.nn.Module | None:
+    from lightning_vllm.lora.merge import has_lora
     from lightning_vllm.weights.fsdp import holds_fsdp_units
-    from lightning_vllm.weights.lora import has_lora
     from lightning_vllm.weights.model import find_hf_model
     from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
