@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_vllm.callback import VLLMWeightSync
+    from lightning_vllm.engine_set import SyncStats
     from lightning_vllm.engines import (
         AsyncLLMEngine,
         EngineTarget,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     )
     from lightning_vllm.rollouts import generate
     from lightning_vllm.server import PauseLease, PushedAdapters, RequireAPIKey
-    from lightning_vllm.updater import SyncStats, VLLMUpdater, vLLMUpdater
+    from lightning_vllm.updater import VLLMUpdater, vLLMUpdater
 
 # Each public name and the module that defines it.
 _MODULES = {
@@ -64,7 +65,7 @@ _MODULES = {
     "PauseLease": "lightning_vllm.server",
     "PushedAdapters": "lightning_vllm.server",
     "RequireAPIKey": "lightning_vllm.server",
-    "SyncStats": "lightning_vllm.updater",
+    "SyncStats": "lightning_vllm.engine_set",
     "VLLMUpdater": "lightning_vllm.updater",
     "vLLMUpdater": "lightning_vllm.updater",
 }

@@ -26,8 +26,9 @@ from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_problems
-from lightning_vllm.lora.serving import LoraLimits
+from lightning_vllm.lora.adapter import ADAPTER_PREFIX
+from lightning_vllm.lora.serving import LoraLimits, adapter_problems
+from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.transports import check_trainer_can_send, resolve_backend, trainer_init_info
 from lightning_vllm.transports.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.transports.plugin import GLOO, register_backends
@@ -57,6 +58,22 @@ class ConnectionSettings:
     pause_mode: PauseMode
     reset_prefix_cache: bool
     changed_only: bool
+
+    @classmethod
+    def for_engine(cls, options: UpdaterOptions, index: int, reset_prefix_cache: bool) -> ConnectionSettings:
+        """The settings of the connection to the engine at ``index``: a fixed ``master_port`` is the first
+        of one port per engine (each group has a rendezvous of its own)."""
+        return cls(
+            backend=options.backend,
+            master_address=options.master_address or "127.0.0.1",
+            master_port=options.master_port + index if options.master_port else options.master_port,
+            vllm_tp_size=options.vllm_tp_size,
+            bucket_size_bytes=options.bucket_size_bytes,
+            timeout_seconds=options.timeout_seconds,
+            pause_mode=options.pause_mode,
+            reset_prefix_cache=reset_prefix_cache,
+            changed_only=options.changed_only,
+        )
 
 
 class EngineConnection:

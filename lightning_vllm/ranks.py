@@ -25,7 +25,7 @@ then wait in that gather until the trainer's process-group timeout).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -244,16 +244,18 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
     Raises:
         WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
     """
-    try:
-        view = _agreed_lora_view(updater, module, ranks)  # every rank raises alike, no check-in to share
-    except BaseException:
-        updater.versions.skip()  # the push point's weights reached no engine
-        raise
     weights: LockstepWeights | None = None
-    counted = False  # whether updater.push_weights counted this push point in the versions
+    agreed = counted = False  # whether the ranks agreed on the payload; whether push_weights counted the push
+
+    def agree(decide: Callable[[], PushView]) -> PushView:
+        nonlocal agreed
+        view = _decided_on_rank_zero(decide, ranks)
+        agreed = True
+        return view
+
     try:
         # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
-        payload = replace(updater.payload_for(module, view), stamps=None)
+        payload = replace(updater.choose_payload(module, agree=agree), stamps=None)
         weights = LockstepWeights(payload.weights, ranks)
         weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
         if ranks.rank == 0:
@@ -266,28 +268,26 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
     except BaseException as error:
         if not counted:
             updater.versions.skip()  # the push point's weights reached no engine
-        if isinstance(error, PushAborted):
-            raise
+        if not agreed or isinstance(error, PushAborted):
+            raise  # (every rank raises alike at the agreement, before any check-in)
         if weights is None:  # this rank never got its weights: it fails at the first check-in
             weights = LockstepWeights(_NoWeights(), ranks)
         weights.fail(error)
         raise
 
 
-def _agreed_lora_view(updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks) -> PushView:
-    """How this push sends a LoRA policy (``VLLMUpdater.lora_view``), decided on rank 0 for every rank.
+def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:
+    """How this push sends the policy (``VLLMUpdater.choose_payload``), decided on rank 0 for every rank.
 
-    The ranks must iterate the same tensors (adapter alone, or base then adapter) to
-    stay in step in their gathers; whether an engine can serve the adapter, or still
-    needs the base weights, is known on rank 0 only. A policy that cannot be sent as
-    an adapter needs no exchange: every rank knows that by itself.
+    The ranks must iterate the same tensors (merged, adapter alone, or base then adapter)
+    to stay in step in their gathers; whether an engine can serve the adapter, or still
+    needs the base weights, is known on rank 0 only. Rank 0's error is raised on every
+    rank (``PushAborted`` on the others), before any gather.
     """
-    if not updater.may_send_adapter(module):
-        return "merged"
     view, error = "", None
     if ranks.rank == 0:
         try:
-            view = updater.lora_view(module)
+            view = decide()
         except Exception as caught:  # shared so the other ranks stop too, before any gather
             error, view = caught, f"!{type(caught).__name__}: {caught}"
     shared = ranks.broadcast_bytes(view.encode()).decode()

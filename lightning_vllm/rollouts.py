@@ -208,23 +208,28 @@ class RolloutSampler:
             timeout_seconds=max(deadline - time.monotonic(), 0.001),
             what=f"{engine.description} to generate {len(checked)} prompt(s)",
         )
+
+        def timed_out() -> WeightSyncTimeoutError:
+            return WeightSyncTimeoutError(
+                f"Timed out after {timeout:g} s waiting for {call.what}. The engine may be frozen or overloaded; "
+                "for longer rollouts raise timeout_seconds (generate_timeout_seconds of VLLMWeightSync)."
+            )
+
         try:
             wait_polling(
                 call.done,
                 timeout=max(deadline - time.monotonic(), 0.0),
                 interval=_DEATH_POLL_SECONDS,
                 check=lambda: _raise_if_dead(engine),
-                timeout_error=lambda: WeightSyncTimeoutError(
-                    f"Timed out after {timeout:g} s waiting for {call.what}. The engine may be frozen or "
-                    "overloaded; for longer rollouts raise timeout_seconds (generate_timeout_seconds of "
-                    "VLLMWeightSync)."
-                ),
+                timeout_error=timed_out,
             )
         except WeightSyncError:
             self._timed_out[worker_id] = call
             raise
         try:
             generations = call.result(0)
+        except WeightSyncTimeoutError as error:  # the engine's own request ended at the deadline
+            raise timed_out() from error
         except Exception as error:
             if _is_engine_death(error):
                 raise EngineDeadError(

@@ -1,8 +1,9 @@
-"""What TorchRL's collectors call on an updater: construction from a policy, weight versions,
-post hooks, the collector, worker ids; and the updater's place among TorchRL's updaters.
-
-Kept apart from the updater's pushing so the collector-facing surface, which follows
-TorchRL's ``WeightUpdaterBase``, reads in one place. See ``docs/torchrl.md``.
+"""TorchRL's surface of the updater, and nothing else: the names TorchRL's collectors and
+``WeightUpdaterBase`` call (construction from a policy, the registered collector, TorchRL's
+version counting, ``__call__`` and the private ``_get_server_weights`` / ``_maybe_map_weights``
+/ ``_sync_weights_with_worker``), each delegating to the updater's own machinery; and the
+updater's place among TorchRL's updaters. Versions, hooks and engines are the updater's
+(``updater.py``, ``versions.py``, ``engine_set.py``). See ``docs/torchrl.md``.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import importlib.util
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from typing_extensions import Self
 
+from lightning_vllm.engine_set import EngineSet, SyncStats, WorkerIds
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.versions import WeightVersions
-from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
+from lightning_vllm.weights import source_metadata, weights_from
+from lightning_vllm.weights.base import Weights
+from lightning_vllm.weights.model import ModelMetadata
+from lightning_vllm.weights.payload import Payload
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +114,66 @@ class CollectorVersion:
 
 
 class TorchRLInterface:
-    """Construction from a policy, versions, post hooks and the registered collector of
-    :class:`~lightning_vllm.VLLMUpdater`."""
+    """TorchRL's surface of :class:`~lightning_vllm.VLLMUpdater`: construction from a policy, the
+    registered collector (its policy version moves with each push) and TorchRL's version counting.
+    Versions, post hooks and engines are the updater's own; this class only reaches them."""
 
     versions: WeightVersions
-    _post_hooks: list[Callable[[], Any]]
+    model_attribute: str | None
     _collector_ref: weakref.ref[Any] | None
-    _engines: list[EngineTarget]
+    _engine_set: EngineSet
 
-    def _require_engines(self) -> None:
-        if not self._engines:
-            self._engines = self._engines_of_collector()
-        if not self._engines:
-            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
+    def register_post_hook(self, hook: Callable[[], Any]) -> None:
+        raise NotImplementedError  # VLLMUpdater's
+
+    def push_weights(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None) -> SyncStats:
+        raise NotImplementedError  # VLLMUpdater's
+
+    def choose_payload(self, weights: Any) -> Payload:
+        raise NotImplementedError  # VLLMUpdater's
+
+    def __call__(
+        self,
+        policy_or_weights: Any = None,
+        worker_ids: WorkerIds = None,
+    ) -> SyncStats:
+        """Same as :meth:`push_weights`: TorchRL's collectors call their updater with these keywords."""
+        return self.push_weights(policy_or_weights, worker_ids)
+
+    @classmethod
+    def get_model_metadata(cls, model: Any, model_attribute: str | None = None) -> ModelMetadata:
+        """``{name: (dtype, shape)}`` of what would be sent for ``model``, read without copying a tensor.
+
+        Args:
+            model: a Hugging Face or PEFT model, a LightningModule holding one, a dict or a TensorDict.
+            model_attribute: the LightningModule attribute holding the model, if not found automatically.
+        """
+        return source_metadata(weights_from(model, model_attribute))
+
+    def _get_server_weights(self) -> Any:
+        """Not used, as in TorchRL's vLLMUpdater: weights must be passed to :meth:`push_weights`."""
+        raise ValueError(
+            "push_weights needs the weights: pass the policy (a Hugging Face model or a LightningModule holding one), "
+            "a dict of tensors or a TensorDict. This updater does not fetch weights by itself."
+        )
+
+    def _maybe_map_weights(self, server_weights: Any) -> Weights:
+        """Turn a model, a dict or a TensorDict into the named, streamed source the transport reads."""
+        return weights_from(server_weights, self.model_attribute)
+
+    def _sync_weights_with_worker(
+        self, *, worker_id: int | torch.device | None = None, server_weights: Any = None, version: int | None = None
+    ) -> None:
+        """Send ``server_weights`` to one connected engine (``None``: the first) and commit ``version``
+        there (default: the next), as TorchRL's updaters name it. A failed push leaves the group; the
+        next push joins again."""
+        if server_weights is None:
+            server_weights = self._get_server_weights()
+        index = 0 if worker_id is None else worker_id
+        if not isinstance(index, int):
+            raise TypeError(f"worker_id must be an engine's index, got {index!r}.")
+        payload = self.choose_payload(server_weights)
+        self._engine_set.push_one(index, payload, self.versions.committed + 1 if version is None else version)
 
     def _engines_of_collector(self) -> list[EngineTarget]:
         """The engine of the registered collector's policy (a TorchRL ``vLLMWrapper`` keeps it as
@@ -147,30 +199,11 @@ class TorchRLInterface:
         if not isinstance(policy, torch.nn.Module):
             return None
         try:
-            metadata = cls.get_model_metadata(policy)
+            metadata = source_metadata(weights_from(policy))
         except (TypeError, ValueError):
             return None
         updater: Self = cast(Any, cls)(model_metadata=metadata)  # VLLMUpdater's constructor
         return updater
-
-    @classmethod
-    def get_model_metadata(cls, model: Any, model_attribute: str | None = None) -> ModelMetadata:
-        """``{name: (dtype, shape)}`` of what would be sent for ``model``, read without copying a tensor.
-
-        Args:
-            model: a Hugging Face or PEFT model, a LightningModule holding one, a dict or a TensorDict.
-            model_attribute: the LightningModule attribute holding the model, if not found automatically.
-        """
-        return source_metadata(weights_from(model, model_attribute))
-
-    @property
-    def weight_version(self) -> int:
-        """The version of the weights last pushed (0 before the first push)."""
-        return self.versions.committed
-
-    @weight_version.setter
-    def weight_version(self, value: int) -> None:
-        self.versions.set_committed(value)
 
     def increment_version(self) -> None:
         """Count one more version without pushing: this updater's weight version and, as
@@ -179,17 +212,6 @@ class TorchRLInterface:
         collector = self.collector
         if collector is not None and hasattr(collector, "increment_version"):
             collector.increment_version()
-
-    def register_post_hook(self, hook: Callable[[], Any]) -> None:
-        """Run ``hook()`` after every successful push, in registration order; never after a failed one."""
-        if not callable(hook):
-            raise TypeError(f"A post hook must be callable, got {type(hook).__name__}.")
-        self._post_hooks.append(hook)
-
-    @property
-    def post_hooks(self) -> list[Callable[[], Any]]:
-        """The hooks run after each successful push."""
-        return list(self._post_hooks)
 
     def register_collector(self, collector: Any) -> None:
         """Attach the collector (or any container) that owns this updater, once.
@@ -242,27 +264,3 @@ class TorchRLInterface:
             f"the registered collector's policy ({type(policy).__name__}) generates without the adapter's "
             "LoRA request, so it would sample from the base weights"
         ]
-
-    # -- worker ids ------------------------------------------------------------------
-
-    def all_worker_ids(self) -> list[int]:
-        """Ids of the engines this updater can push to: their positions in ``engine``."""
-        return list(range(len(self._engines)))
-
-    def _resolve_worker_ids(self, worker_ids: int | torch.device | Sequence[int | torch.device] | None) -> list[int]:
-        self._require_engines()
-        known = self.all_worker_ids()
-        if worker_ids is None:
-            return known
-        requested = [worker_ids] if isinstance(worker_ids, (int, torch.device)) else list(worker_ids)
-        resolved: list[int] = []
-        for worker in requested:
-            if isinstance(worker, torch.device):
-                resolved += [i for i in known if self._engines[i].device_type() == worker.type]
-            elif worker in known:
-                resolved.append(worker)
-            else:
-                raise ValueError(f"Unknown worker id {worker!r}; this updater's engines are {known}.")
-        if not resolved:
-            raise ValueError(f"worker_ids={worker_ids!r} selects no engine; this updater's engines are {known}.")
-        return sorted(set(resolved))

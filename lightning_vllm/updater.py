@@ -8,59 +8,28 @@ TorchRL finds the names it knows.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.connection import ConnectionSettings, EngineConnection
+from lightning_vllm.engine_set import EngineSet, PreparedPush, SyncStats, WorkerIds
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters
-from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
-from lightning_vllm.lora.adapter import adapter_source, choose_view, lora_policy
+from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions, check_updater_options
+from lightning_vllm.payloads import choose_payload
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl
 from lightning_vllm.versions import WeightVersions
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
-from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import as_metadata
 from lightning_vllm.weights.payload import Payload, PushView
-
-
-@dataclass(frozen=True)
-class SyncStats:
-    """Figures of one push that landed in at least one engine.
-
-    Attributes:
-        weight_version: the version committed.
-        seconds: how long the push took, every engine included.
-        num_bytes: the bytes sent, every engine included.
-        worker_ids: the engines that committed it.
-        failed_worker_ids: the engines it failed on (they keep their previous weights; see
-            :class:`~lightning_vllm.errors.PartialPushError`).
-    """
-
-    weight_version: int
-    seconds: float
-    num_bytes: int
-    worker_ids: tuple[int, ...] = ()
-    failed_worker_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class PreparedPush:
-    """A checked push not sent yet: what it carries, the engines it goes to (by worker id),
-    and the engines it cannot reach (their errors, by worker id)."""
-
-    payload: Payload
-    worker_ids: list[int]
-    unreachable: dict[int, BaseException] = field(default_factory=dict)
 
 
 class VLLMUpdater(TorchRLInterface):
@@ -135,7 +104,7 @@ class VLLMUpdater(TorchRLInterface):
         lora: LoraMode = "auto",
         changed_only: bool = True,
     ) -> None:
-        self._engines: list[EngineTarget] = as_engine_targets(engine) if engine is not None else []
+        self._engine_set = EngineSet(as_engine_targets(engine) if engine is not None else [], self._connect)
         check_updater_options(
             UpdaterOptions(
                 master_address=master_address,
@@ -149,7 +118,7 @@ class VLLMUpdater(TorchRLInterface):
                 lora=lora,
                 changed_only=changed_only,
             ),
-            num_engines=len(self._engines),
+            num_engines=len(self._engine_set),
         )
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
@@ -163,7 +132,6 @@ class VLLMUpdater(TorchRLInterface):
         self.pause_mode: PauseMode = pause_mode
         self.lora: LoraMode = lora
         self.changed_only = changed_only
-        self._connections: dict[int, EngineConnection] = {}
         self.versions = WeightVersions()
         self._post_hooks: list[Callable[[], Any]] = []
         self._collector_ref: weakref.ref[Any] | None = None
@@ -174,37 +142,52 @@ class VLLMUpdater(TorchRLInterface):
 
     @property
     def engine(self) -> EngineTarget | None:
-        """The adapter of the first engine (the only one, usually)."""
-        return self._engines[0] if self._engines else None
+        """The target of the first engine (the only one, usually)."""
+        return self._engine_set.targets[0] if self._engine_set.targets else None
 
     @property
     def engines(self) -> list[EngineTarget]:
-        """The adapters of every engine, in worker-id order."""
-        return list(self._engines)
+        """The targets of every engine, in index (worker id) order."""
+        return list(self._engine_set.targets)
 
     def set_engine(self, engine: Any) -> None:
         """Replace the engine(s) this updater pushes to (leaving any group formed with the old ones)."""
-        engines = as_engine_targets(engine) if engine is not None else []
-        check_updater_options(self.options(), num_engines=len(engines))
+        targets = as_engine_targets(engine) if engine is not None else []
+        check_updater_options(self.options(), num_engines=len(targets))
         self.close()
-        self._engines = engines
+        self._engine_set = EngineSet(targets, self._connect)
 
     def options(self) -> UpdaterOptions:
         """The settings this updater pushes with (its public attributes of the same names)."""
-        return UpdaterOptions(**{field.name: getattr(self, field.name) for field in fields(UpdaterOptions)})
+        return UpdaterOptions(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            vllm_tp_size=self.vllm_tp_size,
+            backend=self.backend,
+            bucket_size_bytes=self.bucket_size_bytes,
+            timeout_seconds=self.timeout_seconds,
+            model_attribute=self.model_attribute,
+            pause_mode=self.pause_mode,
+            lora=self.lora,
+            changed_only=self.changed_only,
+        )
 
     @property
     def initialized(self) -> bool:
         """Whether a group is formed with every engine."""
-        return bool(self._engines) and len(self._connections) == len(self._engines)
+        return bool(self._engine_set) and len(self._engine_set.connections) == len(self._engine_set)
+
+    def all_worker_ids(self) -> list[int]:
+        """Ids of the engines this updater can push to: their positions in ``engine`` (TorchRL's name)."""
+        return self._engine_set.indices()
 
     def engine_versions(self) -> dict[int, str | None]:
         """The weight version each engine reports, by worker id."""
         return {
-            worker_id: call_with_timeout(
+            index: call_with_timeout(
                 engine.get_weight_version, timeout=self.timeout_seconds, what="the engine's version"
             )
-            for worker_id, engine in enumerate(self._engines)
+            for index, engine in enumerate(self._engine_set.targets)
         }
 
     def init(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:
@@ -231,57 +214,55 @@ class VLLMUpdater(TorchRLInterface):
             )
         self._require_engines()
         self.close()
-        for worker_id in self.all_worker_ids():
-            self._connect(worker_id)
+        for index in self._engine_set.indices():
+            self._engine_set.open(index)
 
-    def _connect(self, worker_id: int) -> EngineConnection:
+    def _require_engines(self) -> None:
+        if not self._engine_set.targets:
+            self._engine_set = EngineSet(self._engines_of_collector(), self._connect)
+        if not self._engine_set.targets:
+            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
+
+    def _resolve_worker_ids(self, worker_ids: WorkerIds) -> list[int]:
+        self._require_engines()
+        return self._engine_set.resolve(worker_ids)
+
+    def _connect(self, index: int) -> EngineConnection:
         assert self.model_metadata is not None, "set by init or by the first push"
-        # Read at each connection: the settings are public attributes a user may change.
-        settings = ConnectionSettings(**{field.name: getattr(self, field.name) for field in fields(ConnectionSettings)})
-        if settings.master_port:  # a fixed port: one per engine, each group has its own rendezvous
-            settings = replace(settings, master_port=settings.master_port + worker_id)
-        connection = EngineConnection.open(self._engines[worker_id], self.model_metadata, settings)
-        self._connections[worker_id] = connection
+        settings = ConnectionSettings.for_engine(self.options(), index, self.reset_prefix_cache)
+        connection = EngineConnection.open(self._engine_set.targets[index], self.model_metadata, settings)
         # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.
         self.versions.follow(connection.reported_version)
         return connection
 
-    def _connect_each(self, worker_ids: Sequence[int]) -> tuple[dict[int, EngineConnection], dict[int, BaseException]]:
-        """The connection of each engine, joining the groups not formed yet, and the engines that
-        cannot be reached now (their errors): a push still goes to the others.
-
-        Raises:
-            EngineConfigError, WeightsMismatchError: an engine is misconfigured, which no retry fixes.
-            WeightSyncError: no engine can be reached (the first one's error).
-        """
-        connections: dict[int, EngineConnection] = {}
-        unreachable: dict[int, BaseException] = {}
-        for worker_id in worker_ids:
-            try:
-                connections[worker_id] = self._connections.get(worker_id) or self._connect(worker_id)
-            except (EngineConfigError, WeightsMismatchError):
-                raise
-            except WeightSyncError as error:
-                unreachable[worker_id] = error
-        if not connections:
-            raise next(iter(unreachable.values()))
-        return connections, unreachable
-
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""
-        while self._connections:
-            _, connection = self._connections.popitem()
-            connection.close()
+        self._engine_set.close()
+
+    # -- versions and hooks ------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights last pushed (0 before the first push); see ``versions``."""
+        return self.versions.committed
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        self.versions.set_committed(value)
+
+    def register_post_hook(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook()`` after every push that commits a version, in registration order; never after one
+        that no engine took."""
+        if not callable(hook):
+            raise TypeError(f"A post hook must be callable, got {type(hook).__name__}.")
+        self._post_hooks.append(hook)
+
+    @property
+    def post_hooks(self) -> list[Callable[[], Any]]:
+        """The hooks run after each push that commits a version."""
+        return list(self._post_hooks)
 
     # -- pushing ----------------------------------------------------------------
-
-    def __call__(
-        self,
-        policy_or_weights: Any = None,
-        worker_ids: int | torch.device | Sequence[int | torch.device] | None = None,
-    ) -> SyncStats:
-        """Same as :meth:`push_weights`: TorchRL's collectors call their updater with these keywords."""
-        return self.push_weights(policy_or_weights, worker_ids)
 
     def push_weights(
         self,
@@ -329,14 +310,11 @@ class VLLMUpdater(TorchRLInterface):
         """
         weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
         targets = self._resolve_worker_ids(worker_ids)
-        if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
-            payload = weights
-        else:
-            payload = self.payload_for(weights, self.lora_view(weights, targets))
+        payload = self.choose_payload(weights, targets)
         offered = source_metadata(payload.weights)
         if self.model_metadata is None:  # (an adapter view set it from the merged weights)
             self.model_metadata = offered
-        connections, unreachable = self._connect_each(targets)
+        connections, unreachable = self._engine_set.connected(targets)
         for connection in connections.values():  # every check before the first byte moves
             connection.check(payload, offered)
         return PreparedPush(payload, list(connections), unreachable)
@@ -358,17 +336,8 @@ class VLLMUpdater(TorchRLInterface):
         """
         start = time.perf_counter()
         committed: list[int] = []
-        failures: dict[int, BaseException] = dict(push.unreachable)
-        num_bytes = 0
         try:
-            for worker_id in push.worker_ids:
-                try:
-                    self._sync_weights_with_worker(worker_id=worker_id, server_weights=push.payload, version=version)
-                except Exception as error:  # noqa: BLE001  # the other engines still get the push
-                    failures[worker_id] = error
-                    continue
-                num_bytes += self._connections[worker_id].last_num_bytes
-                committed.append(worker_id)
+            committed, failures, num_bytes = self._engine_set.push_each(push, version)
         finally:
             if committed:
                 self.versions.commit(version)
@@ -381,57 +350,42 @@ class VLLMUpdater(TorchRLInterface):
         for hook in self._post_hooks:
             hook()
         if failures:
-            named = "; ".join(
-                f"engine {worker_id} ({self._engines[worker_id].description}): {type(error).__name__}: {error}"
-                for worker_id, error in sorted(failures.items())
-            )
-            raise PartialPushError(
-                f"Weight version {version} reached engine(s) {committed} but failed on {named}. Those engines keep "
-                "their previous weights, and their rollouts say so; the next push joins them again.",
-                stats,
-                failures,
-            ) from next(iter(failures.values()))
+            raise self._engine_set.partial_push_error(stats, failures)
         return stats
 
-    # -- LoRA policies ------------------------------------------------------------
+    # -- what a push carries ------------------------------------------------------
 
-    def may_send_adapter(self, weights: Any) -> bool:
-        """Whether a push of ``weights`` may send a LoRA adapter alone (then :meth:`lora_view` decides)."""
-        return self.lora != "merged" and lora_policy(weights, self.model_attribute) is not None
-
-    def lora_view(self, weights: Any, worker_ids: Sequence[int] | None = None) -> PushView:
-        """How a push of ``weights`` is sent: ``"merged"`` (full weights, as given), ``"adapter"``
-        (the LoRA adapter alone) or ``"base_and_adapter"`` (an engine lacks the policy's base weights);
-        connects to the engines if needed.
+    def choose_payload(
+        self,
+        weights: Any,
+        worker_ids: Sequence[int] | None = None,
+        agree: Callable[[Callable[[], PushView]], PushView] | None = None,
+    ) -> Payload:
+        """What a push of ``weights`` carries (see ``lightning_vllm.payloads``): its tensors, its LoRA
+        adapter and its stamps, chosen once; asking whether the engines can serve an adapter connects
+        to them. ``agree`` lets the trainer's ranks decide together.
 
         Raises:
             EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
             ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy sent from a
                 plain, DDP or FSDP2 module.
         """
-        if isinstance(weights, WeightSource) or self.lora == "merged":
-            return "merged"  # a ready source is sent as it is
-        model = lora_policy(weights, self.model_attribute, required=self.lora == "adapter")
-        if model is None:
-            return "merged"
-        if self.model_metadata is None:
-            self.model_metadata = source_metadata(self._maybe_map_weights(weights))
-        targets = self._resolve_worker_ids(None) if worker_ids is None else worker_ids
-        connections = list(self._connect_each(targets)[0].values())  # (the engines not reached get nothing)
-        problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(model)]
-        problems += self._collector_lora_problems()
-        return choose_view(self.lora, problems, all(connection.has_policy_base for connection in connections))
+        if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
+            return weights
+        engines_serving = functools.partial(self._engines_serving, weights, worker_ids)
+        return choose_payload(weights, self.options(), engines_serving, agree)
 
-    def payload_for(self, weights: Any, view: PushView) -> Payload:
-        """What a push of ``weights`` carries for ``view`` (see :meth:`lora_view`): the one place
-        where a push's tensors, its LoRA adapter and its stamps are chosen."""
-        if view == "merged":
-            source = self._maybe_map_weights(weights)
-            return Payload(source, view, stamps=source.stamps() if self.changed_only else None)
-        model = lora_policy(weights, self.model_attribute)
-        assert model is not None, "lora_view chose an adapter view for a LoRA policy"
-        source, config = adapter_source(model, with_base=view == "base_and_adapter")
-        return Payload(source, view, adapter_config=config)
+    def _engines_serving(
+        self, weights: Any, worker_ids: Sequence[int] | None, policy: torch.nn.Module
+    ) -> tuple[list[str], bool]:
+        """Why some engine cannot serve ``policy``'s adapter, and whether every engine has its base weights."""
+        if self.model_metadata is None:
+            self.model_metadata = source_metadata(weights_from(weights, self.model_attribute))
+        targets = self._resolve_worker_ids(None) if worker_ids is None else worker_ids
+        connections = list(self._engine_set.connected(targets)[0].values())  # (the engines not reached get nothing)
+        problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(policy)]
+        problems += self._collector_lora_problems()
+        return problems, all(connection.has_policy_base for connection in connections)
 
     @property
     def lora_request(self) -> Any:
@@ -439,38 +393,6 @@ class VLLMUpdater(TorchRLInterface):
         (``None`` before an adapter push, and when merged weights are pushed)."""
         engine = self.engine
         return engine.lora_request() if isinstance(engine, ServesLoraAdapters) else None
-
-    def _get_server_weights(self) -> Any:
-        """Not used, as in TorchRL's vLLMUpdater: weights must be passed to :meth:`push_weights`."""
-        raise ValueError(
-            "push_weights needs the weights: pass the policy (a Hugging Face model or a LightningModule holding one), "
-            "a dict of tensors or a TensorDict. This updater does not fetch weights by itself."
-        )
-
-    def _maybe_map_weights(self, server_weights: Any) -> Weights:
-        """Turn a model, a dict or a TensorDict into the named, streamed source the transport reads."""
-        return weights_from(server_weights, self.model_attribute)
-
-    def _sync_weights_with_worker(
-        self, *, worker_id: int | torch.device | None = None, server_weights: Any = None, version: int | None = None
-    ) -> None:
-        """Send ``server_weights`` to one engine (``None``: the first) and commit ``version`` there.
-
-        ``version`` defaults to the next one. Generation on that engine is paused
-        (``pause_mode``) for the transfer and resumed after it. A failed push leaves
-        the group; the next push joins again.
-        """
-        if server_weights is None:
-            server_weights = self._get_server_weights()
-        worker_id = 0 if worker_id is None else worker_id
-        if not isinstance(worker_id, int) or worker_id not in self._connections:
-            raise RuntimeError(f"The updater is not connected to engine {worker_id!r}: call init() first.")
-        payload = server_weights if isinstance(server_weights, Payload) else self.payload_for(server_weights, "merged")
-        try:
-            self._connections[worker_id].push(payload, self.versions.committed + 1 if version is None else version)
-        except BaseException:
-            del self._connections[worker_id]  # the failed push closed it
-            raise
 
 
 vLLMUpdater = VLLMUpdater

@@ -21,14 +21,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
 
-from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.lora.merge import is_adapter_parameter
-from lightning_vllm.lora.serving import LoraLimits
-from lightning_vllm.options import LoraMode
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.model import canonical_name
-from lightning_vllm.weights.payload import PushView
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +36,7 @@ _CONFIG_FIELDS = (
 )  # fmt: skip
 
 
-def _lora_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+def lora_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """``(checkpoint name of the adapted module, PEFT LoRA layer)`` for every LoRA layer."""
     try:
         from peft.tuners.lora import LoraLayer
@@ -78,52 +72,6 @@ def adapter_config(module: torch.nn.Module) -> dict[str, Any]:
     return plain
 
 
-def adapter_problems(
-    module: torch.nn.Module, limits: LoraLimits | None, expected: ExpectedWeights | None, engine: str
-) -> list[str]:
-    """Why ``engine`` cannot serve ``module``'s adapter as a LoRA (empty when it can).
-
-    Read from the trainer's model and the engine's settings before anything is sent;
-    the engine's workers check the modules again, exactly, before they load anything.
-    """
-    if limits is None:
-        return [
-            f"the {engine} engine was built without LoRA: build it with enable_lora=True and max_lora_rank "
-            "at least the adapter's rank"
-        ]
-    from vllm.lora.peft_helper import PEFTHelper
-
-    problems: list[str] = []
-    try:
-        name = active_adapter(module)
-        PEFTHelper.from_dict(adapter_config(module)).validate_legal(limits)  # type: ignore[arg-type]
-    except ValueError as error:  # vLLM's own rules: rank, DoRA, bias, modules_to_save, ...
-        return [f"vLLM refuses the adapter: {error}"]
-    for layer_name, layer in _lora_layers(module):
-        if name not in layer.lora_A and name not in getattr(layer, "lora_embedding_A", {}):
-            continue
-        leaf = layer_name.rsplit(".", 1)[-1]
-        if not isinstance(layer.get_base_layer(), torch.nn.Linear):
-            problems.append(f"{layer_name} is a {type(layer.get_base_layer()).__name__}; vLLM adapts linear layers")
-        elif expected is not None and f"{layer_name}.weight" not in expected.weights:
-            problems.append(f"{layer_name} is not a linear layer the engine's model loads")
-        elif layer_name.endswith("lm_head"):
-            problems.append("vLLM does not serve LoRA on lm_head")
-        elif limits.target_modules is not None and leaf not in limits.target_modules:
-            problems.append(f"the engine limits LoRA to {list(limits.target_modules)}, not {leaf}")
-    frozen_changes = [
-        canonical_name(param_name)
-        for param_name, param in module.named_parameters()
-        if param.requires_grad and not is_adapter_parameter(param_name)
-    ]
-    if frozen_changes:
-        problems.append(
-            f"{len(frozen_changes)} parameter(s) outside the adapter are trained (e.g. {frozen_changes[0]}), "
-            "and a LoRA cannot carry them"
-        )
-    return problems
-
-
 class AdapterWeights(Weights):
     """The active adapter's ``lora_A``/``lora_B`` tensors, named as in a saved PEFT adapter.
 
@@ -143,7 +91,7 @@ class AdapterWeights(Weights):
         self.adapter_config = adapter_config(module)
         name = active_adapter(module)
         self._params: list[tuple[str, torch.Tensor]] = []
-        for layer_name, layer in _lora_layers(module):
+        for layer_name, layer in lora_layers(module):
             if name in layer.lora_A:
                 self._params.append((f"{ADAPTER_PREFIX}{layer_name}.lora_A.weight", layer.lora_A[name].weight))
                 self._params.append((f"{ADAPTER_PREFIX}{layer_name}.lora_B.weight", layer.lora_B[name].weight))
@@ -182,6 +130,12 @@ class WithAdapter(Weights):
         yield from self.adapter.iter_full()
 
 
+NOT_A_LORA_POLICY = (
+    "lora='adapter' needs a PEFT LoRA policy (a PeftModel with LoRA layers), plain, under DDP or "
+    "sharded with FSDP2; FSDP1 and ZeRO-3 policies are sent merged (lora='merged')."
+)
+
+
 def lora_policy(weights: Any, model_attribute: str | None = None, required: bool = False) -> torch.nn.Module | None:
     """The PEFT LoRA model inside ``weights`` whose adapter can be sent alone, else ``None``.
 
@@ -193,10 +147,7 @@ def lora_policy(weights: Any, model_attribute: str | None = None, required: bool
     """
     model = _lora_policy(weights, model_attribute)
     if model is None and required:
-        raise ValueError(
-            "lora='adapter' needs a PEFT LoRA policy (a PeftModel with LoRA layers), plain, under DDP or "
-            "sharded with FSDP2; FSDP1 and ZeRO-3 policies are sent merged (lora='merged')."
-        )
+        raise ValueError(NOT_A_LORA_POLICY)
     return model
 
 
@@ -215,33 +166,6 @@ def _lora_policy(weights: Any, model_attribute: str | None) -> torch.nn.Module |
     if not has_lora(model) or is_zero3_partitioned(model) or not hasattr(model, "peft_config"):
         return None
     return model
-
-
-def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) -> PushView:
-    """How a LoRA policy is sent: ``"merged"``, ``"adapter"`` or ``"base_and_adapter"``.
-
-    Args:
-        lora: the updater's mode (not ``"merged"``).
-        problems: why some engine cannot serve the adapter (see :func:`adapter_problems`).
-        engines_have_base: whether every engine already has the policy's base weights.
-
-    Raises:
-        EngineConfigError: ``lora="adapter"`` and there are problems (listed in the message).
-
-    Example::
-
-        >>> choose_view("auto", ["no LoRA"], engines_have_base=False)
-        'merged'
-    """
-    if problems:
-        if lora == "adapter":
-            raise EngineConfigError(
-                f"lora='adapter' but the adapter cannot be served: {'; '.join(problems)}. Fix that, or pass "
-                "lora='merged' (or 'auto', which then sends merged weights)."
-            )
-        log.info("Pushing merged LoRA weights, not the adapter alone: %s", "; ".join(problems))
-        return "merged"
-    return "adapter" if engines_have_base else "base_and_adapter"
 
 
 def adapter_source(model: torch.nn.Module, with_base: bool) -> tuple[Weights, dict[str, Any]]:

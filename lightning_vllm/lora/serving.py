@@ -1,4 +1,5 @@
-"""How an engine serves a pushed LoRA adapter: its LoRA settings, and the adapter it generates through.
+"""How an engine serves a pushed LoRA adapter: its LoRA settings, whether it can serve a policy's
+adapter (and so how the policy is sent), and the adapter it generates through.
 
 The engine targets (``engines/``) and the server middleware (``server.py``) read these;
 nothing here imports either, so both can.
@@ -6,12 +7,22 @@ nothing here imports either, so both can.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.lora.adapter import active_adapter, adapter_config, lora_layers
+from lightning_vllm.lora.merge import is_adapter_parameter
 from lightning_vllm.lora.worker import adapter_directory
+from lightning_vllm.options import LoraMode
+from lightning_vllm.weights.checks import ExpectedWeights
+from lightning_vllm.weights.model import canonical_name
+from lightning_vllm.weights.payload import PushView
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,3 +87,76 @@ class PolicyAdapter:
     def message(self, config: dict[str, Any]) -> dict[str, Any]:
         """What an update carrying this adapter tells the workers."""
         return {"key": self.key, "config": config}
+
+
+def adapter_problems(
+    module: torch.nn.Module, limits: LoraLimits | None, expected: ExpectedWeights | None, engine: str
+) -> list[str]:
+    """Why ``engine`` cannot serve ``module``'s adapter as a LoRA (empty when it can).
+
+    Read from the trainer's model and the engine's settings before anything is sent;
+    the engine's workers check the modules again, exactly, before they load anything.
+    """
+    if limits is None:
+        return [
+            f"the {engine} engine was built without LoRA: build it with enable_lora=True and max_lora_rank "
+            "at least the adapter's rank"
+        ]
+    from vllm.lora.peft_helper import PEFTHelper
+
+    problems: list[str] = []
+    try:
+        name = active_adapter(module)
+        PEFTHelper.from_dict(adapter_config(module)).validate_legal(limits)  # type: ignore[arg-type]
+    except ValueError as error:  # vLLM's own rules: rank, DoRA, bias, modules_to_save, ...
+        return [f"vLLM refuses the adapter: {error}"]
+    for layer_name, layer in lora_layers(module):
+        if name not in layer.lora_A and name not in getattr(layer, "lora_embedding_A", {}):
+            continue
+        leaf = layer_name.rsplit(".", 1)[-1]
+        if not isinstance(layer.get_base_layer(), torch.nn.Linear):
+            problems.append(f"{layer_name} is a {type(layer.get_base_layer()).__name__}; vLLM adapts linear layers")
+        elif expected is not None and f"{layer_name}.weight" not in expected.weights:
+            problems.append(f"{layer_name} is not a linear layer the engine's model loads")
+        elif layer_name.endswith("lm_head"):
+            problems.append("vLLM does not serve LoRA on lm_head")
+        elif limits.target_modules is not None and leaf not in limits.target_modules:
+            problems.append(f"the engine limits LoRA to {list(limits.target_modules)}, not {leaf}")
+    frozen_changes = [
+        canonical_name(param_name)
+        for param_name, param in module.named_parameters()
+        if param.requires_grad and not is_adapter_parameter(param_name)
+    ]
+    if frozen_changes:
+        problems.append(
+            f"{len(frozen_changes)} parameter(s) outside the adapter are trained (e.g. {frozen_changes[0]}), "
+            "and a LoRA cannot carry them"
+        )
+    return problems
+
+
+def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) -> PushView:
+    """How a LoRA policy is sent: ``"merged"``, ``"adapter"`` or ``"base_and_adapter"``.
+
+    Args:
+        lora: the updater's mode (not ``"merged"``).
+        problems: why some engine cannot serve the adapter (see :func:`adapter_problems`).
+        engines_have_base: whether every engine already has the policy's base weights.
+
+    Raises:
+        EngineConfigError: ``lora="adapter"`` and there are problems (listed in the message).
+
+    Example::
+
+        >>> choose_view("auto", ["no LoRA"], engines_have_base=False)
+        'merged'
+    """
+    if problems:
+        if lora == "adapter":
+            raise EngineConfigError(
+                f"lora='adapter' but the adapter cannot be served: {'; '.join(problems)}. Fix that, or pass "
+                "lora='merged' (or 'auto', which then sends merged weights)."
+            )
+        log.info("Pushing merged LoRA weights, not the adapter alone: %s", "; ".join(problems))
+        return "merged"
+    return "adapter" if engines_have_base else "base_and_adapter"

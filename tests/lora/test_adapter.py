@@ -8,14 +8,8 @@ from helpers import FakeEngine, tiny_qwen2
 
 from lightning_vllm import VLLMUpdater
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.lora.adapter import (
-    AdapterWeights,
-    LoraLimits,
-    WithAdapter,
-    adapter_config,
-    adapter_problems,
-    adapter_source,
-)
+from lightning_vllm.lora.adapter import AdapterWeights, WithAdapter, adapter_config, adapter_source
+from lightning_vllm.lora.serving import LoraLimits, adapter_problems
 from lightning_vllm.weights import source_metadata
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.sources import LoraBaseWeights, ModuleWeights

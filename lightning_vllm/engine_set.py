@@ -1,0 +1,181 @@
+"""The engines one updater pushes to, by index, and the transfer group formed with each.
+
+An engine's *index* is its position in the ``engine=`` list; TorchRL's interface
+calls it a worker id (``push_weights(worker_ids=...)``, ``all_worker_ids()``), which
+is the only meaning "worker id" has in this package's API. A vLLM *worker* is one of
+an engine's processes (tensor-, pipeline-, data-parallel ranks), which join its group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_vllm.connection import EngineConnection
+from lightning_vllm.engines import EngineTarget
+from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
+from lightning_vllm.weights.payload import Payload
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """Figures of one push that landed in at least one engine.
+
+    Attributes:
+        weight_version: the version committed.
+        seconds: how long the push took, every engine included.
+        num_bytes: the bytes sent, every engine included.
+        worker_ids: the engines that committed it.
+        failed_worker_ids: the engines it failed on (they keep their previous weights; see
+            :class:`~lightning_vllm.errors.PartialPushError`).
+    """
+
+    weight_version: int
+    seconds: float
+    num_bytes: int
+    worker_ids: tuple[int, ...] = ()
+    failed_worker_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreparedPush:
+    """A checked push not sent yet: what it carries, the engines it goes to (by worker id),
+    and the engines it cannot reach (their errors, by worker id)."""
+
+    payload: Payload
+    worker_ids: list[int]
+    unreachable: dict[int, BaseException] = field(default_factory=dict)
+
+
+WorkerIds = int | torch.device | Sequence[int | torch.device] | None
+"""Engines named by index or by device type (all of that type), or ``None`` for all."""
+
+
+class EngineSet:
+    """The engine targets of one updater and their connections (one transfer group per engine).
+
+    Args:
+        targets: the engines, in index order.
+        connect: opens the connection of the engine of an index (the updater's settings and
+            metadata); called when a push needs an engine not connected yet.
+    """
+
+    def __init__(self, targets: list[EngineTarget], connect: Callable[[int], EngineConnection]) -> None:
+        self.targets = targets
+        self.connections: dict[int, EngineConnection] = {}
+        self._connect = connect
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def indices(self) -> list[int]:
+        """Every engine's index."""
+        return list(range(len(self.targets)))
+
+    def resolve(self, worker_ids: WorkerIds) -> list[int]:
+        """The indices ``worker_ids`` names, sorted (all when ``None``).
+
+        Raises:
+            ValueError: an unknown index, or a device type no engine has.
+        """
+        known = self.indices()
+        if worker_ids is None:
+            return known
+        requested = [worker_ids] if isinstance(worker_ids, (int, torch.device)) else list(worker_ids)
+        resolved: list[int] = []
+        for worker in requested:
+            if isinstance(worker, torch.device):
+                resolved += [i for i in known if self.targets[i].device_type() == worker.type]
+            elif worker in known:
+                resolved.append(worker)
+            else:
+                raise ValueError(f"Unknown worker id {worker!r}; this updater's engines are {known}.")
+        if not resolved:
+            raise ValueError(f"worker_ids={worker_ids!r} selects no engine; this updater's engines are {known}.")
+        return sorted(set(resolved))
+
+    def connected(self, indices: Sequence[int]) -> tuple[dict[int, EngineConnection], dict[int, BaseException]]:
+        """The connection of each engine, joining the groups not formed yet, and the engines that
+        cannot be reached now (their errors): a push still goes to the others.
+
+        Raises:
+            EngineConfigError, WeightsMismatchError: an engine is misconfigured, which no retry fixes.
+            WeightSyncError: no engine can be reached (the first one's error).
+        """
+        connections: dict[int, EngineConnection] = {}
+        unreachable: dict[int, BaseException] = {}
+        for index in indices:
+            try:
+                connections[index] = self.connections.get(index) or self.open(index)
+            except (EngineConfigError, WeightsMismatchError):
+                raise
+            except WeightSyncError as error:
+                unreachable[index] = error
+        if not connections:
+            raise next(iter(unreachable.values()))
+        return connections, unreachable
+
+    def open(self, index: int) -> EngineConnection:
+        """Open (again) the connection of the engine at ``index``."""
+        connection = self._connect(index)
+        self.connections[index] = connection
+        return connection
+
+    def forget(self, index: int) -> None:
+        """Drop the connection of ``index`` (a failed push closed it); the next push opens a new one."""
+        self.connections.pop(index, None)
+
+    def push_each(self, push: PreparedPush, version: int) -> tuple[list[int], dict[int, BaseException], int]:
+        """Send ``push`` to each of its engines and commit ``version`` in each, whatever happened to the
+        others: the engines that took it, those it failed on (with the engines it could not reach) and
+        their errors, and the bytes sent."""
+        committed: list[int] = []
+        failures: dict[int, BaseException] = dict(push.unreachable)
+        num_bytes = 0
+        for index in push.worker_ids:
+            try:
+                num_bytes += self.push_one(index, push.payload, version)
+            except Exception as error:  # noqa: BLE001  # the other engines still get the push
+                failures[index] = error
+                continue
+            committed.append(index)
+        return committed, failures, num_bytes
+
+    def push_one(self, index: int, payload: Payload, version: int) -> int:
+        """Send ``payload`` to the connected engine at ``index`` and commit ``version``; the bytes sent.
+        A failed push closed the connection, which is forgotten: the next push opens a new one.
+
+        Raises:
+            RuntimeError: the engine is not connected (``VLLMUpdater.init`` first).
+        """
+        connection = self.connections.get(index)
+        if connection is None:
+            raise RuntimeError(f"The updater is not connected to engine {index!r}: call init() first.")
+        try:
+            return connection.push(payload, version)
+        except BaseException:
+            self.forget(index)
+            raise
+
+    def partial_push_error(self, stats: SyncStats, failures: dict[int, BaseException]) -> PartialPushError:
+        """The error of a push that reached the engines of ``stats`` and failed on those of ``failures``."""
+        named = "; ".join(
+            f"engine {index} ({self.targets[index].description}): {type(error).__name__}: {error}"
+            for index, error in sorted(failures.items())
+        )
+        error = PartialPushError(
+            f"Weight version {stats.weight_version} reached engine(s) {list(stats.worker_ids)} but failed on {named}. "
+            "Those engines keep their previous weights, and their rollouts say so; the next push joins them again.",
+            stats,
+            failures,
+        )
+        error.__cause__ = next(iter(failures.values()))
+        return error
+
+    def close(self) -> None:
+        """Leave every group and release the engines' side of them; the engines keep serving."""
+        while self.connections:
+            _, connection = self.connections.popitem()
+            connection.close()
