@@ -3,36 +3,27 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_vllm.background import BackgroundPusher
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
-from lightning_vllm.errors import (
-    EngineConfigError,
-    PartialPushError,
-    WeightsMismatchError,
-    WeightSyncError,
-    WeightSyncTimeoutError,
-)
 from lightning_vllm.options import LoraMode, PauseMode, SyncOptions, UpdaterOptions, WhenBusy, check_options
-from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
-from lightning_vllm.rollouts import RolloutSampler
+from lightning_vllm.push_points import PushPoints
+from lightning_vllm.rollouts import RolloutSampler, SamplesRollouts
 from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
-from lightning_vllm.updater import SyncStats, VLLMUpdater
+from lightning_vllm.updater import VLLMUpdater
 
 log = logging.getLogger(__name__)
 
 
-class VLLMWeightSync(Callback):
+class VLLMWeightSync(Callback, SamplesRollouts):
     """Push the LightningModule's Hugging Face weights into vLLM while training.
 
     Pushes once when fitting starts (so vLLM starts from the trainer's weights),
@@ -158,8 +149,6 @@ class VLLMWeightSync(Callback):
             )
         )
         self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)
-        self.on_sync_error = on_sync_error
-        self.sync_failures = 0
         self.push_on_fit_start = push_on_fit_start
         # vllm.LLM arguments: the engine is built on global rank 0 in setup.
         self._engine_args = dict(engine) if isinstance(engine, Mapping) else None
@@ -168,11 +157,18 @@ class VLLMWeightSync(Callback):
             **vars(updater_options),
         )
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
-        self.pusher = None if blocking else BackgroundPusher(self.updater, when_busy)
-        self._unsent_push_points = 0  # skipped since the last push that started
+        self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error)
         self._last_global_step_pushed = -1
-        self._ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
-        self._sharded = False
+
+    @property
+    def pusher(self) -> BackgroundPusher | None:
+        """The background pusher (``blocking=False``), ``None`` for blocking pushes."""
+        return self.push_points.pusher
+
+    @property
+    def sync_failures(self) -> int:
+        """Pushes that failed so far (``on_sync_error="warn"``)."""
+        return self.push_points.sync_failures
 
     @property
     def weight_version(self) -> int:
@@ -215,7 +211,9 @@ class VLLMWeightSync(Callback):
         # After the strategy has set up the model, so the weights are the ones trained
         # and sharded parameters are visible.
         if trainer.world_size > 1:
-            self._join_ranks(trainer, pl_module)
+            ranks = self.push_points.join_ranks(trainer, pl_module, self.rollouts.timeout_seconds)
+            # Rank 0 generates for the ranks that hold no engine.
+            self.rollouts.ranks = None if ranks.every_rank(bool(self.updater.engines)) else ranks
         if self.pusher is not None and trainer.is_global_zero:
             self.pusher.check_engines()
         if self.push_on_fit_start:
@@ -225,7 +223,7 @@ class VLLMWeightSync(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._collect(trainer)
+        self.push_points.collect(trainer)
         self._log_staleness(trainer)
         if self.schedule.due_after_batch(trainer.global_step, self._last_global_step_pushed):
             self._push(trainer, pl_module)
@@ -238,21 +236,7 @@ class VLLMWeightSync(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.pusher is None:
-            return
-        # The engine ends on the weights of the last push point: the push in flight lands (its
-        # error, if any, is raised here), and a skipped push point is sent now. Every rank
-        # knows whether one was skipped: the count travels with the versions (``_share_versions``).
-        try:
-            try:
-                self.pusher.wait_or_raise("at the end of fitting")
-            except WeightSyncTimeoutError as error:
-                return self._failed(trainer, error)
-            self._collect(trainer)
-        finally:
-            self._share_versions()
-        if self._unsent_push_points:
-            self._push(trainer, pl_module, background=False)
+        self.push_points.end_of_fit(trainer, pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -262,26 +246,9 @@ class VLLMWeightSync(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._release()
 
-    def _join_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Every rank: a status group of the trainer's ranks; whether all take part in pushes
-        (a sharded policy), and whether rank 0 generates for ranks that hold no engine."""
-        self._ranks = TrainerRanks(self.updater.timeout_seconds, self.rollouts.timeout_seconds)
-        self._sharded = is_sharded(trainer.strategy.model or pl_module)
-        if self._sharded and self.pusher is not None:
-            rank_zero_warn(
-                "VLLMWeightSync(blocking=False) pushes a sharded policy blocking: its gathers are collectives "
-                "of every rank and run in the training loop's thread."
-            )
-        every_rank_has_an_engine = self._ranks.every_rank(bool(self.updater.engines))
-        self.rollouts.ranks = None if every_rank_has_an_engine else self._ranks
-
     def _release(self) -> None:
-        if self.pusher is not None:
-            self.pusher.close()  # the push in flight ends (bounded by timeout_seconds) before the groups close
-        self.updater.close()
-        if self._ranks is not None:
-            self._ranks.close()
-            self._ranks = self.rollouts.ranks = None
+        self.push_points.release()
+        self.rollouts.ranks = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -335,111 +302,6 @@ class VLLMWeightSync(Callback):
         for logger in trainer.loggers:
             logger.log_metrics({"vllm/staleness": float(staleness)}, step=trainer.global_step)
 
-    # -- pushing ----------------------------------------------------------------
-
     def _push(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool = True) -> None:
         self._last_global_step_pushed = trainer.global_step
-        if trainer.sanity_checking:
-            return
-        try:
-            self._push_now(trainer, pl_module, background and self.pusher is not None and not self._sharded)
-        except WeightSyncError as error:
-            self._failed(trainer, error)
-
-    def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
-        if self._ranks is not None and self._sharded:  # every rank gathers, rank 0 sends
-            # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
-            # the parameters no sub-module unit does.
-            start = time.perf_counter()
-            stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self._ranks)
-            self._unsent_push_points = 0
-            if stats is not None:
-                self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
-            return
-        # Every rank holds the full weights (DDP, or one process): rank 0 alone sends, then
-        # tells the others the versions, which they need for staleness.
-        try:
-            if trainer.is_global_zero:
-                self._push_from_rank_zero(trainer, pl_module, background)
-        finally:
-            self._share_versions()
-
-    def _push_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
-        if background:
-            return self._submit(trainer, pl_module)
-        start = time.perf_counter()
-        if self.pusher is not None:  # a blocking push after background ones: they end first
-            self.pusher.wait_or_raise("before a blocking push")
-            self._collect(trainer)
-        try:
-            stats = self.updater.push_weights(pl_module)
-        except PartialPushError as error:
-            self._unsent_push_points = 0
-            self._log(trainer, cast(SyncStats, error.stats), stall_seconds=time.perf_counter() - start)
-            raise
-        self._unsent_push_points = 0
-        log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
-        self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
-
-    def _share_versions(self) -> None:
-        """Under DDP, global rank 0's versions (and skipped push points) on every rank; a collective
-        of every rank at each push point. Sharded pushes share them themselves."""
-        if self._ranks is None or self._sharded:
-            return
-        values = [*self.updater.versions.as_ints(), self._unsent_push_points]
-        shared = self._ranks.broadcast_ints(values)
-        if self._ranks.rank != 0:
-            self.updater.versions.adopt(shared[:-1])
-            self._unsent_push_points = shared[-1]
-
-    def _submit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self.pusher is not None
-        self._collect(trainer)  # a push that ended says how it went before the next one starts
-        submitted = self.pusher.submit(pl_module)
-        if submitted.landed is not None:  # when_busy="wait": the push waited for
-            self._log(trainer, submitted.landed)
-        metrics = {"vllm/sync_stall_seconds": submitted.stall_seconds}
-        if submitted.started:
-            self._unsent_push_points = 0
-        else:
-            self._unsent_push_points += 1
-            metrics["vllm/sync_skipped"] = float(self.pusher.num_skipped)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _collect(self, trainer: pl.Trainer) -> None:
-        """Log the background push that landed since the last look, or handle its error."""
-        if self.pusher is None:
-            return
-        try:
-            stats = self.pusher.collect()
-        except PartialPushError as error:
-            self._log(trainer, cast(SyncStats, error.stats))
-            return self._failed(trainer, error)
-        except WeightSyncError as error:
-            return self._failed(trainer, error)
-        if stats is not None:
-            self._log(trainer, stats)
-
-    def _failed(self, trainer: pl.Trainer, error: WeightSyncError) -> None:
-        # (The updater has counted the push point as missed, unless some engine took it.)
-        if self.on_sync_error == "raise" or isinstance(error, (EngineConfigError, WeightsMismatchError)):
-            raise error  # (a misconfigured engine or weights that do not fit: a retry would fail the same way)
-        self.sync_failures += 1
-        rank_zero_warn(
-            f"Pushing weights to vLLM failed ({error}). Training goes on (on_sync_error='warn'); the engine keeps "
-            f"its last weights and the next push point tries again. Failed pushes so far: {self.sync_failures}."
-        )
-        for logger in trainer.loggers:
-            logger.log_metrics({"vllm/sync_failures": float(self.sync_failures)}, step=trainer.global_step)
-
-    def _log(self, trainer: pl.Trainer, stats: SyncStats, stall_seconds: float | None = None) -> None:
-        metrics = {
-            "vllm/weight_version": float(stats.weight_version),
-            "vllm/sync_seconds": stats.seconds,
-            "vllm/sync_bytes": float(stats.num_bytes),
-        }
-        if stall_seconds is not None:  # a background push's stall was logged at its push point
-            metrics["vllm/sync_stall_seconds"] = stall_seconds
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        self.push_points.push(trainer, pl_module, background)

@@ -26,16 +26,22 @@ from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
 from lightning_vllm.engines import EngineTarget, PauseMode
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.lora.adapter import ADAPTER_PREFIX
+from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
 from lightning_vllm.lora.serving import LoraLimits, adapter_problems
 from lightning_vllm.options import UpdaterOptions
-from lightning_vllm.transports import check_trainer_can_send, resolve_backend, trainer_init_info
+from lightning_vllm.transports import check_trainer_can_send, trainer_init_info
 from lightning_vllm.transports.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.transports.plugin import GLOO, register_backends
+from lightning_vllm.transports.select import backend_for_engine
 from lightning_vllm.weights import DeclaredWeights, ModelMetadata, WireWeights, check_weights
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.changes import SentStamps
-from lightning_vllm.weights.checks import ExpectedWeights, check_tied_output_embedding, loaded_by_engine
+from lightning_vllm.weights.checks import (
+    ExpectedWeights,
+    check_tied_output_embedding,
+    loaded_by_engine,
+    wire_for_engine,
+)
 from lightning_vllm.weights.payload import Payload
 
 log = logging.getLogger(__name__)
@@ -137,8 +143,17 @@ class EngineConnection:
         if isinstance(engine, FollowsUpdaterTimeout):  # a server's requests wait as long as the updater does
             engine.follow_timeout(settings.timeout_seconds)
 
-        backend = _checked_backend(engine, settings, bounded)
-        wire, ties = _wire_metadata(engine, metadata, bounded)
+        configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
+        backend = backend_for_engine(settings.backend, configured, engine.description)
+        check_trainer_can_send(backend)
+        tp_size = engine.tensor_parallel_size()
+        if settings.vllm_tp_size is not None and settings.vllm_tp_size != tp_size:
+            raise EngineConfigError(
+                f"vllm_tp_size={settings.vllm_tp_size} but the engine runs with tensor_parallel_size={tp_size}; "
+                f"pass vllm_tp_size={tp_size} or leave it None."
+            )
+        expected = bounded(engine.expected_weights, "the engine's model facts")
+        wire, ties = wire_for_engine(expected, metadata, engine.description)
         reported_version = version_number(bounded(engine.get_weight_version, f"{engine.description}'s weight version"))
         if reported_version:
             log.info(
@@ -227,20 +242,6 @@ class EngineConnection:
         if self.ties_word_embeddings:
             check_tied_output_embedding(payload.weights, offered)
 
-    def _push_wire(self, source: Weights) -> ModelMetadata:
-        """What one push of ``source`` puts on the wire: the engine's weights, and an adapter's
-        tensors in the dtype of the weights they adapt."""
-        adapter = {meta.name: meta for meta in source.metadata if meta.name.startswith(ADAPTER_PREFIX)}
-        if not adapter:
-            return self.wire
-        limits = self._engine_lora_facts()[0]
-        wire = dict(self.wire) if len(adapter) < len(source.metadata) else {}
-        for name, meta in adapter.items():
-            adapted = name.removeprefix(ADAPTER_PREFIX).rsplit(".", 2)[0] + ".weight"
-            dtype = (limits.lora_dtype if limits else None) or self.wire.get(adapted, (meta.dtype,))[0]
-            wire[name] = (dtype, torch.Size(meta.shape))
-        return wire
-
     def push(self, payload: Payload, version: int) -> int:
         """Send ``payload`` and commit it as ``version``; returns the bytes sent.
 
@@ -264,7 +265,11 @@ class EngineConnection:
             self._pause()
         source = payload.weights
         adapter = self.adapter if payload.adapter_config is not None else None
-        wire = self._push_wire(source)
+        if payload.carries_adapter:
+            limits = self._engine_lora_facts()[0]
+            wire = adapter_wire(self.wire, source, limits.lora_dtype if limits else None)
+        else:
+            wire = self.wire
         stamps = payload.stamps if self.settings.changed_only else None
         unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps)
         if unchanged:  # whole layer groups the engine already holds
@@ -393,47 +398,3 @@ class EngineConnection:
 def wire_bytes(wire: ModelMetadata) -> int:
     """The bytes of the tensors of ``wire``."""
     return sum(math.prod(shape) * dtype.itemsize for dtype, shape in wire.values())
-
-
-def _checked_backend(engine: EngineTarget, settings: ConnectionSettings, bounded: Callable[..., Any]) -> str:
-    """The backend to use with ``engine``, after checking the engine is built for it."""
-    configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
-    if configured is None:
-        suggested = "gloo" if settings.backend == "auto" else settings.backend
-        raise EngineConfigError(
-            f"The {engine.description} engine was built without a weight-transfer config, so it cannot receive "
-            f"weights. Build it with weight_transfer_config={{'backend': '{suggested}'}}."
-        )
-    backend = resolve_backend(settings.backend, engine_backend=configured)
-    if configured != backend:
-        raise EngineConfigError(
-            f"The {engine.description} engine expects weight-transfer backend {configured!r} but this updater "
-            f"uses {backend!r}. Build the engine with weight_transfer_config={{'backend': '{backend}'}} or pass "
-            f"backend={configured!r} to the updater."
-        )
-    check_trainer_can_send(backend)
-    tp_size = engine.tensor_parallel_size()
-    if settings.vllm_tp_size is not None and settings.vllm_tp_size != tp_size:
-        raise EngineConfigError(
-            f"vllm_tp_size={settings.vllm_tp_size} but the engine runs with tensor_parallel_size={tp_size}; "
-            f"pass vllm_tp_size={tp_size} or leave it None."
-        )
-    return backend
-
-
-def _wire_metadata(
-    engine: EngineTarget, metadata: ModelMetadata, bounded: Callable[..., Any]
-) -> tuple[ModelMetadata, bool]:
-    """What goes on the wire (the engine's names and serving dtypes, checked against
-    ``metadata``), and whether the engine's model ties its embeddings."""
-    expected = bounded(engine.expected_weights, "the engine's model facts")
-    if expected is None:
-        log.warning(
-            "Cannot read which weights %s loads (no local safetensors checkpoint); sending the metadata as given "
-            "without checking it against the engine.",
-            engine.description,
-        )
-        return dict(metadata), False
-    offered = loaded_by_engine(metadata, expected.ties_word_embeddings)
-    check_weights(expected.weights, offered, what="The model metadata")
-    return {name: expected.weights[name] for name in offered}, expected.ties_word_embeddings

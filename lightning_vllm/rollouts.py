@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,8 +22,8 @@ import lightning.pytorch as pl
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.engines import EngineTarget, Generation
+from lightning_vllm.engines.failures import is_engine_death, is_paused_refusal, raise_if_dead, retry_delay
 from lightning_vllm.errors import (
-    EngineBusyError,
     EngineDeadError,
     StaleRolloutsError,
     WeightSyncError,
@@ -161,7 +160,7 @@ class RolloutSampler:
         pad_token_id: int | None,
     ) -> list[Generation]:
         engine = self._engine(worker_id)
-        _raise_if_dead(engine)
+        raise_if_dead(engine)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
         validate_timeout(timeout)
         deadline = time.monotonic() + timeout
@@ -180,16 +179,16 @@ class RolloutSampler:
             try:
                 return self._generate_once(engine, worker_id, checked, sampling_params, timeout, deadline)
             except Exception as error:
-                if not _is_paused_refusal(error):
+                if not is_paused_refusal(error):
                     raise
-                if time.monotonic() + _retry_delay(attempt) > deadline:
+                if time.monotonic() + retry_delay(attempt) > deadline:
                     raise WeightSyncTimeoutError(
                         f"{engine.description} refused the request for {timeout:g} s: generation stayed paused "
                         f"({error}). A push may be stuck; or raise timeout_seconds (generate_timeout_seconds of "
                         "VLLMWeightSync)."
                     ) from error
                 log.debug("%s refused the request while paused (%s); retrying.", engine.description, error)
-                time.sleep(_retry_delay(attempt))
+                time.sleep(retry_delay(attempt))
         raise AssertionError("unreachable")
 
     def _generate_once(
@@ -220,7 +219,7 @@ class RolloutSampler:
                 call.done,
                 timeout=max(deadline - time.monotonic(), 0.0),
                 interval=_DEATH_POLL_SECONDS,
-                check=lambda: _raise_if_dead(engine),
+                check=lambda: raise_if_dead(engine),
                 timeout_error=timed_out,
             )
         except WeightSyncError:
@@ -231,7 +230,7 @@ class RolloutSampler:
         except WeightSyncTimeoutError as error:  # the engine's own request ended at the deadline
             raise timed_out() from error
         except Exception as error:
-            if _is_engine_death(error):
+            if is_engine_death(error):
                 raise EngineDeadError(
                     f"{engine.description} died while generating ({type(error).__name__}: {error}). Restart it; "
                     "the next push re-joins an engine that is back."
@@ -311,37 +310,11 @@ def _generation_from_record(record: dict[str, Any]) -> Generation:
     return Generation(**record)
 
 
-def _raise_if_dead(engine: EngineTarget) -> None:
-    if engine.is_dead():
-        raise EngineDeadError(
-            f"{engine.description} has died (its engine-core process exited). Restart it; the next push "
-            "re-joins an engine that is back."
-        )
+class SamplesRollouts:
+    """A callback whose engines :func:`generate` samples from, through its ``rollouts``;
+    ``VLLMWeightSync`` declares it."""
 
-
-def _is_paused_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is an engine's refusal to take a request while generation is paused."""
-    from vllm.exceptions import RetryableRequestError
-
-    return isinstance(error, (RetryableRequestError, EngineBusyError))
-
-
-def _retry_delay(attempt: int) -> float:
-    """Seconds to wait before asking a paused engine again: doubling from 10 ms, at most 0.5 s."""
-    return min(0.01 * 2**attempt, 0.5)
-
-
-def _is_engine_death(error: BaseException) -> bool:
-    """Whether ``error`` says the engine itself is gone (vLLM's engine core, a Ray actor)."""
-    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
-
-    if isinstance(error, VLLMEngineDeadError):
-        return True
-    if "ray" in sys.modules:
-        from ray.exceptions import RayActorError
-
-        return isinstance(error, RayActorError)
-    return False
+    rollouts: RolloutSampler
 
 
 def sampler_of(module: pl.LightningModule) -> RolloutSampler:
@@ -355,9 +328,7 @@ def sampler_of(module: pl.LightningModule) -> RolloutSampler:
         raise RuntimeError(f"{type(module).__name__} is not attached to a Trainer: generate inside training_step.")
     # Lightning sets Trainer.callbacks per instance, so type checkers do not see it.
     callbacks = getattr(module.trainer, "callbacks", [])
-    samplers = [
-        callback.rollouts for callback in callbacks if isinstance(getattr(callback, "rollouts", None), RolloutSampler)
-    ]
+    samplers = [callback.rollouts for callback in callbacks if isinstance(callback, SamplesRollouts)]
     if len(samplers) != 1:
         raise RuntimeError(
             f"The Trainer has {len(samplers)} VLLMWeightSync callbacks; rollouts need exactly one "

@@ -26,6 +26,29 @@ def check_backend_name(backend: str) -> None:
         raise ValueError(f"Invalid value for backend={backend!r}. Must be one of {', '.join(map(repr, BACKENDS))}.")
 
 
+def backend_for_engine(requested: str, configured: str | None, engine: str) -> str:
+    """The backend to push with to an engine built with ``configured`` (its ``weight_transfer_config``).
+
+    Raises:
+        EngineConfigError: the engine has no weight-transfer config, or another backend than
+            ``requested``; the message says how to build it.
+    """
+    if configured is None:
+        suggested = "gloo" if requested == "auto" else requested
+        raise EngineConfigError(
+            f"The {engine} engine was built without a weight-transfer config, so it cannot receive "
+            f"weights. Build it with weight_transfer_config={{'backend': '{suggested}'}}."
+        )
+    backend = resolve_backend(requested, engine_backend=configured)
+    if configured != backend:
+        raise EngineConfigError(
+            f"The {engine} engine expects weight-transfer backend {configured!r} but this updater "
+            f"uses {backend!r}. Build the engine with weight_transfer_config={{'backend': '{backend}'}} or pass "
+            f"backend={configured!r} to the updater."
+        )
+    return backend
+
+
 def resolve_backend(backend: str, *, engine_backend: str) -> str:
     """The backend to push with: ``"auto"`` takes the one the engine was built with.
 

@@ -8,6 +8,7 @@ without reading the data.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from lightning_vllm.errors import WeightsMismatchError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata
 from lightning_vllm.weights.sources import differs_from_input_embedding
+
+log = logging.getLogger(__name__)
 
 MAX_LISTED_PROBLEMS = 10
 TIED_OUTPUT_EMBEDDING = "lm_head.weight"
@@ -145,3 +148,24 @@ def check_tied_output_embedding(source: Weights, offered: Mapping[str, Any]) -> 
             "embedding to its input embedding. Start the engine from a checkpoint saved from this model "
             "(tie_word_embeddings must agree)."
         )
+
+
+def wire_for_engine(
+    expected: ExpectedWeights | None, metadata: Mapping[str, tuple[torch.dtype, Any]], engine: str
+) -> tuple[dict[str, tuple[torch.dtype, Any]], bool]:
+    """What goes on the wire to an engine whose model loads ``expected`` (its names and serving
+    dtypes, checked against ``metadata``), and whether that model ties its embeddings.
+
+    Raises:
+        WeightsMismatchError: ``metadata`` does not fit the engine's model.
+    """
+    if expected is None:
+        log.warning(
+            "Cannot read which weights %s loads (no local safetensors checkpoint); sending the metadata as given "
+            "without checking it against the engine.",
+            engine,
+        )
+        return dict(metadata), False
+    offered = loaded_by_engine(dict(metadata), expected.ties_word_embeddings)
+    check_weights(expected.weights, offered, what="The model metadata")
+    return {name: expected.weights[name] for name in offered}, expected.ties_word_embeddings

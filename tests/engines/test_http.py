@@ -185,7 +185,7 @@ def test_requests_follow_the_updaters_timeout():
 
 
 def test_every_sampling_field_the_route_takes_is_sent_and_the_rest_refused():
-    from lightning_vllm.engines.http import completion_fields
+    from lightning_vllm.engines.completions import completion_fields
 
     params = SamplingParams(
         max_tokens=5, temperature=0.7, top_k=4, min_p=0.1, stop=["x"], stop_token_ids=[3], ignore_eos=True,

@@ -1,0 +1,45 @@
+"""How an engine fails a request, told apart: dead, frozen for now (paused), or not at all.
+
+The exceptions of vLLM and Ray that mean an engine is gone are read here, in one place.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning_vllm.engines.base import EngineTarget
+from lightning_vllm.errors import EngineBusyError, EngineDeadError
+
+
+def raise_if_dead(engine: EngineTarget) -> None:
+    """Raise :class:`EngineDeadError` if ``engine`` is known to have died (asked while a generate waits)."""
+    if engine.is_dead():
+        raise EngineDeadError(
+            f"{engine.description} has died (its engine-core process exited). Restart it; the next push "
+            "re-joins an engine that is back."
+        )
+
+
+def is_paused_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is an engine's refusal to take a request while generation is paused."""
+    from vllm.exceptions import RetryableRequestError
+
+    return isinstance(error, (RetryableRequestError, EngineBusyError))
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds to wait before asking a paused engine again: doubling from 10 ms, at most 0.5 s."""
+    return min(0.01 * 2**attempt, 0.5)
+
+
+def is_engine_death(error: BaseException) -> bool:
+    """Whether ``error`` says the engine itself is gone (vLLM's engine core, a Ray actor)."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+
+    if isinstance(error, VLLMEngineDeadError):
+        return True
+    if "ray" in sys.modules:
+        from ray.exceptions import RayActorError
+
+        return isinstance(error, RayActorError)
+    return False

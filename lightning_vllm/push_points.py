@@ -1,0 +1,197 @@
+"""What happens at a push point, once the callback has decided one is due (``schedule.py``).
+
+A push point pushes blocking, or in the background (``background.py``); from global
+rank 0 alone, or from every rank when the policy is sharded (``ranks.py``). Under DDP
+the ranks that do not push then receive rank 0's versions. A failed push is raised or,
+with ``on_sync_error="warn"``, counted and warned about. Every push's figures go to the
+Lightning loggers. The callback (``callback.py``) only calls in at its hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import cast
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_vllm.background import BackgroundPusher
+from lightning_vllm.engine_set import SyncStats
+from lightning_vllm.errors import (
+    EngineConfigError,
+    PartialPushError,
+    WeightsMismatchError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
+from lightning_vllm.options import WhenBusy
+from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
+from lightning_vllm.updater import VLLMUpdater
+
+log = logging.getLogger(__name__)
+
+
+class PushPoints:
+    """The pushes of one ``VLLMWeightSync``: blocking or background, from one rank or all, and their outcome.
+
+    Args:
+        updater: the updater that pushes (and owns the versions).
+        blocking: ``False`` sends pushes from a background thread (see ``VLLMWeightSync``).
+        when_busy: with ``blocking=False``, what a push point does while a push is on its way.
+        on_sync_error: ``"raise"`` or ``"warn"`` (see ``VLLMWeightSync``).
+    """
+
+    def __init__(self, updater: VLLMUpdater, blocking: bool, when_busy: WhenBusy, on_sync_error: str) -> None:
+        self.updater = updater
+        self.pusher = None if blocking else BackgroundPusher(updater, when_busy)
+        self.on_sync_error = on_sync_error
+        self.sync_failures = 0
+        self.unsent = 0  # push points skipped since the last push that started
+        self.ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
+        self.sharded = False
+
+    def join_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generate_timeout: float) -> TrainerRanks:
+        """Every rank: a status group of the trainer's ranks, and whether all take part in pushes (a sharded
+        policy). A collective of every rank, when fitting starts."""
+        self.ranks = TrainerRanks(self.updater.timeout_seconds, generate_timeout)
+        self.sharded = is_sharded(trainer.strategy.model or pl_module)
+        if self.sharded and self.pusher is not None:
+            rank_zero_warn(
+                "VLLMWeightSync(blocking=False) pushes a sharded policy blocking: its gathers are collectives "
+                "of every rank and run in the training loop's thread."
+            )
+        return self.ranks
+
+    def push(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool = True) -> None:
+        """Push the module's weights now (in the background if asked and possible); on every rank."""
+        if trainer.sanity_checking:
+            return
+        try:
+            self._push_now(trainer, pl_module, background and self.pusher is not None and not self.sharded)
+        except WeightSyncError as error:
+            self.failed(trainer, error)
+
+    def end_of_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The engine ends on the weights of the last push point: the push in flight lands (its error, if
+        any, is raised here), and a skipped push point is sent now. Every rank knows whether one was
+        skipped: the count travels with the versions (:meth:`share_versions`)."""
+        if self.pusher is None:
+            return
+        try:
+            try:
+                self.pusher.wait_or_raise("at the end of fitting")
+            except WeightSyncTimeoutError as error:
+                return self.failed(trainer, error)
+            self.collect(trainer)
+        finally:
+            self.share_versions()
+        if self.unsent:
+            self.push(trainer, pl_module, background=False)
+
+    def release(self) -> None:
+        """End the push in flight (bounded by ``timeout_seconds``), then leave the groups."""
+        if self.pusher is not None:
+            self.pusher.close()
+        self.updater.close()
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+
+    def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
+        if self.ranks is not None and self.sharded:  # every rank gathers, rank 0 sends
+            # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
+            # the parameters no sub-module unit does.
+            start = time.perf_counter()
+            stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self.ranks)
+            self.unsent = 0
+            if stats is not None:
+                self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
+            return
+        # Every rank holds the full weights (DDP, or one process): rank 0 alone sends, then
+        # tells the others the versions, which they need for staleness.
+        try:
+            if trainer.is_global_zero:
+                self._push_from_rank_zero(trainer, pl_module, background)
+        finally:
+            self.share_versions()
+
+    def _push_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
+        if background:
+            return self._submit(trainer, pl_module)
+        start = time.perf_counter()
+        if self.pusher is not None:  # a blocking push after background ones: they end first
+            self.pusher.wait_or_raise("before a blocking push")
+            self.collect(trainer)
+        try:
+            stats = self.updater.push_weights(pl_module)
+        except PartialPushError as error:
+            self.unsent = 0
+            self._log(trainer, cast(SyncStats, error.stats), stall_seconds=time.perf_counter() - start)
+            raise
+        self.unsent = 0
+        log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
+        self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
+
+    def share_versions(self) -> None:
+        """Under DDP, global rank 0's versions (and skipped push points) on every rank; a collective
+        of every rank at each push point. Sharded pushes share them themselves."""
+        if self.ranks is None or self.sharded:
+            return
+        values = [*self.updater.versions.as_ints(), self.unsent]
+        shared = self.ranks.broadcast_ints(values)
+        if self.ranks.rank != 0:
+            self.updater.versions.adopt(shared[:-1])
+            self.unsent = shared[-1]
+
+    def _submit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.pusher is not None
+        self.collect(trainer)  # a push that ended says how it went before the next one starts
+        submitted = self.pusher.submit(pl_module)
+        if submitted.landed is not None:  # when_busy="wait": the push waited for
+            self._log(trainer, submitted.landed)
+        metrics = {"vllm/sync_stall_seconds": submitted.stall_seconds}
+        if submitted.started:
+            self.unsent = 0
+        else:
+            self.unsent += 1
+            metrics["vllm/sync_skipped"] = float(self.pusher.num_skipped)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def collect(self, trainer: pl.Trainer) -> None:
+        """Log the background push that landed since the last look, or handle its error."""
+        if self.pusher is None:
+            return
+        try:
+            stats = self.pusher.collect()
+        except PartialPushError as error:
+            self._log(trainer, cast(SyncStats, error.stats))
+            return self.failed(trainer, error)
+        except WeightSyncError as error:
+            return self.failed(trainer, error)
+        if stats is not None:
+            self._log(trainer, stats)
+
+    def failed(self, trainer: pl.Trainer, error: WeightSyncError) -> None:
+        # (The updater has counted the push point as missed, unless some engine took it.)
+        if self.on_sync_error == "raise" or isinstance(error, (EngineConfigError, WeightsMismatchError)):
+            raise error  # (a misconfigured engine or weights that do not fit: a retry would fail the same way)
+        self.sync_failures += 1
+        rank_zero_warn(
+            f"Pushing weights to vLLM failed ({error}). Training goes on (on_sync_error='warn'); the engine keeps "
+            f"its last weights and the next push point tries again. Failed pushes so far: {self.sync_failures}."
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics({"vllm/sync_failures": float(self.sync_failures)}, step=trainer.global_step)
+
+    def _log(self, trainer: pl.Trainer, stats: SyncStats, stall_seconds: float | None = None) -> None:
+        metrics = {
+            "vllm/weight_version": float(stats.weight_version),
+            "vllm/sync_seconds": stats.seconds,
+            "vllm/sync_bytes": float(stats.num_bytes),
+        }
+        if stall_seconds is not None:  # a background push's stall was logged at its push point
+            metrics["vllm/sync_stall_seconds"] = stall_seconds
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)

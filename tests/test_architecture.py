@@ -1,0 +1,123 @@
+"""The layout's rules, checked on the source: no import cycle (imports inside functions and under
+``TYPE_CHECKING`` included), no module importing one from a layer above it, no module over 400 lines,
+and no probing of this package's own objects with ``getattr``/``hasattr``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "lightning_vllm"
+
+# Lowest first; a module may import from its own layer or from those below. docs/index.md draws them.
+LAYERS: dict[str, list[str]] = {
+    "shared": [
+        "settings", "errors", "options", "versions", "_waits", "prompts", "schedule", "weights.changes",
+        "weights.model", "lora", "lora.merge", "lora.worker", "lora.cpu_ops", "transports.buckets",
+        "transports.busy_wait", "transports.staging", "transports.gloo.tied_embedding_fix", "engines.completions",
+    ],
+    "what is sent": [
+        "weights", "weights.base", "weights.fsdp", "weights.zero3", "weights.sources", "weights.checks",
+        "weights.payload", "weights.snapshot", "lora.adapter", "lora.serving",
+    ],
+    "how bytes move": [
+        "transports", "transports.select", "transports.plugin", "transports.gloo", "transports.gloo.messages",
+        "transports.gloo.group", "transports.gloo.receiver", "transports.gloo.trainer", "transports.gloo.worker",
+    ],
+    "where vLLM lives": [
+        "engines", "engines.base", "engines.config_facts", "engines.local", "engines.async_local", "engines.http",
+        "engines.ray", "engines.failures", "server",
+    ],
+    "one engine's connection": ["connection", "engine_set", "payloads"],
+    "the updater": ["torchrl_interface", "updater"],
+    "several ranks, background": ["ranks", "background"],
+    "rollouts and push points": ["rollouts", "push_points"],
+    "when to send": ["callback"],
+    "the package": [""],
+}  # fmt: skip
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module's imports of this package's modules, wherever they stand in the file."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_vllm"):
+                base = node.module.removeprefix("lightning_vllm").lstrip(".")
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}".lstrip(".")
+                    imported.add(submodule if submodule in modules else base)
+            elif isinstance(node, ast.Import):
+                imported |= {
+                    a.name.removeprefix("lightning_vllm").lstrip(".")
+                    for a in node.names
+                    if a.name.startswith("lightning_vllm")
+                }
+        graph[name] = {other for other in imported if other in modules and other != name}
+    return graph
+
+
+def test_every_module_has_a_layer_and_imports_point_down():
+    layer_of = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
+    graph = import_graph()
+    assert sorted(set(graph) - set(layer_of)) == [], "a module without a layer: add it to LAYERS and docs/index.md"
+    upward = [
+        f"{module} imports {other}" for module, imports in graph.items() for other in imports
+        if layer_of[other] > layer_of[module]
+    ]  # fmt: skip
+    assert upward == []
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for other in sorted(graph[module]):
+            if state.get(other) == 1:
+                return [*path, module, other]
+            if other not in state and (cycle := visit(other, [*path, module])):
+                return cycle
+        state[module] = 2
+        return None
+
+    cycles = [cycle for module in sorted(graph) if module not in state and (cycle := visit(module, []))]
+    assert cycles == []
+
+
+def test_no_module_is_over_400_lines():
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_our_own_objects_are_not_probed():
+    """Capabilities are Protocols an engine target declares, and a push's extras travel in a Payload:
+    none of these names is asked for with getattr/hasattr any more."""
+    ours = {
+        "adapter", "adapter_config", "adapter_message", "stamps", "loads_at_finish", "follow_timeout",
+        "lora_limits", "serve_adapter", "check_serves_adapters", "background_push_problem", "lora_request",
+        "rollouts", "iter_groups",
+    }  # fmt: skip
+    probes = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in ours
+            ):
+                probes.append(f"{module_name(path)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    assert probes == []
