@@ -104,7 +104,7 @@ class TimedClient:
     wrapper has the same methods, each bounded by ``timeout`` seconds.
 
     Args:
-        client: the client (an engine adapter, or any object with the four methods).
+        client: the client (an engine target, or any object with the four methods).
         timeout: the longest each call may take.
         weight_version: what ``finish_weight_update()`` commits when called without a
             version, as vLLM's own trainer engines call it; see :meth:`committing`.

@@ -267,7 +267,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         prompts: Any,
         sampling_params: Any = None,
         *,
-        worker_id: int = 0,
+        engine_index: int = 0,
         timeout_seconds: float | None = None,
         pad_token_id: int | None = None,
     ) -> list[Generation]:
@@ -277,7 +277,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             prompts: token-id lists (batch them with ``DataLoader(..., collate_fn=list)``), texts
                 when the engine has a tokenizer, or a 2-D integer tensor with one row per prompt.
             sampling_params: vLLM ``SamplingParams`` (``n`` samples per prompt, logprobs, ...).
-            worker_id: which engine, when the callback updates several.
+            engine_index: which engine (its position in ``engine=``), when the callback updates several.
             timeout_seconds: the longest this call may take (default: ``generate_timeout_seconds``).
             pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
 
@@ -292,7 +292,11 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
         """
         return self.rollouts.generate(
-            prompts, sampling_params, worker_id=worker_id, timeout_seconds=timeout_seconds, pad_token_id=pad_token_id
+            prompts,
+            sampling_params,
+            engine_index=engine_index,
+            timeout_seconds=timeout_seconds,
+            pad_token_id=pad_token_id,
         )
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:

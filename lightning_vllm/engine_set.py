@@ -27,16 +27,16 @@ class SyncStats:
         weight_version: the version committed.
         seconds: how long the push took, every engine included.
         num_bytes: the bytes sent, every engine included.
-        worker_ids: the engines that committed it.
-        failed_worker_ids: the engines it failed on (they keep their previous weights; see
+        engine_indices: the engines that committed it (their positions in ``engine=``).
+        failed_engine_indices: the engines it failed on (they keep their previous weights; see
             :class:`~lightning_vllm.errors.PartialPushError`).
     """
 
     weight_version: int
     seconds: float
     num_bytes: int
-    worker_ids: tuple[int, ...] = ()
-    failed_worker_ids: tuple[int, ...] = ()
+    engine_indices: tuple[int, ...] = ()
+    failed_engine_indices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class PreparedPush:
     and the engines it cannot reach (their errors, by worker id)."""
 
     payload: Payload
-    worker_ids: list[int]
+    engine_indices: list[int]
     unreachable: dict[int, BaseException] = field(default_factory=dict)
 
 
@@ -134,7 +134,7 @@ class EngineSet:
         committed: list[int] = []
         failures: dict[int, BaseException] = dict(push.unreachable)
         num_bytes = 0
-        for index in push.worker_ids:
+        for index in push.engine_indices:
             try:
                 num_bytes += self.push_one(index, push.payload, version)
             except Exception as error:  # noqa: BLE001  # the other engines still get the push
@@ -166,8 +166,9 @@ class EngineSet:
             for index, error in sorted(failures.items())
         )
         error = PartialPushError(
-            f"Weight version {stats.weight_version} reached engine(s) {list(stats.worker_ids)} but failed on {named}. "
-            "Those engines keep their previous weights, and their rollouts say so; the next push joins them again.",
+            f"Weight version {stats.weight_version} reached engine(s) {list(stats.engine_indices)} but failed on "
+            f"{named}. Those engines keep their previous weights, and their rollouts say so; the next push joins "
+            "them again.",
             stats,
             failures,
         )

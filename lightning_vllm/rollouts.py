@@ -75,17 +75,17 @@ class RolloutSampler:
         prompts: Any,
         sampling_params: Any = None,
         *,
-        worker_id: int = 0,
+        engine_index: int = 0,
         timeout_seconds: float | None = None,
         pad_token_id: int | None = None,
     ) -> list[Generation]:
-        """Sample from engine ``worker_id``; one entry per sample, each with its weight version.
+        """Sample from the engine at ``engine_index``; one entry per sample, each with its weight version.
 
         Args:
             prompts: token-id lists, strings (engines with a tokenizer) or a 2-D integer
                 tensor, one row per prompt (see ``lightning_vllm.prompts``).
             sampling_params: vLLM ``SamplingParams``; vLLM's defaults when ``None``.
-            worker_id: which engine, when the updater has several.
+            engine_index: which engine (its position in ``engine=``), when the updater has several.
             timeout_seconds: the longest this call may take (default: ``self.timeout_seconds``).
             pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
 
@@ -97,10 +97,10 @@ class RolloutSampler:
         """
         if self.ranks is not None:
             generations = self._generate_on_rank_zero(
-                prompts, sampling_params, worker_id, timeout_seconds, pad_token_id
+                prompts, sampling_params, engine_index, timeout_seconds, pad_token_id
             )
         else:
-            generations = self._generate_here(prompts, sampling_params, worker_id, timeout_seconds, pad_token_id)
+            generations = self._generate_here(prompts, sampling_params, engine_index, timeout_seconds, pad_token_id)
         self.record([generation.weight_version for generation in generations])
         return generations
 
@@ -108,7 +108,7 @@ class RolloutSampler:
         self,
         prompts: Any,
         sampling_params: Any,
-        worker_id: int,
+        engine_index: int,
         timeout_seconds: float | None,
         pad_token_id: int | None,
     ) -> list[Generation]:
@@ -125,14 +125,14 @@ class RolloutSampler:
         requests = [json.loads(payload) for payload in self.ranks.gather_to_rank_zero(json.dumps(request).encode())]
         reply: dict[str, Any] = {}
         if self.ranks.rank == 0:
-            reply = self._serve_ranks(requests, sampling_params, worker_id, timeout_seconds)
+            reply = self._serve_ranks(requests, sampling_params, engine_index, timeout_seconds)
         reply = json.loads(self.ranks.broadcast_bytes(json.dumps(reply).encode()))
         if "error" in reply:
             raise _error_from_record(reply["error"])
         return [_generation_from_record(record) for record in reply["generations"][self.ranks.rank]]
 
     def _serve_ranks(
-        self, requests: list[dict[str, Any]], sampling_params: Any, worker_id: int, timeout_seconds: float | None
+        self, requests: list[dict[str, Any]], sampling_params: Any, engine_index: int, timeout_seconds: float | None
     ) -> dict[str, Any]:
         refused = [(rank, request["error"]) for rank, request in enumerate(requests) if "error" in request]
         if refused:
@@ -140,7 +140,7 @@ class RolloutSampler:
             return {"error": {**record, "message": f"Trainer rank {rank}: {record['message']}"}}
         prompts = [prompt for request in requests for prompt in request["prompts"]]
         try:
-            generations = self._generate_here(prompts, sampling_params, worker_id, timeout_seconds, None)
+            generations = self._generate_here(prompts, sampling_params, engine_index, timeout_seconds, None)
         except Exception as error:  # noqa: BLE001  # every rank raises it
             return {"error": _error_record(error)}
         per_prompt = len(generations) // len(prompts) if prompts else 0  # vLLM returns n samples per prompt
@@ -155,11 +155,11 @@ class RolloutSampler:
         self,
         prompts: Any,
         sampling_params: Any,
-        worker_id: int,
+        engine_index: int,
         timeout_seconds: float | None,
         pad_token_id: int | None,
     ) -> list[Generation]:
-        engine = self._engine(worker_id)
+        engine = self._engine(engine_index)
         raise_if_dead(engine)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
         validate_timeout(timeout)
@@ -172,12 +172,12 @@ class RolloutSampler:
             from vllm import SamplingParams
 
             sampling_params = SamplingParams()
-        self._await_timed_out(worker_id, engine, deadline)
+        self._await_timed_out(engine_index, engine, deadline)
         # vLLM 0.33 refuses new requests while a push holds generation paused ("wait" and "abort" modes);
         # the refusal is immediate and the pause short, so the same request is asked again until the deadline.
         for attempt in itertools.count():
             try:
-                return self._generate_once(engine, worker_id, checked, sampling_params, timeout, deadline)
+                return self._generate_once(engine, engine_index, checked, sampling_params, timeout, deadline)
             except Exception as error:
                 if not is_paused_refusal(error):
                     raise
@@ -194,7 +194,7 @@ class RolloutSampler:
     def _generate_once(
         self,
         engine: EngineTarget,
-        worker_id: int,
+        engine_index: int,
         checked: list[Any],
         sampling_params: Any,
         timeout: float,
@@ -223,7 +223,7 @@ class RolloutSampler:
                 timeout_error=timed_out,
             )
         except WeightSyncError:
-            self._timed_out[worker_id] = call
+            self._timed_out[engine_index] = call
             raise
         try:
             generations = call.result(0)
@@ -238,19 +238,19 @@ class RolloutSampler:
             raise
         return generations
 
-    def _engine(self, worker_id: int) -> EngineTarget:
+    def _engine(self, engine_index: int) -> EngineTarget:
         engines = self.updater.engines
         if not engines:
             raise RuntimeError(
                 "This rank holds no vLLM engine to generate from (under DDP only global rank 0 has one unless every "
                 "rank is given an engine, e.g. a server URL)."
             )
-        if not 0 <= worker_id < len(engines):
-            raise ValueError(f"Unknown worker id {worker_id!r}; the engines are {list(range(len(engines)))}.")
-        return engines[worker_id]
+        if not 0 <= engine_index < len(engines):
+            raise ValueError(f"Unknown engine_index={engine_index!r}; the engines are {list(range(len(engines)))}.")
+        return engines[engine_index]
 
-    def _await_timed_out(self, worker_id: int, engine: EngineTarget, deadline: float) -> None:
-        timed_out = self._timed_out.get(worker_id)
+    def _await_timed_out(self, engine_index: int, engine: EngineTarget, deadline: float) -> None:
+        timed_out = self._timed_out.get(engine_index)
         if timed_out is None:
             return
         if not timed_out.wait(max(deadline - time.monotonic(), 0.0)):
@@ -258,7 +258,7 @@ class RolloutSampler:
                 f"{engine.description} has still not finished an earlier generate that timed out: it is frozen "
                 "or dead. Restart it (or wait for it) and generate again."
             )
-        del self._timed_out[worker_id]
+        del self._timed_out[engine_index]
 
     def record(self, weight_versions: Sequence[int]) -> None:
         """Note the versions of samples about to be used; refuse them if too stale.
@@ -342,7 +342,7 @@ def generate(
     prompts: Any,
     sampling_params: Any = None,
     *,
-    worker_id: int = 0,
+    engine_index: int = 0,
     timeout_seconds: float | None = None,
     pad_token_id: int | None = None,
 ) -> list[Generation]:
@@ -353,7 +353,7 @@ def generate(
         prompts: token-id lists (batch them with ``DataLoader(..., collate_fn=list)``), texts when
             the engine has a tokenizer, or a 2-D integer tensor with one row per prompt.
         sampling_params: vLLM ``SamplingParams``.
-        worker_id: which engine, when the callback updates several.
+        engine_index: which engine (its position in ``engine=``), when the callback updates several.
         timeout_seconds: the longest this call may take (default: the callback's
             ``generate_timeout_seconds``).
         pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
@@ -374,5 +374,9 @@ def generate(
         ...     rollouts = generate(self, batch["prompt_ids"], SamplingParams(n=8, logprobs=0))
     """
     return sampler_of(module).generate(
-        prompts, sampling_params, worker_id=worker_id, timeout_seconds=timeout_seconds, pad_token_id=pad_token_id
+        prompts,
+        sampling_params,
+        engine_index=engine_index,
+        timeout_seconds=timeout_seconds,
+        pad_token_id=pad_token_id,
     )

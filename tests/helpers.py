@@ -127,7 +127,7 @@ def vllm_prompt_logprobs(llm, prompts=PROMPTS, lora_request=None) -> list[list[f
 
 
 def engine_prompt_logprobs(engine, prompts=PROMPTS) -> list[list[float]]:
-    """Prompt logprobs through an engine adapter's ``generate`` (any target: HTTP, AsyncLLM, Ray)."""
+    """Prompt logprobs through an engine target's ``generate`` (any target: HTTP, AsyncLLM, Ray)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
@@ -167,7 +167,7 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def served_logprobs(engine) -> list[list[float]]:
-    """Prompt logprobs from a ``vllm.LLM`` or from any engine adapter (HTTP, AsyncLLM, Ray)."""
+    """Prompt logprobs from a ``vllm.LLM`` or from any engine target (HTTP, AsyncLLM, Ray)."""
     from vllm import LLM
 
     return vllm_prompt_logprobs(engine) if isinstance(engine, LLM) else engine_prompt_logprobs(engine)

@@ -32,7 +32,7 @@ def stop_here() -> None:
 
 
 class StoppingHTTPEngine(HTTPEngine):
-    """The package's server adapter, which stops at the chosen point of a push."""
+    """The package's server target, which stops at the chosen point of a push."""
 
     def __init__(self, url: str, point: str) -> None:
         super().__init__(url)

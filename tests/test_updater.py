@@ -304,7 +304,7 @@ def test_a_push_that_fails_on_one_engine_still_reaches_the_others_and_reports_ea
     with pytest.raises(PartialPushError, match=message) as caught:
         updater.push_weights(model)
     stats = caught.value.stats
-    assert (stats.weight_version, stats.worker_ids, stats.failed_worker_ids) == (1, (1,), (0,))
+    assert (stats.weight_version, stats.engine_indices, stats.failed_engine_indices) == (1, (1,), (0,))
     assert list(caught.value.failures) == [0] and updater.last_sync == stats
     # The engine that took it serves version 1, which is committed; the other keeps its weights.
     assert second.version == "1" and second.holds(model) and first.version == "default"

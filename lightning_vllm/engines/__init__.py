@@ -1,6 +1,6 @@
-"""Where vLLM lives: one adapter per kind of engine the trainer talks to.
+"""Where vLLM lives: one engine target per kind of engine the trainer talks to.
 
-An adapter (:class:`EngineTarget`) answers what the updater must know before any
+An engine target (:class:`EngineTarget`) answers what the updater must know before any
 byte moves (backend, number of workers, device, the weights the model loads),
 exposes vLLM's weight-sync control plane, versions, the prefix cache, pausing, and
 one way to generate (:meth:`EngineTarget.generate`) whatever the target.
@@ -31,7 +31,7 @@ __all__ = [
 
 
 def as_engine_target(engine: Any) -> EngineTarget:
-    """Wrap what the user passed as ``engine`` in its adapter.
+    """Wrap what the user passed as ``engine`` in its engine target.
 
     Accepts a ``vllm.LLM``, an ``AsyncLLM``, a server URL (``"http://host:port"``), a
     Ray actor handle of :class:`VLLMActor`, or a ready :class:`EngineTarget`.

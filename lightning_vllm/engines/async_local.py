@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine(EngineConfigFacts):
-    """Adapter for a ``vllm.v1.engine.async_llm.AsyncLLM``.
+    """Engine target for a ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     Args:
         async_llm: the engine, built with ``weight_transfer_config={"backend": "gloo"}``.

@@ -117,7 +117,7 @@ class ServesAdapter(ServesLoraAdapters):
 
 @runtime_checkable
 class EngineTarget(Protocol):
-    """An adapter for one vLLM engine: its facts, its weight-sync control plane, and generation.
+    """The target of one vLLM engine: its facts, its weight-sync control plane, and generation.
 
     The four ``*_weight_*`` methods are vLLM's ``VLLMWeightSyncClient`` protocol; each
     blocks until the engine has done it (the updater bounds every call with a timeout).
@@ -187,7 +187,7 @@ class EngineTarget(Protocol):
 
         Prompts are token-id lists, or text when the engine has a tokenizer, already
         checked against :meth:`prompt_limits`. ``timeout_seconds`` is the longest the call
-        may take (``None``: the adapter's own default); an adapter that can end its request
+        may take (``None``: the target's own default); a target that can end its request
         at that time does (a server's HTTP request, a Ray call), the others rely on the
         caller, which bounds the wait either way.
         """

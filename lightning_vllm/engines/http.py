@@ -54,7 +54,7 @@ _NO_ADAPTER_MIDDLEWARE = (
 
 
 class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout):
-    """Adapter for a vLLM server.
+    """Engine target for a vLLM server.
 
     Args:
         base_url: the server's address, e.g. ``"http://127.0.0.1:8000"``.
@@ -227,7 +227,7 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout):
         )
 
     # vLLM's weight-sync routes, with the same bodies as vLLM's HTTPVLLMWeightSyncClient
-    # (whose raw `requests` errors and fixed timeout this adapter replaces).
+    # (whose raw `requests` errors and fixed timeout this target replaces).
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._request("POST", "init_weight_transfer_engine", json={"init_info": init_info})
 

@@ -20,13 +20,13 @@ from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_d
 
 
 class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes):
-    """Adapter for a ``vllm.LLM``.
+    """Engine target for a ``vllm.LLM``.
 
     ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.
     A background push (``blocking=False``) calls the engine from another thread than the
     training loop's generate: the update's control calls go through the engine core's
     request socket, which the adapter guards with a lock (vLLM's client has none), and
-    the commit waits for a ``generate`` of this adapter in progress (and the next one for
+    the commit waits for a ``generate`` of this target in progress (and the next one for
     the commit), so its samples carry one version. ``llm.generate`` called directly may
     see a commit between two of its steps; vLLM then reports both versions per token.
 

@@ -66,7 +66,7 @@ def is_actor_handle(engine: Any) -> bool:
 
 
 class RayEngine(ServesAdapter):
-    """Adapter for a Ray actor running :class:`VLLMActor` (or any actor with the same methods)."""
+    """Engine target for a Ray actor running :class:`VLLMActor` (or any actor with the same methods)."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle

@@ -85,7 +85,7 @@ def test_a_trainer_killed_during_a_push_leaves_the_last_committed_weights(server
 
 
 class KillsTheServerMidPush(HTTPEngine):
-    """The package's server adapter; at the push numbered ``kill_at`` it SIGKILLs the whole
+    """The package's server target; at the push numbered ``kill_at`` it SIGKILLs the whole
     server right after the workers posted their receives."""
 
     def __init__(self, server, kill_at: int) -> None:

@@ -88,7 +88,7 @@ def test_a_frozen_engine_ends_the_rollout_in_time_and_serves_again_after(kind, r
 
 
 class FreezesMidPush:
-    """An engine adapter that stops its engine core (SIGSTOP) once the workers have posted
+    """An engine target that stops its engine core (SIGSTOP) once the workers have posted
     their receives for an update: the rest of the push meets a frozen engine."""
 
     def __init__(self, inner, core_pid: int) -> None:

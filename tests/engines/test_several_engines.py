@@ -103,7 +103,7 @@ def test_an_engine_that_cannot_be_reached_does_not_keep_the_push_from_the_others
     with pytest.raises(PartialPushError, match=message) as caught:
         updater.push_weights(model)
     stats = caught.value.stats
-    assert (stats.worker_ids, stats.failed_worker_ids) == ((1,), (0,))
+    assert (stats.engine_indices, stats.failed_engine_indices) == ((1,), (0,))
     assert_serves(llm, model)
     assert updater.weight_version == stats.weight_version == served_version(llm)
     updater.close()
