@@ -77,7 +77,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 # 1000 pushes into an in-process engine and 300 through vllm serve: memory, threads and
-# file descriptors stay flat (about 10 minutes).
+# file descriptors stay flat (the last run and its time: docs/benchmarks.md#soak-make-soak).
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py
 

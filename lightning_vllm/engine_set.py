@@ -117,6 +117,16 @@ class EngineSet:
             raise next(iter(unreachable.values()))
         return connections, unreachable
 
+    def serving(
+        self, worker_ids: WorkerIds, extra_problems: list[str], policy: torch.nn.Module
+    ) -> tuple[list[str], bool]:
+        """Why some of the engines ``worker_ids`` names cannot serve ``policy``'s LoRA adapter (with
+        ``extra_problems``), and whether every one has the policy's base weights already; connects to
+        them if needed (the engines not reached get nothing)."""
+        connections = list(self.connected(self.resolve(worker_ids))[0].values())
+        problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(policy)]
+        return [*problems, *extra_problems], all(connection.has_policy_base for connection in connections)
+
     def open(self, index: int) -> EngineConnection:
         """Open (again) the connection of the engine at ``index``."""
         connection = self._connect(index)

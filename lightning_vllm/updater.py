@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.connection import ConnectionSettings, EngineConnection
@@ -372,20 +373,10 @@ class VLLMUpdater(TorchRLInterface):
         """
         if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
             return weights
-        engines_serving = functools.partial(self._engines_serving, weights, worker_ids)
-        return choose_payload(weights, self.options(), engines_serving, agree)
-
-    def _engines_serving(
-        self, weights: Any, worker_ids: Sequence[int] | None, policy: torch.nn.Module
-    ) -> tuple[list[str], bool]:
-        """Why some engine cannot serve ``policy``'s adapter, and whether every engine has its base weights."""
-        if self.model_metadata is None:
+        if self.model_metadata is None and not isinstance(weights, WeightSource):  # (to connect, if asked)
             self.model_metadata = source_metadata(weights_from(weights, self.model_attribute))
-        targets = self._resolve_worker_ids(None) if worker_ids is None else worker_ids
-        connections = list(self._engine_set.connected(targets)[0].values())  # (the engines not reached get nothing)
-        problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(policy)]
-        problems += self._collector_lora_problems()
-        return problems, all(connection.has_policy_base for connection in connections)
+        serving = functools.partial(self._engine_set.serving, worker_ids, self._collector_lora_problems())
+        return choose_payload(weights, self.options(), serving, agree)
 
     @property
     def lora_request(self) -> Any:
