@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
+import json
 import os
 import platform
 import sys
@@ -282,6 +284,7 @@ def main() -> None:
         "--lora-sizes", nargs="*", default=["100M", "400M"], choices=list(SIZES), help="sizes of the LoRA runs"
     )
     parser.add_argument("--page", type=Path, help="the page to fill (default: docs/benchmarks.md)")
+    parser.add_argument("--json", type=Path, help="also write every figure measured, as JSON, to this file")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -326,11 +329,21 @@ def main() -> None:
         results, many, cost, stall, sharded, lora, args, image.relative_to(args.page.parent).as_posix()
     )
     replace_results(args.page, markdown)
+    if args.json:
+        figures = {"models": results, "many_tensors": many, "callback_cost": cost, "stall": stall, "sharded": sharded}
+        args.json.write_text(json.dumps(figures, default=as_plain, indent=1))
     print(markdown)
     print(f"Wrote {args.page} and {image}")
     if lora:
         print(lora_line(lora[-1]))
     print(ratios_line(results[-1], many, max(bound_ratio(rank) for rank in sharded), stall_ratio(stall)))
+
+
+def as_plain(value: object) -> object:
+    """A figure as JSON can hold it: dataclasses as dicts, anything else as its text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
 
 
 if __name__ == "__main__":

@@ -86,9 +86,8 @@ def measure_stall(
         for mode in MODES:
             callbacks = []
             if mode != "never":
-                callbacks = [
-                    VLLMWeightSync(engine=llm, every_n_train_steps=1, blocking=mode == "blocking", when_busy="wait")
-                ]
+                background = {} if mode == "blocking" else {"blocking": False, "when_busy": "wait"}
+                callbacks = [VLLMWeightSync(engine=llm, every_n_train_steps=1, **background)]
             logger = MetricsInMemory()
             seconds = fit_seconds(model, llm, tokens, num_steps, callbacks, logger)
             if not round_index:

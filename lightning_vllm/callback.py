@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_vllm.background import BackgroundPusher
@@ -87,8 +88,9 @@ class VLLMWeightSync(Callback, SamplesRollouts):
 
     Raises:
         ValueError: for an argument out of range, or two that conflict (``engine`` and ``updater``;
-            ``updater`` with settings it would ignore; ``when_busy`` without ``blocking=False``;
-            ``blocking=False`` with ``max_staleness=0``): see ``lightning_vllm.options``.
+            ``updater`` with settings it would ignore; ``blocking=False`` with ``max_staleness=0``):
+            see ``lightning_vllm.options``. An option another makes meaningless (``when_busy``
+            without ``blocking=False``) is warned about.
 
     Example::
 
@@ -133,7 +135,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             changed_only=changed_only,
         )
         num_engines = len(engine) if isinstance(engine, (list, tuple)) else int(engine is not None)
-        check_options(
+        ignored = check_options(
             SyncOptions(
                 updater=updater_options,
                 num_engines=len(updater.engines) if isinstance(updater, VLLMUpdater) else num_engines,
@@ -148,6 +150,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
                 when_busy=when_busy,
             )
         )
+        for note in ignored:
+            rank_zero_warn(note)
         self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)
         self.push_on_fit_start = push_on_fit_start
         # vllm.LLM arguments: the engine is built on global rank 0 in setup.

@@ -118,8 +118,11 @@ def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None
         raise ValueError(f"Invalid value for lora={options.lora!r}. Must be 'auto', 'adapter' or 'merged'.")
 
 
-def check_options(options: SyncOptions) -> None:
+def check_options(options: SyncOptions) -> list[str]:
     """Raise ``ValueError`` for an argument of ``VLLMWeightSync`` out of range, or in conflict with another.
+
+    Returns:
+        What the caller warns about: options another option makes meaningless (kept, ignored).
 
     Example::
 
@@ -148,13 +151,12 @@ def check_options(options: SyncOptions) -> None:
         raise ValueError(f"Invalid value for on_sync_error={options.on_sync_error!r}. Must be 'raise' or 'warn'.")
     if options.when_busy not in ("skip", "wait"):
         raise ValueError(f"Invalid value for when_busy={options.when_busy!r}. Must be 'skip' or 'wait'.")
-    if options.blocking and options.when_busy != "skip":
-        raise ValueError(
-            f"when_busy={options.when_busy!r} applies to background pushes only: pass blocking=False with it, or "
-            "leave when_busy at its default."
-        )
     if not options.blocking and options.max_staleness == 0:
         raise ValueError(
             "blocking=False cannot hold max_staleness=0: rollouts sampled while a background push is on its way "
             "are one version behind. Pass max_staleness >= 1, or blocking=True."
         )
+    notes = []
+    if options.blocking and options.when_busy != "skip":
+        notes.append(f"when_busy={options.when_busy!r} is ignored: it applies to background pushes (blocking=False).")
+    return notes

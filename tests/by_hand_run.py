@@ -1,6 +1,6 @@
 """FSDP1 and DeepSpeed ZeRO-3 on CPU, driven by hand (gloo, outside Lightning) on 2 processes:
 every rank takes part in each push, rank 0 sends to one real vLLM engine. Started by
-test_sharded.py; one script and one engine for both (an engine costs ~20 s to start).
+test_ranks.py; one script and one engine for both (an engine costs ~20 s to start).
 
 Lightning's FSDPStrategy and DeepSpeedStrategy refuse a CPU accelerator, so this drives
 torch's ``FullyShardedDataParallel`` and DeepSpeed (``DS_ACCELERATOR=cpu``) directly.

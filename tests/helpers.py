@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -564,3 +566,15 @@ def push_from_every_rank_and_record(result: dict, key: str, updater, ranks, shar
         result[f"{key} max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(reference))
         result[f"{key} num_bytes"] = stats.num_bytes
         result["full_bytes"] = sum(p.numel() * 4 for p in reference.parameters())
+
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run an example in a subprocess (vLLM needs a ``__main__`` guard); fails the test if it fails."""
+    completed = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=dict(os.environ), capture_output=True, text=True, timeout=600
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return completed

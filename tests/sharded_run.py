@@ -1,5 +1,5 @@
 """Two CPU processes train an FSDP2-sharded policy (Lightning's ModelParallelStrategy) while
-VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_sharded.py.
+VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_ranks.py.
 
 One engine, five runs in a row (each a new engine would cost ~20 s):
   0. DDP (every rank holds the whole model): rank 0 alone pushes, rank 1 holds no engine and
@@ -193,22 +193,28 @@ def run(model_dir: Path, out_dir: Path) -> None:
     trainer.fit(module, token_batches(num_batches=8))
     model = full_model(module)
     result["weight_version"] = sync.weight_version
-    result["rollouts"] = module.seen
+    result["rollouts"] = list(module.seen)
     if rank == 0:
         result["staleness"] = [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/staleness")]
         result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
         result["engine_version"] = llm.get_weight_version()
-    # A second run whose push fails on rank 1.
+    # A second run whose push fails on rank 1: it cannot read its weights (building the payload's source fails).
     failing = VLLMWeightSync(engine=llm, every_n_train_steps=1, timeout_seconds=20)
+    import lightning_vllm.payloads as payloads
+
+    readable = payloads.weights_from
     if rank == 1:
 
-        def cannot_read(policy):
+        def cannot_read(policy, model_attribute=None):
             raise RuntimeError("rank 1 cannot read its weights")
 
-        failing.updater._maybe_map_weights = cannot_read
-    result.update(
-        failed_fit(lambda: trainer_for(out_dir, failing, max_steps=1).fit(module, token_batches(num_batches=2)))
-    )
+        payloads.weights_from = cannot_read
+    try:
+        result.update(
+            failed_fit(lambda: trainer_for(out_dir, failing, max_steps=1).fit(module, token_batches(num_batches=2)))
+        )
+    finally:
+        payloads.weights_from = readable
     if rank == 0:
         result["engine_version_after_failure"] = llm.get_weight_version()
         result["max_logprob_diff_after_failure"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))

@@ -25,7 +25,6 @@ from lightning_vllm.options import SyncOptions, UpdaterOptions, check_options, c
         # when_busy is checked whatever blocking says, and means nothing without blocking=False.
         (SyncOptions(when_busy="later"), "when_busy='later'"),
         (SyncOptions(blocking=False, when_busy="later"), "when_busy='later'"),
-        (SyncOptions(when_busy="wait"), "when_busy='wait' applies to background pushes only"),
         # A background push leaves rollouts one version behind while it is on its way.
         (SyncOptions(blocking=False, max_staleness=0), "blocking=False cannot hold max_staleness=0"),
         # A fixed master_port takes one port per engine.
@@ -62,7 +61,14 @@ def test_conflicting_or_out_of_range_options_are_refused_with_both_named(options
     ],
 )
 def test_options_that_fit_together_are_accepted(options):
-    check_options(options)
+    assert check_options(options) == []
+
+
+def test_an_option_another_makes_meaningless_is_named_for_a_warning():
+    (note,) = check_options(SyncOptions(when_busy="wait"))
+    assert "when_busy='wait' is ignored" in note and "blocking=False" in note
+    with pytest.warns(UserWarning, match="when_busy='wait' is ignored"):
+        VLLMWeightSync(engine=FakeEngine(tiny_qwen2()), when_busy="wait")
 
 
 def test_the_callback_and_the_updater_check_their_arguments_with_it():

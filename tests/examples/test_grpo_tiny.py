@@ -1,30 +1,15 @@
-"""The examples run end to end with small settings (subprocesses: vLLM needs a __main__ guard)."""
+"""examples/grpo_tiny.py end to end, from its LightningCLI YAML and on two FSDP2 processes with a LoRA policy."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from helpers import tensorboard_scalars
+from helpers import EXAMPLES, run_example, tensorboard_scalars
 
 pytestmark = pytest.mark.engine
 
-EXAMPLES = Path(__file__).parents[1] / "examples"
-
-
-def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    completed = subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=dict(os.environ), capture_output=True, text=True, timeout=600
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return completed
-
 
 def test_grpo_tiny_from_the_lightning_cli_yaml(tmp_path):
-    run(
+    run_example(
         [
             str(EXAMPLES / "grpo_tiny.py"),
             "fit",
@@ -39,14 +24,9 @@ def test_grpo_tiny_from_the_lightning_cli_yaml(tmp_path):
     assert [value for _, value in tensorboard_scalars(log_dir, "vllm/weight_version")] == [1.0, 2.0]
 
 
-def test_minimal_example(tmp_path):
-    completed = run([str(EXAMPLES / "minimal.py"), "--steps", "2"], tmp_path)
-    assert "after training:  " in completed.stdout
-
-
 def test_grpo_tiny_lora_on_two_processes_with_fsdp2_pushes_the_adapter_logs_and_plots(tmp_path):
     args = ["--devices", "2", "--steps", "4", "--lora-rank", "8", "--log-dir", str(tmp_path / "logs")]
-    completed = run([str(EXAMPLES / "grpo_tiny.py"), *args], tmp_path)
+    completed = run_example([str(EXAMPLES / "grpo_tiny.py"), *args], tmp_path)
     log_dir = tmp_path / "logs" / "grpo_tiny" / "version_0"
     # Fit start, then steps 2 and 4, every rank taking part in each push.
     assert [value for _, value in tensorboard_scalars(log_dir, "vllm/weight_version")] == [1.0, 2.0, 3.0]

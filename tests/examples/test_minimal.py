@@ -1,0 +1,22 @@
+"""examples/minimal.py end to end (a subprocess: vLLM needs a __main__ guard): vLLM ends on the trained weights."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import EXAMPLES, run_example
+
+pytestmark = pytest.mark.engine
+
+
+def printed(stdout: str, label: str) -> str:
+    """What the example printed after ``label`` on its line."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith(label)]
+    return line.removeprefix(label).strip()
+
+
+def test_minimal_example_ends_with_vllm_serving_the_trained_weights(tmp_path):
+    completed = run_example([str(EXAMPLES / "minimal.py"), "--steps", "2", "--every-n-train-steps", "2"], tmp_path)
+    # Fit start and step 2 pushed; vLLM's prompt logprobs match the trained model's, and did not before.
+    assert printed(completed.stdout, "vLLM weight version:").startswith("2 (pushes: 2)")
+    assert float(printed(completed.stdout, "max |served - trained| prompt logprob after training:")) < 1e-4
+    assert float(printed(completed.stdout, "max |served - trained| prompt logprob before training:")) > 1e-3
