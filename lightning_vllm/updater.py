@@ -106,33 +106,19 @@ class VLLMUpdater(TorchRLInterface):
         changed_only: bool = True,
     ) -> None:
         self._engine_set = EngineSet(as_engine_targets(engine) if engine is not None else [], self._connect)
-        check_updater_options(
-            UpdaterOptions(
-                master_address=master_address,
-                master_port=master_port,
-                vllm_tp_size=vllm_tp_size,
-                backend=backend,
-                bucket_size_bytes=bucket_size_bytes,
-                timeout_seconds=timeout_seconds,
-                model_attribute=model_attribute,
-                pause_mode=pause_mode,
-                lora=lora,
-                changed_only=changed_only,
-            ),
-            num_engines=len(self._engine_set),
-        )
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
-        self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
         self.vllm_tp_size = vllm_tp_size
         self.backend = backend
         self.bucket_size_bytes = bucket_size_bytes
         self.timeout_seconds = timeout_seconds
         self.model_attribute = model_attribute
-        self.reset_prefix_cache = reset_prefix_cache
         self.pause_mode: PauseMode = pause_mode
         self.lora: LoraMode = lora
         self.changed_only = changed_only
+        check_updater_options(self.options(), num_engines=len(self._engine_set))  # before anything is used
+        self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
+        self.reset_prefix_cache = reset_prefix_cache
         self.versions = WeightVersions()
         self._post_hooks: list[Callable[[], Any]] = []
         self._collector_ref: weakref.ref[Any] | None = None
