@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -113,7 +114,7 @@ class CollectorVersion:
         return update_policy_weights_
 
 
-class TorchRLInterface:
+class TorchRLInterface(ABC):
     """TorchRL's surface of :class:`~lightning_vllm.VLLMUpdater`: construction from a policy, the
     registered collector (its policy version moves with each push) and TorchRL's version counting.
     Versions, post hooks and engines are the updater's own; this class only reaches them."""
@@ -123,14 +124,15 @@ class TorchRLInterface:
     _collector_ref: weakref.ref[Any] | None
     _engine_set: EngineSet
 
-    def register_post_hook(self, hook: Callable[[], Any]) -> None:
-        raise NotImplementedError  # VLLMUpdater's
+    # The updater's own machinery, which TorchRL's names delegate to (``VLLMUpdater`` implements it).
+    @abstractmethod
+    def register_post_hook(self, hook: Callable[[], Any]) -> None: ...
 
-    def push_weights(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None) -> SyncStats:
-        raise NotImplementedError  # VLLMUpdater's
+    @abstractmethod
+    def push_weights(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None) -> SyncStats: ...
 
-    def choose_payload(self, weights: Any) -> Payload:
-        raise NotImplementedError  # VLLMUpdater's
+    @abstractmethod
+    def choose_payload(self, weights: Any) -> Payload: ...
 
     def __call__(
         self,

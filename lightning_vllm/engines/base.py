@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -102,8 +103,8 @@ class ServesAdapter(ServesLoraAdapters):
     def adapter(self) -> PolicyAdapter | None:
         return self._adapter
 
-    def lora_limits(self) -> LoraLimits | None:
-        raise NotImplementedError
+    @abstractmethod
+    def lora_limits(self) -> LoraLimits | None: ...
 
     def check_serves_adapters(self) -> None:
         """In-process engines and actors serve any adapter they stage: nothing to check."""
