@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_GENERATE_TIMEOUT_SECONDS,
@@ -84,6 +85,12 @@ class SyncOptions:
     when_busy: str = "skip"
 
 
+def check_backend_name(backend: str) -> None:
+    """Raise ``ValueError`` for a backend name that is not one of ``BACKENDS``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Invalid value for backend={backend!r}. Must be one of {', '.join(map(repr, BACKENDS))}.")
+
+
 def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None:
     """Raise ``ValueError`` for a ``VLLMUpdater`` setting out of range or in conflict with another.
 
@@ -108,10 +115,7 @@ def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None
         raise ValueError(f"Invalid value for vllm_tp_size={options.vllm_tp_size}. Must be >= 1.")
     validate_timeout(options.timeout_seconds)
     validate_bucket_size(options.bucket_size_bytes)
-    if options.backend not in BACKENDS:
-        raise ValueError(
-            f"Invalid value for backend={options.backend!r}. Must be one of {', '.join(map(repr, BACKENDS))}."
-        )
+    check_backend_name(options.backend)
     if options.pause_mode not in ("keep", "wait", "abort"):
         raise ValueError(f"Invalid value for pause_mode={options.pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
     if options.lora not in ("auto", "adapter", "merged"):
@@ -140,9 +144,7 @@ def check_options(options: SyncOptions) -> list[str]:
             "VLLMUpdater, or pass engine=... instead of updater=...."
         )
     check_updater_options(options.updater, options.num_engines)
-    for name in ("every_n_train_steps", "every_n_epochs"):
-        if getattr(options, name) < 0:
-            raise ValueError(f"Invalid value for {name}={getattr(options, name)}. Must be >= 0.")
+    PushSchedule(options.every_n_train_steps, options.every_n_epochs)  # (checks its intervals)
     if options.max_staleness is not None and options.max_staleness < 0:
         raise ValueError(f"Invalid value for max_staleness={options.max_staleness}. Must be >= 0, or None.")
     if options.generate_timeout_seconds <= 0:

@@ -4,10 +4,9 @@
 engines, selected and configured by :func:`trainer_init_info`.
 """
 
+from lightning_vllm.options import BACKENDS, check_backend_name
 from lightning_vllm.transports.select import (
-    BACKENDS,
     GPU_BACKENDS,
-    check_backend_name,
     check_trainer_can_send,
     resolve_backend,
     trainer_init_info,

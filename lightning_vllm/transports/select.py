@@ -9,21 +9,11 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.options import BACKENDS
+from lightning_vllm.options import check_backend_name
 from lightning_vllm.transports.gloo.messages import GlooTrainerInitInfo
 
 GPU_BACKENDS = ("nccl", "ipc")
 """vLLM's own engines: they send from the trainer's GPU."""
-
-
-def check_backend_name(backend: str) -> None:
-    """Raise for a backend name that is not one of ``BACKENDS``.
-
-    Raises:
-        ValueError: for an unknown backend name.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"Invalid value for backend={backend!r}. Must be one of {', '.join(map(repr, BACKENDS))}.")
 
 
 def backend_for_engine(requested: str, configured: str | None, engine: str) -> str:
