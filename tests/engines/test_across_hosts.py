@@ -1,5 +1,5 @@
 """A trainer and a ``vllm serve`` on two "hosts": network namespaces this test makes, joined by
-a veth pair. Traffic stays inside them (addresses exist only there); both are deleted after."""
+a bridge. Traffic stays inside them (addresses exist only there); both are deleted after."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 from helpers import TOLERANCE, VLLMServer
+from hosts import Hosts
 
 pytestmark = pytest.mark.engine
 
@@ -19,30 +19,14 @@ SCRIPT = Path(__file__).parents[1] / "across_hosts_run.py"
 API_KEY = "across-hosts-test-key"
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def two_hosts():
-    """Namespaces ``trainer`` (10.231.7.1) and ``server`` (10.231.7.2) on one veth link."""
-    tag = uuid.uuid4().hex[:6]
-    trainer, server = f"lv-trainer-{tag}", f"lv-server-{tag}"
+    """Hosts ``trainer`` (10.231.7.1) and ``server`` (10.231.7.2) on one bridge (``tests/hosts.py``)."""
+    hosts = Hosts(["trainer", "server"], net=7)
     try:
-        ip("netns", "add", trainer)
-    except (OSError, subprocess.CalledProcessError) as error:
-        pytest.skip(f"cannot make network namespaces here (needs root and iproute2): {error}")
-    try:
-        ip("netns", "add", server)
-        ip("link", "add", f"lvt{tag}", "netns", trainer, "type", "veth", "peer", "name", f"lvs{tag}", "netns", server)
-        for namespace, device, address in ((trainer, f"lvt{tag}", "10.231.7.1"), (server, f"lvs{tag}", "10.231.7.2")):
-            ip("-n", namespace, "addr", "add", f"{address}/30", "dev", device)
-            ip("-n", namespace, "link", "set", device, "up")
-            ip("-n", namespace, "link", "set", "lo", "up")
-        yield trainer, server
+        yield hosts.namespaces["trainer"], hosts.namespaces["server"]
     finally:
-        for namespace in (trainer, server):  # deleting a namespace deletes its end of the link
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        hosts.close()
 
 
 def test_a_trainer_pushes_to_a_server_on_another_host(two_hosts, served_model_dir, tmp_path):

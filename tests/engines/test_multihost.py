@@ -1,0 +1,126 @@
+"""A two-node Lightning run (one process per node, under DDP and under FSDP2) keeps ``vllm serve``
+on a third host in sync. The three hosts are network namespaces on one bridge that this module
+makes (``tests/hosts.py``); traffic stays on their addresses, and all are deleted afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TOLERANCE, VLLMServer
+from hosts import INTERFACE, Hosts
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = Path(__file__).parents[1] / "multihost_run.py"
+API_KEY = "multihost-test-key"
+# Every port of the run, as a user would choose them (each namespace is new, so all are free).
+MASTER_PORT = 29510  # Lightning's (torch's) rendezvous, on node 0
+SYNC_PORT = 29620  # the weight sync's rendezvous, on node 0
+SERVER_PORT = 8000  # vllm serve, on the server host
+STEPS = 3  # multihost_run.STEPS
+
+
+@pytest.fixture(scope="module")
+def cluster(served_model_dir, tmp_path_factory):
+    """Hosts ``node0``, ``node1`` (the trainer's nodes) and ``server`` (``vllm serve``)."""
+    hosts = Hosts(["node0", "node1", "server"], net=8)
+    server = None
+    try:
+        log = tmp_path_factory.mktemp("multihost") / "server.log"
+        server = VLLMServer(
+            served_model_dir,
+            log,
+            api_key=API_KEY,
+            host=hosts.address("server"),
+            port=SERVER_PORT,
+            netns=hosts.namespaces["server"],
+        )
+        wait_until_healthy_from(hosts, "node0", server)
+        yield hosts, server
+    finally:
+        if server is not None:
+            server.stop()
+        hosts.close()
+
+
+def wait_until_healthy_from(hosts: Hosts, name: str, server: VLLMServer) -> None:
+    """Wait (bounded) until ``server`` answers from host ``name``: this process, outside every
+    namespace, has no route to it."""
+    wait = f"from helpers import wait_for_health; wait_for_health({server.url!r}, timeout=240)"
+    command = hosts.command(name, [sys.executable, "-c", wait])
+    completed = subprocess.run(command, cwd=SCRIPT.parent, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:] + Path(server.log.name).read_text()[-2000:]
+
+
+def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path) -> list[dict]:
+    """Start one process per node with Lightning's own environment; returns each rank's record."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(
+        VLLM_API_KEY=API_KEY,
+        MASTER_ADDR=hosts.address("node0"),
+        MASTER_PORT=str(MASTER_PORT),
+        GLOO_SOCKET_IFNAME=INTERFACE,
+    )
+    nodes = []
+    for node_rank in (0, 1):
+        command = [sys.executable, str(SCRIPT), strategy, server.url, str(SYNC_PORT), str(out_dir)]
+        log = open(out_dir / f"node{node_rank}.log", "w")
+        nodes.append(
+            subprocess.Popen(
+                hosts.command(f"node{node_rank}", command),
+                env={**env, "NODE_RANK": str(node_rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    deadline = time.monotonic() + 300
+    try:
+        for node_rank, node in enumerate(nodes):
+            code = node.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert code == 0, (
+                f"node {node_rank} exited with {code}:\n" + (out_dir / f"node{node_rank}.log").read_text()[-4000:]
+            )
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait(timeout=30)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_two_node_run_keeps_a_server_on_a_third_host_in_sync(cluster, strategy, tmp_path):
+    hosts, server = cluster
+    ranks = run_two_nodes(hosts, server, strategy, tmp_path)
+    first_version = ranks[0]["version_before"]
+
+    assert [rank["global_rank"] for rank in ranks] == [0, 1]
+    assert {rank["world_size"] for rank in ranks} == {2}
+    # A push at fit start and after every step, counted on both nodes; every rollout on both
+    # nodes came from the weights its rank's trainer held (staleness 0), prompts per rank.
+    final = first_version + 1 + STEPS
+    assert [rank["weight_version"] for rank in ranks] == [final, final]
+    assert ranks[0]["served_version"] == final
+    assert ranks[0]["logprob_gap"] < TOLERANCE
+    for rank in ranks:
+        assert len(rank["seen"]) == STEPS
+        for _, prompts, _, _, versions, trainer_version in rank["seen"]:
+            assert set(versions) == {trainer_version}
+            assert prompts[0][0] == 1 + rank["global_rank"]
+        assert [step[5] for step in rank["seen"]] == list(range(first_version + 1, final))
+    # TensorBoard is written on node 0 alone.
+    assert ranks[0]["weight_version_scalars"] == [float(v) for v in range(first_version + 1, final + 1)]
+    assert ranks[1]["event_files"] == 0
+
+    # The weight sync's rendezvous listens on node 0's address, on the port the user chose.
+    node0 = hosts.address("node0")
+    assert f"{node0}:{SYNC_PORT}" in ranks[0]["listening"]
+    assert not any(address.endswith(f":{SYNC_PORT}") for address in ranks[1]["listening"])
+    listening = {name: [str(listener) for listener in hosts.listening(name)] for name in ("server",)}
+    assert any(f"{hosts.address('server')}:{SERVER_PORT}" in line for line in listening["server"])
+    print(f"{strategy}: node0 {ranks[0]['listening']} node1 {ranks[1]['listening']} server {listening['server']}")

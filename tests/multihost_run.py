@@ -1,0 +1,96 @@
+"""One node of a two-node Lightning run that keeps ``vllm serve`` on a third host in sync; started
+by tests/engines/test_multihost.py inside that node's network namespace, once per node.
+
+``python multihost_run.py STRATEGY SERVER_URL SYNC_PORT OUT_DIR`` with ``STRATEGY`` ``ddp`` or
+``fsdp2``. It is launched the way users launch Lightning on a cluster, with Lightning's own
+environment: ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` (and ``GLOO_SOCKET_IFNAME``, which
+torch's gloo needs when the host name does not resolve to the interface between the hosts).
+Both nodes sample from the server in every step; global rank 0 pushes after every step, its
+rendezvous on ``MASTER_ADDR:SYNC_PORT``. Each rank writes what it saw to ``OUT_DIR/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import (  # noqa: E402
+    RolloutCausalLM,
+    cpu_trainer,
+    engine_prompt_logprobs,
+    hf_prompt_logprobs,
+    max_abs_diff,
+    served_version,
+    tensorboard_scalars,
+    tiny_qwen2,
+    token_batches,
+)
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+from sharded_run import ShardedCausalLM, full_model  # noqa: E402
+
+from lightning_vllm import HTTPEngine, VLLMWeightSync  # noqa: E402
+
+STEPS = 3
+
+
+def listening(pid: int) -> list[str]:
+    """``address:port`` of every TCP socket ``pid`` listens on (``ss`` sees this host only)."""
+    lines = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return sorted({line.split()[3] for line in lines.splitlines() if f"pid={pid}," in line})
+
+
+class RecordsListeners(Callback):
+    """What this process listens on at the last step, when every group of the run exists."""
+
+    def __init__(self) -> None:
+        self.listening: list[str] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == STEPS:
+            self.listening = listening(os.getpid())
+
+
+def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
+    node_rank = int(os.environ["NODE_RANK"])
+    if strategy_name == "ddp":
+        module: RolloutCausalLM = RolloutCausalLM(tiny_qwen2(seed=0), lr=1e-2)
+        strategy = DDPStrategy(process_group_backend="gloo")
+    else:
+        module = ShardedCausalLM(tiny_qwen2(seed=0), lr=1e-2)
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    sync = VLLMWeightSync(
+        engine=url, every_n_train_steps=1, master_address=os.environ["MASTER_ADDR"], master_port=sync_port
+    )
+    engine = HTTPEngine(url)
+    version_before = served_version(engine)
+    listeners = RecordsListeners()
+    root = out_dir / f"node{node_rank}"
+    trainer = cpu_trainer(root, [sync, listeners], max_steps=STEPS, strategy=strategy, num_nodes=2)
+    trainer.fit(module, token_batches(num_batches=2 * STEPS))
+
+    rank = trainer.global_rank
+    trained = full_model(module) if strategy_name == "fsdp2" else module.model.eval()  # a collective under FSDP2
+    result = {
+        "global_rank": rank,
+        "world_size": trainer.world_size,
+        "seen": module.seen,
+        "weight_version": sync.weight_version,
+        "listening": listeners.listening,
+        "weight_version_scalars": [value for _, value in tensorboard_scalars(root, "vllm/weight_version")],
+        "event_files": len(list(root.rglob("events.out.tfevents.*"))),
+    }
+    if rank == 0:
+        result["version_before"] = version_before
+        result["served_version"] = int(engine.get_weight_version())
+        result["logprob_gap"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
