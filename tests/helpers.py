@@ -395,7 +395,7 @@ class FakeEngine:
     """A stand-in for a vLLM engine in the engine-free tier: a real gloo receiver, no model.
 
     It answers what the updater asks before a push from a Hugging Face model's
-    metadata, joins the trainer's gloo group for real (on a thread of this process)
+    metadata, joins the trainer's transfer group for real (on a thread of this process)
     and keeps the tensors of the last finished update, so scheduling, checks and
     versions run in a second instead of the ~20 s a vLLM engine takes to start. It
     serves no tokens: what vLLM does with the weights is tested against real engines.

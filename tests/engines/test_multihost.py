@@ -58,8 +58,9 @@ def wait_until_healthy_from(hosts: Hosts, name: str, server: VLLMServer) -> None
     assert completed.returncode == 0, completed.stderr[-2000:] + Path(server.log.name).read_text()[-2000:]
 
 
-def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path) -> list[dict]:
-    """Start one process per node with Lightning's own environment; returns each rank's record."""
+def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path) -> tuple[list[dict], set[str]]:
+    """Start one process per node with Lightning's own environment; returns each rank's record
+    and every socket seen listening on the server's host while they ran (sampled each second)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(
         VLLM_API_KEY=API_KEY,
@@ -79,10 +80,14 @@ def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path
                 stderr=subprocess.STDOUT,
             )
         )
+    server_listening: set[str] = set()
     deadline = time.monotonic() + 300
     try:
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            server_listening |= {f"{listener.address}:{listener.port}" for listener in hosts.listening("server")}
+            time.sleep(1)
         for node_rank, node in enumerate(nodes):
-            code = node.wait(timeout=max(1.0, deadline - time.monotonic()))
+            code = node.poll()
             assert code == 0, (
                 f"node {node_rank} exited with {code}:\n" + (out_dir / f"node{node_rank}.log").read_text()[-4000:]
             )
@@ -90,13 +95,13 @@ def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path
         for node in nodes:
             node.kill()
             node.wait(timeout=30)
-    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)], server_listening
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_a_two_node_run_keeps_a_server_on_a_third_host_in_sync(cluster, strategy, tmp_path):
     hosts, server = cluster
-    ranks = run_two_nodes(hosts, server, strategy, tmp_path)
+    ranks, server_listening = run_two_nodes(hosts, server, strategy, tmp_path)
     first_version = ranks[0]["version_before"]
 
     assert [rank["global_rank"] for rank in ranks] == [0, 1]
@@ -117,10 +122,18 @@ def test_a_two_node_run_keeps_a_server_on_a_third_host_in_sync(cluster, strategy
     assert ranks[0]["weight_version_scalars"] == [float(v) for v in range(first_version + 1, final + 1)]
     assert ranks[1]["event_files"] == 0
 
-    # The weight sync's rendezvous listens on node 0's address, on the port the user chose.
-    node0 = hosts.address("node0")
-    assert f"{node0}:{SYNC_PORT}" in ranks[0]["listening"]
+    # The weight sync's rendezvous listens on node 0's address, on the port the user chose; the
+    # other sockets of the trainer's nodes are torch's (Lightning's process group, the status
+    # group), on each node's own address, except torch's store on MASTER_PORT.
+    for rank, name in zip(ranks, ("node0", "node1")):
+        for address in rank["listening"]:
+            assert address == f"*:{MASTER_PORT}" or address.startswith(f"{hosts.address(name)}:"), address
+    assert f"{hosts.address('node0')}:{SYNC_PORT}" in ranks[0]["listening"]
     assert not any(address.endswith(f":{SYNC_PORT}") for address in ranks[1]["listening"])
-    listening = {name: [str(listener) for listener in hosts.listening(name)] for name in ("server",)}
-    assert any(f"{hosts.address('server')}:{SERVER_PORT}" in line for line in listening["server"])
-    print(f"{strategy}: node0 {ranks[0]['listening']} node1 {ranks[1]['listening']} server {listening['server']}")
+    # While the nodes ran, the server's host listened on the server's port alone: vLLM's own
+    # sockets are on loopback, and its workers connected out to the trainer for every push.
+    assert f"{hosts.address('server')}:{SERVER_PORT}" in server_listening
+    assert {address for address in server_listening if not address.startswith("127.0.0.1:")} == {
+        f"{hosts.address('server')}:{SERVER_PORT}"
+    }
+    print(f"{strategy}: node0 {ranks[0]['listening']} node1 {ranks[1]['listening']} server {sorted(server_listening)}")

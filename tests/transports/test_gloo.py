@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.errors import WeightSyncTimeoutError
+from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.transports.buckets import Bucket, TensorSpec
 from lightning_vllm.transports.gloo import (
     GlooTrainerInitInfo,
@@ -17,7 +17,6 @@ from lightning_vllm.transports.gloo import (
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
-from lightning_vllm.transports.gloo.group import local_address_towards
 from lightning_vllm.transports.gloo.messages import dtype_from_name
 
 
@@ -71,11 +70,6 @@ def test_bucket_size_must_be_a_positive_multiple_of_eight(size):
         )
 
 
-def test_workers_stay_on_loopback_when_the_trainer_is_on_loopback():
-    assert local_address_towards("127.0.0.1") == "127.0.0.1"
-    assert local_address_towards("localhost") in ("127.0.0.1", "::1")
-
-
 class NeverCompletes:
     """A broadcast whose peer never takes the bytes (stands in for a gloo Work)."""
 
@@ -110,3 +104,15 @@ def test_an_engine_that_is_not_connected_never_starts_an_update():
     with pytest.raises(RuntimeError, match="not connected: build it with trainer_init"):
         engine.send_weights()
     assert client.calls == []
+
+
+def test_a_rendezvous_whose_accepting_side_fails_ends_at_once_not_at_the_timeout():
+    def accept_fails() -> None:
+        raise OSError("the listener was closed")
+
+    workers = BackgroundCall(time.sleep, 5, what="vLLM workers to join")
+    trainer = BackgroundCall(accept_fails, what="the vLLM workers to connect")
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="could not join: the listener was closed. Check that"):
+        GlooTrainerWeightTransferEngine._await_group(workers, trainer, timeout=30, hint="Check that ...")
+    assert time.monotonic() - start < 2

@@ -1,13 +1,14 @@
-"""The ``gloo`` backend: vLLM's weight-transfer protocol over torch's gloo, for CPUs.
+"""The ``gloo`` backend: vLLM's weight-transfer protocol for CPUs, over one TCP connection per worker.
 
 vLLM ships NCCL and CUDA-IPC engines only. This package adds both halves of a CPU
-backend, registered under the name ``gloo`` by ``transports/plugin.py``. One module
-per question:
+backend, registered under the name ``gloo`` by ``transports/plugin.py``. The name is
+that of the wire it was first built on; the bytes now move over plain sockets to the one
+port the trainer listens on (``group.py`` says why). One module per question:
 
 * ``messages.py``: what crosses the process boundary (init and update infos, dtype names).
-* ``group.py``: the rendezvous store, the gloo group and its broadcasts.
+* ``group.py``: the wire: the trainer's listening socket, the workers' connections, the broadcasts.
 * ``trainer.py``: :class:`GlooTrainerWeightTransferEngine`, which plans a sync and sends it.
-* ``receiver.py``: a worker's place in the group and its kept receive buffers.
+* ``receiver.py``: a worker's connection to the trainer and its kept receive buffers.
 * ``worker.py``: :class:`GlooWeightTransferEngine`, what vLLM builds in every worker.
 * ``tied_embedding_fix.py``: the vLLM 0.32 CPU bug worked around after each load.
 

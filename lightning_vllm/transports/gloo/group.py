@@ -1,93 +1,268 @@
-"""The gloo group a sync runs on: the rendezvous store, the group, and its broadcasts.
+"""How a sync's bytes move: one TCP connection from each vLLM worker to the trainer.
 
-The trainer (rank 0) hosts a ``torch.distributed.TCPStore``; the trainer and every
-vLLM worker build a ``ProcessGroupGloo`` of their own over it. The global default
-process group, which Lightning owns under DDP, is never touched.
+The trainer listens on ``master_address:master_port``, the one port of a sync (a free one
+when none is given). Each worker connects out to it, says which group and rank it is (a
+line of JSON), and is answered once every worker has joined. From then on the trainer
+writes every broadcast to each worker's connection in the order posted, and each worker
+reads them, in the same order, into the buffers it posted. Both sides post the same
+sequence of sizes (the update's plan), so the stream carries raw bytes and no framing.
+
+Why not gloo, whose name the backend keeps: gloo's TCP device listens on a port the
+kernel picks, in every process, and neither gloo nor torch can be given one, so no
+firewall rule could name it. Here the trainer listens on the port the user chose and the
+workers listen on nothing. Nothing read from the network is unpickled.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import logging
+import queue
 import socket
-from typing import Any
+import threading
+import time
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-from lightning_vllm.errors import WeightSyncError
+from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+
+log = logging.getLogger(__name__)
+
+_READY = b"\x01"  # the trainer's answer once every worker has joined
+_MAX_HELLO_BYTES = 1024
+_MAX_STRAY_CONNECTIONS = 64  # connections that are not a worker of this group, before giving up
 
 
-def host_store(address: str, port: int, world_size: int, timeout_seconds: float) -> tuple[TCPStore, int]:
-    """The trainer's rendezvous store, listening on ``address`` only; returns it and its port.
+class Transfer:
+    """One posted broadcast (trainer) or receive (worker): complete once its bytes have gone
+    out on, or come in from, every connection it uses, or once one of them failed.
 
-    The socket is bound here and handed to the store, so it listens on this address
-    alone, and port 0 picks a free port with no window in which another process
-    could take it.
+    The same surface as a torch ``Work``: :meth:`is_completed` and :meth:`wait`.
+    """
+
+    def __init__(self, tensor: torch.Tensor, num_connections: int) -> None:
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"The wire moves flat contiguous uint8 tensors, not {tensor.dtype} {tuple(tensor.shape)}.")
+        self.tensor = tensor  # kept alive until its bytes have moved
+        self._left = num_connections
+        self._error: str | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if num_connections == 0:
+            self._done.set()
+
+    def finish(self, error: str | None = None) -> None:
+        """One connection is done with it (``error``: how it failed)."""
+        with self._lock:
+            self._left -= 1
+            if error is not None and self._error is None:
+                self._error = error
+            if self._left <= 0 or self._error is not None:
+                self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        """Block until complete (at most ``timeout``).
+
+        Raises:
+            RuntimeError: a connection failed, or ``timeout`` passed first.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if not self._done.wait(seconds):
+            raise RuntimeError(f"{self.tensor.numel()} bytes did not move within {seconds:g} s")
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return True
+
+
+class _Connection:
+    """One peer's socket and the thread that moves the transfers posted to it, in order."""
+
+    def __init__(self, sock: socket.socket, peer: str, *, receives: bool) -> None:
+        self.sock, self.peer, self.receives = sock, peer, receives
+        self.failure: str | None = None
+        self._posted: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"lightning-vllm wire {peer}", daemon=True)
+        self._thread.start()
+
+    def post(self, transfer: Transfer) -> None:
+        if self.failure is not None:
+            transfer.finish(self.failure)
+        else:
+            self._posted.put(transfer)
+
+    def _run(self) -> None:
+        while (transfer := self._posted.get()) is not None:
+            if self.failure is not None:
+                transfer.finish(self.failure)
+                continue
+            try:
+                data = transfer.tensor.detach().numpy().data  # the tensor's own memory, no copy
+                if self.receives:
+                    _receive_into(self.sock, data)
+                else:
+                    self.sock.sendall(data)
+                transfer.finish()
+            except (OSError, ValueError) as error:  # a broken or closed connection, or its timeout
+                self.failure = f"the connection with {self.peer} broke ({type(error).__name__}: {error})"
+                transfer.finish(self.failure)
+
+    def close(self) -> None:
+        """Break the connection; transfers still posted fail at once."""
+        self.failure = self.failure or f"the connection with {self.peer} was closed"
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # ends a blocked send or receive
+        except OSError:
+            pass
+        self.sock.close()
+        self._posted.put(None)
+
+
+def _receive_into(sock: socket.socket, data: memoryview) -> None:
+    received = 0
+    while received < len(data):
+        count = sock.recv_into(data[received:])
+        if count == 0:
+            raise ConnectionError(f"the peer closed the connection after {received} of {len(data)} bytes")
+        received += count
+
+
+class Wire:
+    """The connections of one side of a sync: the trainer's to every worker, or a worker's to
+    the trainer. Every wait is bounded: each socket operation by ``timeout_seconds``."""
+
+    def __init__(self, connections: list[_Connection], listener: socket.socket | None = None) -> None:
+        self.connections = connections
+        self._listener = listener  # the trainer's, open while the group is
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Transfer:
+        """Post ``tensor``: sent to every worker (trainer) or received into it (worker)."""
+        transfer = Transfer(tensor, len(self.connections))
+        for connection in self.connections:
+            connection.post(transfer)
+        return transfer
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+        if self._listener is not None:
+            self._listener.close()
+
+
+def listen(address: str, port: int) -> socket.socket:
+    """The trainer's listening socket on ``address`` only (``port`` 0: a free one, with no
+    window in which another process could take it).
 
     Raises:
         WeightSyncError: the address or port cannot be listened on.
     """
     try:
-        listener = socket.create_server((address, port))
+        return socket.create_server((address, port))
     except OSError as error:
         raise WeightSyncError(
-            f"Cannot listen on {address}:{port} for the weight sync rendezvous ({error}). Pass a master_address "
+            f"Cannot listen on {address}:{port} for the weight sync ({error}). Pass a master_address "
             "of this machine and a free master_port (or None to pick one)."
         ) from error
-    bound_port = int(listener.getsockname()[1])
-    store = TCPStore(
-        address,
-        bound_port,
-        world_size,
-        True,
-        datetime.timedelta(seconds=timeout_seconds),
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
-    return store, bound_port
 
 
-def join_store(address: str, port: int, world_size: int, timeout_seconds: float) -> TCPStore:
-    """A worker's client of the trainer's store; blocks until connected or ``timeout_seconds`` pass."""
-    return TCPStore(address, port, world_size, False, datetime.timedelta(seconds=timeout_seconds))
+def accept_workers(listener: socket.socket, group_name: str, ranks: range, timeout_seconds: float) -> Wire:
+    """Accept one connection from each of ``ranks`` that names ``group_name``, then tell each to go.
 
+    Connections that are not a worker of this group (another group's, a rank already
+    joined, a port scanner) are closed and logged; at most 64 of them are read.
 
-def local_address_towards(host: str) -> str:
-    """The address of this machine's interface that routes to ``host``.
-
-    A UDP ``connect`` sends no packet; it only asks the kernel which interface it
-    would use. Workers bind their gloo endpoint there, so a worker on the trainer's
-    machine stays on loopback when the trainer is on loopback.
-
-    Example::
-
-        >>> local_address_towards("127.0.0.1")
-        '127.0.0.1'
+    Raises:
+        WeightSyncTimeoutError: not every worker joined within ``timeout_seconds``.
     """
-    family, _, _, _, address = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)
-        return str(probe.getsockname()[0])
+    deadline = time.monotonic() + timeout_seconds
+    joined: dict[int, socket.socket] = {}
+    try:
+        for _ in range(len(ranks) + _MAX_STRAY_CONNECTIONS):
+            if len(joined) == len(ranks):
+                break
+            listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                sock, peer = listener.accept()
+            except TimeoutError:
+                break
+            rank = _read_hello(sock, group_name, ranks, deadline, peer)
+            if rank is None or rank in joined:
+                sock.close()
+                continue
+            joined[rank] = sock
+        if len(joined) != len(ranks):
+            raise WeightSyncTimeoutError(
+                f"Timed out after {timeout_seconds:g} s: {len(joined)} of {len(ranks)} vLLM worker(s) joined."
+            )
+        for sock in joined.values():
+            sock.settimeout(timeout_seconds)
+            sock.sendall(_READY)
+    except BaseException:
+        for sock in joined.values():
+            sock.close()
+        raise
+    connections = [_Connection(_tuned(joined[rank]), f"worker rank {rank}", receives=False) for rank in ranks]
+    return Wire(connections, listener)
 
 
-def new_gloo_group(
-    store: TCPStore, group_name: str, *, rank: int, world_size: int, address: str, timeout_seconds: float
-) -> ProcessGroupGloo:
-    """A gloo group of its own over ``store``, its endpoint bound to ``address``.
+def _read_hello(sock: socket.socket, group_name: str, ranks: range, deadline: float, peer: object) -> int | None:
+    """The rank a connecting worker of ``group_name`` names, or None for anyone else."""
+    sock.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.001))
+    line = b""
+    try:
+        while not line.endswith(b"\n") and len(line) < _MAX_HELLO_BYTES:
+            chunk = sock.recv(_MAX_HELLO_BYTES - len(line))
+            if not chunk:
+                break
+            line += chunk
+        hello = json.loads(line)
+        if hello["group"] == group_name and hello["rank"] in ranks:
+            return int(hello["rank"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    log.warning("Closed a connection to the weight sync's port from %s: not a worker of this sync.", peer)
+    return None
 
-    Blocks until all ``world_size`` ranks have joined or ``timeout_seconds`` pass.
+
+def connect_to_trainer(address: str, port: int, group_name: str, rank: int, timeout_seconds: float) -> Wire:
+    """A worker's connection to the trainer; returns once every worker has joined.
+
+    Raises:
+        RuntimeError: the trainer cannot be reached, refused this worker, or did not answer
+            within ``timeout_seconds``.
     """
-    # torch's stubs omit the gloo options, the only way to bind the endpoint to one address.
-    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices = [ProcessGroupGloo.create_device(hostname=address)]
-    options._timeout = datetime.timedelta(seconds=timeout_seconds)
-    return ProcessGroupGloo(PrefixStore(group_name, store), rank, world_size, options)
+    try:
+        sock = socket.create_connection((address, port), timeout=timeout_seconds)
+    except OSError as error:
+        raise RuntimeError(
+            f"Cannot reach the trainer at {address}:{port} ({error}); check that this host can reach "
+            "the trainer's master_address and master_port."
+        ) from error
+    try:
+        sock.sendall(json.dumps({"group": group_name, "rank": rank}).encode() + b"\n")
+        if sock.recv(1) != _READY:
+            raise RuntimeError(f"The trainer at {address}:{port} closed the connection of worker rank {rank}.")
+    except OSError as error:
+        sock.close()
+        raise RuntimeError(
+            f"The trainer at {address}:{port} did not let worker rank {rank} join within {timeout_seconds:g} s "
+            f"({error})."
+        ) from error
+    except BaseException:
+        sock.close()
+        raise
+    return Wire([_Connection(_tuned(sock), f"the trainer at {address}:{port}", receives=True)])
 
 
-def post_broadcast(group: ProcessGroupGloo, tensor: torch.Tensor) -> Any:
-    """Start broadcasting a contiguous CPU tensor from rank 0; returns the ``Work`` to wait on.
+def _tuned(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
-    gloo runs posted collectives on its own threads, in the order they were posted on
-    each rank, so both sides post the same sequence of sizes.
-    """
-    return group.broadcast(tensor, 0)  # type: ignore[attr-defined]  # torch's stubs omit it
+
+def post_broadcast(wire: Wire, tensor: torch.Tensor) -> Transfer:
+    """Start broadcasting a flat contiguous uint8 CPU tensor from the trainer; returns the
+    :class:`Transfer` to wait on. Both sides post the same sequence of sizes."""
+    return wire.broadcast(tensor)

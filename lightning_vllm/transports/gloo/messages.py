@@ -41,7 +41,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(kw_only=True)
 class GlooWeightTransferInitInfo(WeightTransferInitInfo):
-    """What a vLLM worker needs to join the trainer's gloo group (sent once, at init)."""
+    """What a vLLM worker needs to connect to the trainer (sent once, at init; ``group_name`` also lets it in)."""
 
     master_address: str
     master_port: int

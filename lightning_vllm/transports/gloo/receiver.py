@@ -1,4 +1,4 @@
-"""The receiving end of a sync: a worker's place in the gloo group and its receive buffers.
+"""The receiving end of a sync: a worker's connection to the trainer and its receive buffers.
 
 Kept apart from vLLM's worker engine class so that it holds no vLLM state: the
 worker engine (``worker.py``) hands what lands here to the model's loader.
@@ -11,10 +11,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroupGloo, TCPStore
 
 from lightning_vllm.transports.buckets import unpack_bucket
-from lightning_vllm.transports.gloo.group import join_store, local_address_towards, new_gloo_group, post_broadcast
+from lightning_vllm.transports.gloo.group import Wire, connect_to_trainer, post_broadcast
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -71,7 +70,7 @@ class PostedUpdate:
 
 
 class GlooReceiver:
-    """One worker's membership of the trainer's gloo group.
+    """One worker's connection to the trainer (``group.py``).
 
     Args:
         init_info: the trainer's group, as sent at init.
@@ -84,24 +83,19 @@ class GlooReceiver:
     def __init__(self, init_info: GlooWeightTransferInitInfo, rank: int) -> None:
         self.bucket_size_bytes = init_info.bucket_size_bytes
         self.timeout_seconds = init_info.timeout_seconds
-        # The group needs the store to stay alive as long as it does.
-        self._store: TCPStore = join_store(
-            init_info.master_address, init_info.master_port, init_info.world_size, init_info.timeout_seconds
-        )
-        self._group: ProcessGroupGloo = new_gloo_group(
-            self._store,
+        self._group: Wire = connect_to_trainer(
+            init_info.master_address,
+            init_info.master_port,
             init_info.group_name,
-            rank=rank,
-            world_size=init_info.world_size,
-            address=local_address_towards(init_info.master_address),
-            timeout_seconds=init_info.timeout_seconds,
+            rank,
+            init_info.timeout_seconds,
         )
         self.kept_buffers: list[torch.Tensor] = []
 
     def post_update(self, update_info: GlooWeightTransferUpdateInfo, into: PostedUpdate | None = None) -> PostedUpdate:
         """Post the receives of every bucket of ``update_info`` and return at once.
 
-        gloo's own threads take the bytes off the wire into the kept buffers while
+        The connection's own thread takes the bytes off the wire into the kept buffers while
         the caller goes on (vLLM keeps serving with the weights it has). A weight
         update sent in several ``update_weights`` calls posts each into the same
         :class:`PostedUpdate` (``into``), so its buckets get buffers of their own.
@@ -119,6 +113,10 @@ class GlooReceiver:
                 data = buffer[segment.offset : segment.offset + segment.num_bytes]
                 posted.add(works, unpack_bucket(data, specs[segment.start : segment.stop]))
         return posted
+
+    def close(self) -> None:
+        """Close the connection; receives still posted fail at once."""
+        self._group.close()
 
     def received_segments(self, update_info: GlooWeightTransferUpdateInfo) -> Iterator[NamedTensors]:
         """Receive the update's tensors; yields named tensors as soon as they have landed.

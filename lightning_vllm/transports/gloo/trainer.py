@@ -10,7 +10,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch.distributed import DistStoreError, ProcessGroupGloo, TCPStore
 from typing_extensions import Self, override
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
@@ -18,7 +17,7 @@ from lightning_vllm._waits import BackgroundCall, TimedClient, wait_polling
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.transports.buckets import DEFAULT_COALESCE_BYTES, Segment, TensorSpec, plan_buckets, plan_segments
-from lightning_vllm.transports.gloo.group import host_store, new_gloo_group, post_broadcast
+from lightning_vllm.transports.gloo.group import Wire, accept_workers, listen, post_broadcast
 from lightning_vllm.transports.gloo.messages import (
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
@@ -74,8 +73,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.coalesce_bytes = DEFAULT_COALESCE_BYTES
         self.address: str | None = None
         self.port: int | None = None
-        self._store: TCPStore | None = None
-        self._group: ProcessGroupGloo | None = None
+        self._group: Wire | None = None
         self._staging: StagingRing | None = None
 
     @classmethod
@@ -96,69 +94,70 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _rendezvous(self, init_info: GlooTrainerInitInfo) -> None:
         timeout = init_info.timeout_seconds
-        self._store, self.port = host_store(
-            init_info.master_address, init_info.master_port, init_info.world_size, timeout
-        )
-        self.address = init_info.master_address
+        listener = listen(init_info.master_address, init_info.master_port)
+        self.address, self.port = init_info.master_address, int(listener.getsockname()[1])
         worker_info = GlooWeightTransferInitInfo(
             master_address=self.address,
             master_port=self.port,
             rank_offset=1,
             world_size=init_info.world_size,
+            # Also what lets a worker in: only this engine's workers are told it.
             group_name=f"lightning_vllm/{uuid.uuid4().hex}",
             bucket_size_bytes=init_info.bucket_size_bytes,
             timeout_seconds=timeout,
         )
-        # The workers block inside init_weight_transfer_engine until the group is
-        # complete, and so does the trainer's ProcessGroupGloo constructor: both
-        # must run at once. Whichever fails first ends the wait.
+        # The workers block inside init_weight_transfer_engine until every one of them has
+        # joined, so they are told to join while this side accepts them.
+        trainer = BackgroundCall(
+            accept_workers,
+            listener,
+            worker_info.group_name,
+            range(1, init_info.world_size),
+            timeout,
+            what="the vLLM workers to connect",
+        )
         workers = BackgroundCall(
             self.client.init_weight_transfer_engine, asdict(worker_info), what="vLLM workers to join"
         )
-        trainer = BackgroundCall(
-            new_gloo_group,
-            self._store,
-            worker_info.group_name,
-            rank=0,
-            world_size=init_info.world_size,
-            address=self.address,
-            timeout_seconds=timeout,
-            what="the gloo group to form",
-        )
         hint = (
-            f"Waited for {init_info.world_size - 1} vLLM worker(s) to join the gloo group at "
-            f"{self.address}:{self.port}. Check that the engine was built with "
-            "weight_transfer_config={'backend': 'gloo'}, that its workers can reach this address, "
-            "and that vllm_tp_size matches the engine."
+            f"The trainer listened on {self.address}:{self.port}. Check that the engine was built with "
+            "weight_transfer_config={'backend': 'gloo'}, that its workers can reach this address and port "
+            "(firewall), and that vllm_tp_size matches the engine."
         )
         try:
             self._group = self._await_group(workers, trainer, timeout, hint)
         except BaseException:
+            listener.close()  # ends the accepting call too
             self.shutdown()
             raise
 
     @staticmethod
-    def _await_group(
-        workers: BackgroundCall[None], trainer: BackgroundCall[ProcessGroupGloo], timeout: float, hint: str
-    ) -> ProcessGroupGloo:
-        def workers_failed() -> None:
+    def _await_group(workers: BackgroundCall[None], trainer: BackgroundCall[Wire], timeout: float, hint: str) -> Wire:
+        def joined() -> Wire:
+            try:
+                return trainer.result(0)
+            except WeightSyncTimeoutError as error:
+                raise WeightSyncTimeoutError(f"{error} {hint}") from error
+            except OSError as error:
+                raise WeightSyncError(f"The workers could not join: {error}. {hint}") from error
+
+        def either_failed() -> None:
             if workers.done():
                 workers.result(0)  # raises the engine's error, if it failed
+            if trainer.done():
+                joined()  # raises, if accepting the workers failed
 
         wait_polling(
             lambda: workers.done() and trainer.done(),
             timeout=timeout,
             interval=_POLL_SECONDS,
-            check=workers_failed,
-            timeout_error=lambda: WeightSyncTimeoutError(f"Timed out after {timeout:g} s. {hint}"),
+            check=either_failed,
+            timeout_error=lambda: WeightSyncTimeoutError(
+                f"Timed out after {timeout:g} s waiting for the vLLM workers to join. {hint}"
+            ),
         )
         workers.result(0)
-        try:
-            return trainer.result(0)
-        except DistStoreError as error:  # the store's own timeout: nobody came
-            raise WeightSyncTimeoutError(f"Timed out after {timeout:g} s ({error}). {hint}") from error
-        except RuntimeError as error:
-            raise WeightSyncError(f"The gloo group did not form: {error}. {hint}") from error
+        return joined()
 
     @override
     def send_weights(self) -> None:
@@ -243,14 +242,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._send_segments(process_group, specs, segments, tensors, receive)
         receive.result(self.timeout_seconds)
 
-    def _connected_group(self) -> ProcessGroupGloo:
+    def _connected_group(self) -> Wire:
         if self._group is None:
             raise RuntimeError("The gloo trainer engine is not connected: build it with trainer_init.")
         return self._group
 
     def _send_segments(
         self,
-        group: ProcessGroupGloo,
+        group: Wire,
         specs: Sequence[TensorSpec],
         segments_per_bucket: Sequence[Sequence[Segment]],
         tensors: Iterator[torch.Tensor],
@@ -361,10 +360,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @override
     def shutdown(self) -> None:
-        """Leave the group; the workers' side is released by the client's
-        ``shutdown_weight_transfer_engine`` (the updater calls it)."""
+        """Close the connections and the listener; the workers' side is released by the
+        client's ``shutdown_weight_transfer_engine`` (the updater calls it)."""
+        if self._group is not None:
+            self._group.close()
         self._group = None
-        self._store = None
         self._staging = None
 
 

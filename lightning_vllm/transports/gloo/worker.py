@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
-    """Receives a whole update over gloo while vLLM serves, then loads it in one call.
+    """Receives a whole update from the trainer while vLLM serves, then loads it in one call.
 
     vLLM builds it when the engine was created with
     ``weight_transfer_config={"backend": "gloo"}``, and calls, in order:
     ``init_transfer_engine`` once (joins the group; blocks until the trainer and
     every other worker have joined), then for each sync ``start_weight_update``
     (opens an empty update), ``update_weights`` (posts the receives and returns at
-    once: gloo's threads take the bytes into kept buffers while the engine goes on
+    once: the connection's thread takes the bytes into kept buffers while the engine goes on
     generating with the weights it has) and ``finish_weight_update`` (waits for every
     byte, then loads the whole update under layer-wise reload).
 
@@ -115,7 +115,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     @override
     def shutdown(self) -> None:
         self.pending = None
-        self.receiver = None  # frees the group and the kept receive buffers
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = None  # frees the kept receive buffers
 
 
 class _NotLoadedOnPurpose(logging.Filter):
