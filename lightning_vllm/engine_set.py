@@ -15,6 +15,7 @@ import torch
 
 from lightning_vllm.connection import EngineConnection
 from lightning_vllm.engines import EngineTarget
+from lightning_vllm.engines.failures import engine_death
 from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
 from lightning_vllm.weights.payload import Payload
 
@@ -128,8 +129,17 @@ class EngineSet:
         return [*problems, *extra_problems], all(connection.has_policy_base for connection in connections)
 
     def open(self, index: int) -> EngineConnection:
-        """Open (again) the connection of the engine at ``index``."""
-        connection = self._connect(index)
+        """Open (again) the connection of the engine at ``index``.
+
+        Raises:
+            EngineDeadError: the engine is gone (its error says how to go on).
+        """
+        try:
+            connection = self._connect(index)
+        except Exception as error:
+            if dead := engine_death(error, self.targets[index], "before the push could join it"):
+                raise dead from error
+            raise
         self.connections[index] = connection
         return connection
 
@@ -159,14 +169,17 @@ class EngineSet:
 
         Raises:
             RuntimeError: the engine is not connected (``VLLMUpdater.init`` first).
+            EngineDeadError: the engine died (it keeps nothing of this push).
         """
         connection = self.connections.get(index)
         if connection is None:
             raise RuntimeError(f"The updater is not connected to engine {index!r}: call init() first.")
         try:
             return connection.push(payload, version)
-        except BaseException:
+        except BaseException as error:
             self.forget(index)
+            if dead := engine_death(error, self.targets[index], "during a push"):
+                raise dead from error
             raise
 
     def partial_push_error(self, stats: SyncStats, failures: dict[int, BaseException]) -> PartialPushError:

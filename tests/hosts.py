@@ -4,7 +4,7 @@ Each host is a namespace with one interface, ``lv0``, holding ``10.231.<net>.<n>
 bridge lives in a namespace of its own, so nothing is added to the machine's own network and
 traffic can only go to these addresses (or to each host's loopback). Everything is deleted on
 :meth:`Hosts.close`. Tests that cannot make namespaces (no root, no iproute2) skip with the
-reason. Used by ``tests/engines/test_across_hosts.py`` and the ``test_multihost*.py`` modules.
+reason. Used by the ``tests/engines/test_multihost*.py`` modules.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 from sharded_run import ShardedCausalLM, full_model  # noqa: E402
 
-from lightning_vllm import HTTPEngine, VLLMWeightSync  # noqa: E402
+from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, VLLMWeightSync  # noqa: E402
 
 STEPS = 3
 
@@ -69,6 +69,14 @@ def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
     )
     engine = HTTPEngine(url)
     version_before = served_version(engine)
+    without_key = None
+    if node_rank == 0:  # a push with the wrong key is refused before any byte moves
+        wrong_key = HTTPEngine(url, api_key="not-the-key")
+        try:
+            VLLMUpdater(engine=wrong_key, master_address=os.environ["MASTER_ADDR"]).push_weights(tiny_qwen2(seed=41))
+            without_key = "pushed"
+        except EngineConfigError as error:
+            without_key = str(error)
     listeners = RecordsListeners()
     root = out_dir / f"node{node_rank}"
     trainer = cpu_trainer(root, [sync, listeners], max_steps=STEPS, strategy=strategy, num_nodes=2)
@@ -87,6 +95,7 @@ def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
     }
     if rank == 0:
         result["version_before"] = version_before
+        result["without_key"] = without_key
         result["served_version"] = int(engine.get_weight_version())
         result["logprob_gap"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))

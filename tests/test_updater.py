@@ -317,3 +317,33 @@ def test_a_push_that_fails_on_one_engine_still_reaches_the_others_and_reports_ea
         updater.push_weights(model)
     assert not isinstance(caught_all.value, PartialPushError)
     assert updater.weight_version == 1 and updater.versions.missed == 1 and hook_calls == [1]
+
+
+class DiesAtStart(FakeEngine):
+    """A fake engine whose core dies before its next update (vLLM's own error for it)."""
+
+    dead = False
+
+    def start_weight_update(self) -> None:
+        if self.dead:
+            from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+
+            raise VLLMEngineDeadError()
+        super().start_weight_update()
+
+
+def test_an_engine_that_died_is_named_with_what_to_do_and_can_be_replaced():
+    from lightning_vllm import EngineDeadError
+
+    model = tiny_qwen2(seed=0)
+    dying = DiesAtStart(model)
+    updater = VLLMUpdater(engine=dying, timeout_seconds=5)
+    updater.push_weights(model)
+    dying.dead = True
+    with pytest.raises(EngineDeadError, match=r"died during a push .*hand it to the updater.*set_engine"):
+        updater.push_weights(model)
+    assert updater.weight_version == 1 and updater.versions.missed == 1
+    replacement = FakeEngine(model)
+    updater.set_engine(replacement)  # the user's replacement gets the whole model at the next push
+    stats = updater.push_weights(model)
+    assert replacement.holds(model) and replacement.version == str(stats.weight_version) == str(updater.weight_version)

@@ -20,6 +20,17 @@ def raise_if_dead(engine: EngineTarget) -> None:
         )
 
 
+def engine_death(error: BaseException, engine: EngineTarget, during: str) -> EngineDeadError | None:
+    """The :class:`EngineDeadError` to raise for ``error`` if it says ``engine`` is gone, else None."""
+    if not is_engine_death(error):
+        return None
+    return EngineDeadError(
+        f"{engine.description} died {during} ({type(error).__name__}: {str(error).splitlines()[0]}). Start a new "
+        "engine and hand it to the updater (VLLMWeightSync.updater.set_engine), or restart it where it was: the "
+        "next push joins an engine that is back."
+    )
+
+
 def is_paused_refusal(error: BaseException) -> bool:
     """Whether ``error`` is an engine's refusal to take a request while generation is paused."""
     from vllm.exceptions import RetryableRequestError

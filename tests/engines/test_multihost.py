@@ -111,6 +111,7 @@ def test_a_two_node_run_keeps_a_server_on_a_third_host_in_sync(cluster, strategy
     final = first_version + 1 + STEPS
     assert [rank["weight_version"] for rank in ranks] == [final, final]
     assert ranks[0]["served_version"] == final
+    assert "needs an API key" in ranks[0]["without_key"]  # and nothing was pushed with it
     assert ranks[0]["logprob_gap"] < TOLERANCE
     for rank in ranks:
         assert len(rank["seen"]) == STEPS
