@@ -60,7 +60,6 @@ def ray_cluster(tmp_path):
     nodes = []
     try:
         nodes.append(RayNode(hosts, "head", tmp_path / "head.log", environment=auth, num_cpus=1))
-        wait_for_nodes(hosts, auth, 1)
         nodes.append(
             RayNode(
                 hosts,
