@@ -115,3 +115,30 @@ def test_only_flat_uint8_tensors_go_on_the_wire():
         post_broadcast(trainer, torch.zeros(4))
     trainer.close()
     worker.close()
+
+
+class JoinsThenFails:
+    """An engine client whose worker connects, then whose init call fails (as a worker that
+    crashed right after joining)."""
+
+    def __init__(self) -> None:
+        self.worker: Wire | None = None
+
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        self.worker = connect_to_trainer(info["master_address"], info["master_port"], info["group_name"], 1, 10.0)
+        raise ValueError("the worker crashed after joining (test)")
+
+
+def test_workers_that_joined_a_rendezvous_that_failed_are_let_go():
+    from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+
+    client = JoinsThenFails()
+    with pytest.raises(ValueError, match="crashed after joining"):
+        GlooTrainerWeightTransferEngine.trainer_init(
+            GlooTrainerInitInfo(world_size=2, timeout_seconds=10), client=client
+        )
+    assert client.worker is not None
+    receive = post_broadcast(client.worker, torch.empty(8, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="broke"):  # the trainer closed its side: nothing waits on it
+        receive.wait(5)
+    client.worker.close()

@@ -138,7 +138,7 @@ class Wire:
         self.connections = connections
         self._listener = listener  # the trainer's, open while the group is
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Transfer:
+    def broadcast(self, tensor: torch.Tensor) -> Transfer:
         """Post ``tensor``: sent to every worker (trainer) or received into it (worker)."""
         transfer = Transfer(tensor, len(self.connections))
         for connection in self.connections:

@@ -128,6 +128,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._group = self._await_group(workers, trainer, timeout, hint)
         except BaseException:
             listener.close()  # ends the accepting call too
+            if trainer.done():
+                _close_if_joined(trainer)
             self.shutdown()
             raise
 
@@ -366,6 +368,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._group.close()
         self._group = None
         self._staging = None
+
+
+def _close_if_joined(trainer: BackgroundCall[Wire]) -> None:
+    """Close the connections of workers that joined although the rendezvous failed (their engine's call did)."""
+    try:
+        wire = trainer.result(0)
+    except Exception:  # noqa: BLE001  # accepting failed too: nothing to close
+        return
+    wire.close()
 
 
 def _is_wire_ready(tensor: torch.Tensor, spec: TensorSpec) -> bool:
