@@ -47,7 +47,8 @@ def start_actor(model_dir: str):
 
 def host_of(actor) -> str:
     """The address of the node Ray placed ``actor`` on."""
-    node_id = ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=60)
+    where = actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+    node_id = ray.get(where, timeout=300)  # the actor's vLLM engine starts first (~30 s on 2 idle cores)
     return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
 
 

@@ -68,12 +68,16 @@ class RayNode:
         log_path: Path,
         *,
         environment: dict[str, str],
+        temp_dir: Path,
         head: str | None = None,
         num_cpus: int = 1,
         resources=None,
     ) -> None:
         address = hosts.address(name)
         command = [ray_binary(), "start", "--block", "--node-ip-address", address, "--num-cpus", str(num_cpus)]
+        # Its sessions and its address file go here, not to /tmp/ray: a ray.init() without an
+        # address (as test_ray.py's) would otherwise try to join this cluster once it is gone.
+        command += ["--temp-dir", str(temp_dir)]
         command += ["--disable-usage-stats"]
         for option, port in NODE_PORTS.items():
             command += [option, str(port)]
@@ -85,13 +89,19 @@ class RayNode:
         if resources:
             command += ["--resources", json.dumps(resources)]
         env = {**os.environ, **environment}
+        self.address = address
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
             hosts.command(name, command), env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def stop(self) -> None:
-        """SIGTERM the node's session (Ray's own shutdown), then SIGKILL what is left."""
+        """SIGTERM the node's session (Ray's own shutdown), then SIGKILL what is left.
+
+        Raises:
+            AssertionError: the node left the address of its cluster in /tmp/ray, where a later
+                ``ray.init()`` on this machine would find it (the file is removed first).
+        """
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.process.pid, sig)
@@ -102,6 +112,10 @@ class RayNode:
                 time.sleep(0.2)
                 self.process.poll()
         self.log.close()
+        stale = Path("/tmp/ray/ray_current_cluster")
+        if stale.exists() and stale.read_text().startswith(f"{self.address}:"):
+            stale.unlink()
+            raise AssertionError(f"ray start --temp-dir did not keep the cluster's address out of {stale}")
 
 
 def _group_alive(pgid: int) -> bool:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,17 +57,20 @@ def commands(listener) -> list[str]:
 
 @pytest.fixture
 def ray_cluster(tmp_path):
+    # Short: Ray's unix socket paths under it must stay within the kernel's 107 characters.
+    temp_dir = Path(tempfile.mkdtemp(prefix="lvray-"))
     hosts = Hosts(["head", "inference"], net=9)
     auth = ray_environment(tmp_path / "ray_token")
     nodes = []
     try:
-        nodes.append(RayNode(hosts, "head", tmp_path / "head.log", environment=auth, num_cpus=1))
+        nodes.append(RayNode(hosts, "head", tmp_path / "head.log", environment=auth, temp_dir=temp_dir, num_cpus=1))
         nodes.append(
             RayNode(
                 hosts,
                 "inference",
                 tmp_path / "inference.log",
                 environment=auth,
+                temp_dir=temp_dir,
                 head=hosts.address("head"),
                 num_cpus=2,
                 resources={"inference_host": 2},
@@ -74,9 +79,12 @@ def ray_cluster(tmp_path):
         wait_for_nodes(hosts, auth, 2)
         yield hosts, auth
     finally:
-        for node in reversed(nodes):
-            node.stop()
-        hosts.close()
+        try:
+            for node in reversed(nodes):
+                node.stop()
+        finally:
+            hosts.close()
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_a_trainer_drives_a_vllm_actor_that_ray_placed_on_another_host(ray_cluster, served_model_dir, tmp_path):
