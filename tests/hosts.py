@@ -35,6 +35,13 @@ class Listener:
         return f"{self.address}:{self.port} pids={sorted(self.pids)}"
 
 
+def listened_on_by(pid: int) -> list[str]:
+    """``address:port`` of every TCP socket process ``pid`` listens on, as ``ss`` prints them
+    (``ss`` sees the caller's own host, its namespace, only)."""
+    lines = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return sorted({line.split()[3] for line in lines.splitlines() if f"pid={pid}," in line})
+
+
 class Hosts:
     """Namespaces ``names`` (``10.231.<net>.1``, ``.2``, ... in that order) on one bridge.
 
@@ -106,8 +113,8 @@ class Hosts:
 
     def limit(self, name: str, rate: str) -> None:
         """Shape what host ``name`` sends to ``rate`` (``tc`` syntax, e.g. ``"1gbit"``)."""
-        ip_free = ["tc", "qdisc", "replace", "dev", INTERFACE, "root", "tbf", "rate", rate]
-        subprocess.run(self.command(name, [*ip_free, "burst", "256kb", "latency", "50ms"]), check=True, timeout=30)
+        shape = ["tc", "qdisc", "replace", "dev", INTERFACE, "root", "tbf", "rate", rate]
+        subprocess.run(self.command(name, [*shape, "burst", "256kb", "latency", "50ms"]), check=True, timeout=30)
 
     def close(self) -> None:
         """Delete every namespace (deleting one deletes its ends of the links)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from helpers import (  # noqa: E402
     tiny_qwen2,
     token_batches,
 )
+from hosts import listened_on_by  # noqa: E402
 from lightning.pytorch import Callback  # noqa: E402
 
 from lightning_vllm import RayEngine, VLLMActor, VLLMWeightSync, WeightSyncError  # noqa: E402
@@ -50,11 +50,6 @@ def host_of(actor) -> str:
     where = actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
     node_id = ray.get(where, timeout=300)  # the actor's vLLM engine starts first (~30 s on 2 idle cores)
     return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
-
-
-def listening(pid: int) -> list[str]:
-    lines = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30, check=True).stdout
-    return sorted({line.split()[3] for line in lines.splitlines() if f"pid={pid}," in line})
 
 
 class KillsTheActorAt(TinyCausalLM):
@@ -111,7 +106,7 @@ class ReplacesADeadActor(Callback):
 
 def main(address: str, model_dir: str, master_address: str, sync_port: int, out: str) -> None:
     ray.init(address=address, log_to_driver=False, configure_logging=False)
-    result: dict = {"driver_listening_before": listening(os.getpid())}
+    result: dict = {"driver_listening_before": listened_on_by(os.getpid())}
     tmp = Path(out).parent
 
     # 1. on_sync_error="warn": the actor dies in step 2, a replacement takes the next push point.
@@ -139,7 +134,7 @@ def main(address: str, model_dir: str, master_address: str, sync_port: int, out:
     trained = module.model.eval()
     with torch.no_grad():
         result["replacement_gap"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
-    result["driver_listening"] = listening(os.getpid())
+    result["driver_listening"] = listened_on_by(os.getpid())
 
     # 2. on_sync_error="raise" (the default): the replacement dies in step 1, the fit ends with the sync's error.
     module = KillsTheActorAt(tiny_qwen2(seed=1), kill_at=1)

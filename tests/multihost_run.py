@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from helpers import (  # noqa: E402
     tiny_qwen2,
     token_batches,
 )
+from hosts import listened_on_by  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 from sharded_run import ShardedCausalLM, full_model  # noqa: E402
@@ -37,12 +37,6 @@ from sharded_run import ShardedCausalLM, full_model  # noqa: E402
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, VLLMWeightSync  # noqa: E402
 
 STEPS = 3
-
-
-def listening(pid: int) -> list[str]:
-    """``address:port`` of every TCP socket ``pid`` listens on (``ss`` sees this host only)."""
-    lines = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30, check=True).stdout
-    return sorted({line.split()[3] for line in lines.splitlines() if f"pid={pid}," in line})
 
 
 class RecordsListeners(Callback):
@@ -53,7 +47,7 @@ class RecordsListeners(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.global_step == STEPS:
-            self.listening = listening(os.getpid())
+            self.listening = listened_on_by(os.getpid())
 
 
 def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
