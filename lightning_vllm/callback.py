@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_vllm.background import BackgroundPusher
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
-from lightning_vllm.options import LoraMode, PauseMode, SyncOptions, UpdaterOptions, WhenBusy, check_options
+from lightning_vllm.options import LoraMode, PauseMode, PushFrom, SyncOptions, UpdaterOptions, WhenBusy, check_options
 from lightning_vllm.push_points import PushPoints
 from lightning_vllm.rollouts import RolloutSampler, SamplesRollouts
 from lightning_vllm.schedule import PushSchedule
@@ -79,6 +79,14 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             still in flight: ``"skip"`` (default: logged as ``vllm/sync_skipped``; the next push
             point sends the newer weights) or ``"wait"``.
         changed_only: send only the layer groups written since the last push (see ``VLLMUpdater``).
+        push_from: which trainer ranks send a sharded (FSDP2) policy: ``"rank0"`` (default) gathers
+            it on every rank and rank 0 sends it, through the sync's one port; ``"every_rank"`` has
+            each rank send its own shard, with no gather, so every trainer host's link carries
+            bytes. Rank ``k > 0`` then listens on ``master_port + (number of engines - 1) + k`` (a
+            free port without ``master_port``) at its address on the route to ``master_address``
+            (or ``$LIGHTNING_VLLM_SEND_ADDRESS``). Needs the gloo backend; a policy with no
+            shard per rank (FSDP1, ZeRO-3, LoRA) is gathered as with ``"rank0"``, with a warning.
+            See ``docs/multinode.md``.
         on_sync_error: ``"raise"`` (default) ends training when a push fails; ``"warn"`` warns,
             logs ``vllm/sync_failures`` (failed pushes so far) and goes on training: the engine
             keeps serving its last good weights, the next push point connects again (a server
@@ -122,6 +130,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         blocking: bool = True,
         when_busy: WhenBusy = "skip",
         changed_only: bool = True,
+        push_from: PushFrom = "rank0",
     ) -> None:
         updater_options = UpdaterOptions(
             master_address=master_address,
@@ -148,6 +157,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
                 on_sync_error=on_sync_error,
                 blocking=blocking,
                 when_busy=when_busy,
+                push_from=push_from,
             )
         )
         for note in ignored:
@@ -161,7 +171,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             **vars(updater_options),
         )
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
-        self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error)
+        self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error, push_from)
         self._last_global_step_pushed = -1
 
     @property

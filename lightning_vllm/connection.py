@@ -16,19 +16,18 @@ import math
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
 from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
-from lightning_vllm.engines import EngineTarget, PauseMode
+from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
 from lightning_vllm.lora.serving import LoraLimits, adapter_problems
-from lightning_vllm.options import UpdaterOptions
+from lightning_vllm.options import ConnectionSettings
 from lightning_vllm.transports import check_trainer_can_send, trainer_init_info
 from lightning_vllm.transports.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.transports.plugin import GLOO, register_backends
@@ -43,43 +42,13 @@ from lightning_vllm.weights.checks import (
     wire_for_engine,
 )
 from lightning_vllm.weights.payload import Payload
+from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
 # How many timeout_seconds forming a group may take at most: the workers' side is bounded by one,
 # after which vLLM raises the trainer side's error; more than that is NCCL's init stuck.
 _RENDEZVOUS_GRACE = 1.5
-
-
-@dataclass(frozen=True)
-class ConnectionSettings:
-    """How the updater connects to and pushes into every engine: ``VLLMUpdater``'s attributes of the same names."""
-
-    backend: str
-    master_address: str
-    master_port: int | None
-    vllm_tp_size: int | None
-    bucket_size_bytes: int
-    timeout_seconds: float
-    pause_mode: PauseMode
-    reset_prefix_cache: bool
-    changed_only: bool
-
-    @classmethod
-    def for_engine(cls, options: UpdaterOptions, index: int, reset_prefix_cache: bool) -> ConnectionSettings:
-        """The settings of the connection to the engine at ``index``: a fixed ``master_port`` is the first
-        of one port per engine (each group has a rendezvous of its own)."""
-        return cls(
-            backend=options.backend,
-            master_address=options.master_address or "127.0.0.1",
-            master_port=options.master_port + index if options.master_port else options.master_port,
-            vllm_tp_size=options.vllm_tp_size,
-            bucket_size_bytes=options.bucket_size_bytes,
-            timeout_seconds=options.timeout_seconds,
-            pause_mode=options.pause_mode,
-            reset_prefix_cache=reset_prefix_cache,
-            changed_only=options.changed_only,
-        )
 
 
 class EngineConnection:
@@ -233,7 +202,13 @@ class EngineConnection:
 
         Raises:
             WeightsMismatchError: names, shapes, dtypes or tied embeddings do not fit.
+            EngineConfigError: every trainer rank is to send a share, which only the gloo backend takes.
         """
+        if payload.every_rank is not None and self.backend != GLOO:
+            raise EngineConfigError(
+                f"push_from='every_rank' sends each trainer rank's share over the gloo backend, but the "
+                f"{self.engine.description} engine uses {self.backend!r}. Pass push_from='rank0' for it."
+            )
         base = {name: meta for name, meta in offered.items() if not name.startswith(ADAPTER_PREFIX)}
         if payload.carries_adapter and not base:
             return
@@ -281,7 +256,7 @@ class EngineConnection:
         )
         adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
         try:
-            self._send(sent, client, adapter_message)
+            self._send(sent, client, adapter_message, payload.every_rank)
         except BaseException:
             # The engine may be frozen or gone: release its side without waiting, so
             # the error reaches the caller within timeout_seconds.
@@ -298,7 +273,9 @@ class EngineConnection:
         self.last_num_bytes = wire_bytes(wire)
         return self.last_num_bytes
 
-    def _send(self, source: Weights, client: TimedClient, adapter_message: dict[str, Any] | None) -> None:
+    def _send(
+        self, source: Weights, client: TimedClient, adapter: dict[str, Any] | None, every: EveryRankSend | None
+    ) -> None:
         """Send ``source`` through the trainer engine, ending with ``client.finish_weight_update()``
         (which commits the version); every wait bounded.
 
@@ -313,7 +290,7 @@ class EngineConnection:
         NCCL communicator and so releases the GPU work stuck in it.
         """
         if isinstance(self.transfer, GlooTrainerWeightTransferEngine):
-            self.transfer.send_push(source, client, adapter_message)
+            self.transfer.send_push(source, client, adapter, every)
             return
         self.transfer.source, self.transfer.client = source, client
         try:

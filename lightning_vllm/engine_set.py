@@ -16,7 +16,13 @@ import torch
 from lightning_vllm.connection import EngineConnection
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.failures import engine_death
-from lightning_vllm.errors import EngineConfigError, PartialPushError, WeightsMismatchError, WeightSyncError
+from lightning_vllm.errors import (
+    EngineConfigError,
+    PartialPushError,
+    PushAborted,
+    WeightsMismatchError,
+    WeightSyncError,
+)
 from lightning_vllm.weights.payload import Payload
 
 
@@ -154,9 +160,12 @@ class EngineSet:
         committed: list[int] = []
         failures: dict[int, BaseException] = dict(push.unreachable)
         num_bytes = 0
-        for index in push.engine_indices:
+        for position, index in enumerate(push.engine_indices):
             try:
                 num_bytes += self.push_one(index, push.payload, version)
+            except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
+                failures.update(dict.fromkeys(push.engine_indices[position:], error))
+                break
             except Exception as error:  # noqa: BLE001  # the other engines still get the push
                 failures[index] = error
                 continue

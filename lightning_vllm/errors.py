@@ -38,6 +38,10 @@ class EngineDeadError(WeightSyncError):
     """The vLLM engine (its process, server or actor) died; it must be restarted."""
 
 
+class PushAborted(WeightSyncError):
+    """Another trainer rank failed during a push every rank takes part in; the message is its error."""
+
+
 class PartialPushError(WeightSyncError):
     """A push reached some engines and failed on others.
 

@@ -34,6 +34,11 @@ WhenBusy = Literal["skip", "wait"]
 """What a push point does while the previous push is still in flight: ``"skip"`` (training goes
 on; the next push point sends the newer weights) or ``"wait"`` (the training loop waits for it)."""
 
+PushFrom = Literal["rank0", "every_rank"]
+"""Which trainer ranks send a sharded policy: ``"rank0"`` gathers it on every rank and rank 0
+sends it (no port beyond the sync's one); ``"every_rank"`` has each rank send its own FSDP2
+shard, with no gather, from a port of its own (``every_rank.py``, ``docs/multinode.md``)."""
+
 BACKENDS = ("auto", "gloo", "nccl", "ipc")
 """Weight-transfer backends: ``gloo`` is ours (CPUs), ``nccl`` and ``ipc`` are vLLM's (GPUs)."""
 
@@ -83,6 +88,7 @@ class SyncOptions:
     on_sync_error: str = "raise"
     blocking: bool = True
     when_busy: str = "skip"
+    push_from: str = "rank0"
 
 
 def check_backend_name(backend: str) -> None:
@@ -153,6 +159,13 @@ def check_options(options: SyncOptions) -> list[str]:
         raise ValueError(f"Invalid value for on_sync_error={options.on_sync_error!r}. Must be 'raise' or 'warn'.")
     if options.when_busy not in ("skip", "wait"):
         raise ValueError(f"Invalid value for when_busy={options.when_busy!r}. Must be 'skip' or 'wait'.")
+    if options.push_from not in ("rank0", "every_rank"):
+        raise ValueError(f"Invalid value for push_from={options.push_from!r}. Must be 'rank0' or 'every_rank'.")
+    if options.push_from == "every_rank" and options.updater.backend not in ("auto", "gloo"):
+        raise ValueError(
+            f"push_from='every_rank' sends over the gloo backend, not backend={options.updater.backend!r}. "
+            "Pass push_from='rank0', or backend='gloo'."
+        )
     if not options.blocking and options.max_staleness == 0:
         raise ValueError(
             "blocking=False cannot hold max_staleness=0: rollouts sampled while a background push is on its way "
@@ -162,3 +175,34 @@ def check_options(options: SyncOptions) -> list[str]:
     if options.blocking and options.when_busy != "skip":
         notes.append(f"when_busy={options.when_busy!r} is ignored: it applies to background pushes (blocking=False).")
     return notes
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """How the updater connects to and pushes into every engine: ``VLLMUpdater``'s attributes of the same names."""
+
+    backend: str
+    master_address: str
+    master_port: int | None
+    vllm_tp_size: int | None
+    bucket_size_bytes: int
+    timeout_seconds: float
+    pause_mode: PauseMode
+    reset_prefix_cache: bool
+    changed_only: bool
+
+    @classmethod
+    def for_engine(cls, options: UpdaterOptions, index: int, reset_prefix_cache: bool) -> ConnectionSettings:
+        """The settings of the connection to the engine at ``index``: a fixed ``master_port`` is the first
+        of one port per engine (each group has a rendezvous of its own)."""
+        return cls(
+            backend=options.backend,
+            master_address=options.master_address or "127.0.0.1",
+            master_port=options.master_port + index if options.master_port else options.master_port,
+            vllm_tp_size=options.vllm_tp_size,
+            bucket_size_bytes=options.bucket_size_bytes,
+            timeout_seconds=options.timeout_seconds,
+            pause_mode=options.pause_mode,
+            reset_prefix_cache=reset_prefix_cache,
+            changed_only=options.changed_only,
+        )

@@ -25,7 +25,8 @@ from lightning_vllm.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
-from lightning_vllm.options import WhenBusy
+from lightning_vllm.every_rank import shares_push
+from lightning_vllm.options import PushFrom, WhenBusy
 from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
 from lightning_vllm.updater import VLLMUpdater
 
@@ -40,10 +41,19 @@ class PushPoints:
         blocking: ``False`` sends pushes from a background thread (see ``VLLMWeightSync``).
         when_busy: with ``blocking=False``, what a push point does while a push is on its way.
         on_sync_error: ``"raise"`` or ``"warn"`` (see ``VLLMWeightSync``).
+        push_from: which ranks send a sharded policy (see ``VLLMWeightSync``).
     """
 
-    def __init__(self, updater: VLLMUpdater, blocking: bool, when_busy: WhenBusy, on_sync_error: str) -> None:
+    def __init__(
+        self,
+        updater: VLLMUpdater,
+        blocking: bool,
+        when_busy: WhenBusy,
+        on_sync_error: str,
+        push_from: PushFrom = "rank0",
+    ) -> None:
         self.updater = updater
+        self.push_from: PushFrom = push_from
         self.pusher = None if blocking else BackgroundPusher(updater, when_busy)
         self.on_sync_error = on_sync_error
         self.sync_failures = 0
@@ -103,7 +113,8 @@ class PushPoints:
             # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
             # the parameters no sub-module unit does.
             start = time.perf_counter()
-            stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self.ranks)
+            in_shares = shares_push(self.updater, self.ranks) if self.push_from == "every_rank" else None
+            stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self.ranks, in_shares)
             self.unsent = 0
             if stats is not None:
                 self._log(trainer, stats, stall_seconds=time.perf_counter() - start)

@@ -25,6 +25,7 @@ then wait in that gather until the trainer's process-group timeout).
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
@@ -33,10 +34,10 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.errors import PushAborted, WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.fsdp import holds_fsdp_units
-from lightning_vllm.weights.payload import PushView
+from lightning_vllm.weights.payload import Payload, PushView
 from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
 if TYPE_CHECKING:
@@ -49,10 +50,6 @@ RANK_WAIT_FACTOR = 4
 check-ins rank 0 may spend up to one timeout in each of several bounded calls to vLLM
 (pause, start the update, and after a failure release the group and resume), so a
 peer must wait longer than any one of them before it calls rank 0 stuck."""
-
-
-class PushAborted(WeightSyncError):
-    """Another rank failed during a push every rank takes part in; the message is its error."""
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
@@ -87,6 +84,8 @@ class TrainerRanks:
         # gloo whatever the trainer's backend: statuses are tiny CPU tensors, and a
         # group of its own has its own timeout and never queues behind the gathers.
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_seconds))
+        self.listener: socket.socket | None = None  # where this rank meets the workers (push_from="every_rank")
+        self.warned_gathered = False  # said once why an every-rank push was gathered instead
 
     def exchange(self, status: int, version: int = 0) -> tuple[int, int]:
         """Every rank's status combined (the highest wins), and the highest version offered.
@@ -153,6 +152,9 @@ class TrainerRanks:
         return [int(value) for value in tensor]
 
     def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         dist.destroy_process_group(self.group)
 
 
@@ -233,11 +235,19 @@ class LockstepWeights(Weights):
         self.ranks.shared_error(f"{type(error).__name__}: {error}")
 
 
-def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks) -> SyncStats | None:
+SharesPush = Callable[[Payload], Callable[[], "SyncStats | None"] | None]
+"""Given the agreed payload, the push that every rank sends its own share of (``every_rank.py``),
+or ``None`` to gather it and let rank 0 send; a collective, so every rank decides alike."""
+
+
+def push_from_every_rank(
+    updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks, in_shares: SharesPush | None = None
+) -> SyncStats | None:
     """Push ``module``'s weights with every rank taking part; returns the figures on rank 0.
 
-    Must be called on every rank at the same point. Rank 0 pushes through ``updater``
-    (which holds the engines); the other ranks gather in lockstep and discard. Every
+    Must be called on every rank at the same point. By default every rank gathers in
+    lockstep and rank 0 sends through ``updater`` (which holds the engines); with
+    ``in_shares`` every rank may send its own shard instead (``every_rank.py``). Every
     rank's ``updater.versions`` ends the same: the version rank 0 committed, or one more
     missed push point when the push failed.
 
@@ -245,7 +255,7 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
         WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
     """
     weights: LockstepWeights | None = None
-    agreed = counted = False  # whether the ranks agreed on the payload; whether push_weights counted the push
+    agreed = counted = sent_in_shares = False  # agreed on the payload; its push point counted; pushed in shares
 
     def agree(decide: Callable[[], PushView]) -> PushView:
         nonlocal agreed
@@ -258,6 +268,9 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
         payload = replace(updater.choose_payload(module, agree=agree), stamps=None)
         weights = LockstepWeights(payload.weights, ranks)
         weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
+        if in_shares is not None and (push := in_shares(payload)) is not None:
+            counted = sent_in_shares = True  # (which counts, or skips, its push point and shares its errors)
+            return push()
         if ranks.rank == 0:
             counted = True
             stats = updater.push_weights(payload.with_weights(weights))
@@ -268,7 +281,7 @@ def push_from_every_rank(updater: VLLMUpdater, module: torch.nn.Module, ranks: T
     except BaseException as error:
         if not counted:
             updater.versions.skip()  # the push point's weights reached no engine
-        if not agreed or isinstance(error, PushAborted):
+        if not agreed or sent_in_shares or isinstance(error, PushAborted):
             raise  # (every rank raises alike at the agreement, before any check-in)
         if weights is None:  # this rank never got its weights: it fails at the first check-in
             weights = LockstepWeights(_NoWeights(), ranks)

@@ -18,12 +18,12 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm._waits import call_with_timeout
-from lightning_vllm.connection import ConnectionSettings, EngineConnection
+from lightning_vllm.connection import EngineConnection
 from lightning_vllm.engine_set import EngineSet, PreparedPush, SyncStats, WorkerIds
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions, check_updater_options
+from lightning_vllm.options import ConnectionSettings, LoraMode, PauseMode, UpdaterOptions, check_updater_options
 from lightning_vllm.payloads import choose_payload
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl

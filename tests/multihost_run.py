@@ -2,7 +2,9 @@
 by tests/engines/test_multihost.py inside that node's network namespace, once per node.
 
 ``python multihost_run.py STRATEGY SERVER_URL SYNC_PORT OUT_DIR`` with ``STRATEGY`` ``ddp`` or
-``fsdp2``. It is launched the way users launch Lightning on a cluster, with Lightning's own
+``fsdp2``; under FSDP2 every rank sends its own shard (``push_from="every_rank"``), and after the run a
+push whose rank 1 fails half way through its shares must fail on both ranks and leave the server as it
+was. It is launched the way users launch Lightning on a cluster, with Lightning's own
 environment: ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` (and ``GLOO_SOCKET_IFNAME``, which
 torch's gloo needs when the host name does not resolve to the interface between the hosts).
 Both nodes sample from the server in every step; global rank 0 pushes after every step, its
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -35,6 +38,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from sharded_run import ShardedCausalLM, full_model  # noqa: E402
 
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, VLLMWeightSync  # noqa: E402
+from lightning_vllm.every_rank import shares_push  # noqa: E402
+from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.weights.shares import RankShares  # noqa: E402
 
 STEPS = 3
 
@@ -59,7 +65,11 @@ def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
         module = ShardedCausalLM(tiny_qwen2(seed=0), lr=1e-2)
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     sync = VLLMWeightSync(
-        engine=url, every_n_train_steps=1, master_address=os.environ["MASTER_ADDR"], master_port=sync_port
+        engine=url,
+        every_n_train_steps=1,
+        master_address=os.environ["MASTER_ADDR"],
+        master_port=sync_port,
+        push_from="every_rank" if strategy_name == "fsdp2" else "rank0",
     )
     engine = HTTPEngine(url)
     version_before = served_version(engine)
@@ -92,7 +102,41 @@ def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
         result["without_key"] = without_key
         result["served_version"] = int(engine.get_weight_version())
         result["logprob_gap"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
+    if strategy_name == "fsdp2":
+        result["failed_share"] = failed_share(sync, module, engine, trained, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def failed_share(sync: VLLMWeightSync, module: ShardedCausalLM, engine: HTTPEngine, trained, rank: int) -> dict:
+    """A push in shares whose rank 1 fails after its first tensor, then one that goes through."""
+    ranks = TrainerRanks(timeout_seconds=30)
+    sends = RankShares.iter_full
+
+    def fails_after_one(shares):
+        yield next(sends(shares))
+        raise RuntimeError("rank 1 lost its shard")
+
+    outcome: dict = {}
+    if rank == 1:
+        RankShares.iter_full = fails_after_one
+    start = time.monotonic()
+    try:
+        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
+    except Exception as error:  # noqa: BLE001
+        outcome["failure"] = f"{type(error).__name__}: {error}"
+    outcome["failure_seconds"] = time.monotonic() - start
+    RankShares.iter_full = sends
+    if rank == 0:
+        outcome["served_after_failure"] = int(engine.get_weight_version())
+        outcome["gap_after_failure"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
+    push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
+    outcome["weight_version"] = sync.weight_version
+    if rank == 0:
+        outcome["served_after_retry"] = int(engine.get_weight_version())
+        outcome["gap_after_retry"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
+    sync.updater.close()
+    ranks.close()
+    return outcome
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ LAYERS: dict[str, list[str]] = {
     ],
     "what is sent": [
         "weights", "weights.base", "weights.fsdp", "weights.zero3", "weights.sources", "weights.checks",
-        "weights.payload", "weights.snapshot", "lora.adapter", "lora.serving",
+        "weights.payload", "weights.snapshot", "weights.shares", "lora.adapter", "lora.serving",
     ],
     "how bytes move": [
         "transports", "transports.select", "transports.plugin", "transports.gloo", "transports.gloo.messages",
-        "transports.gloo.group", "transports.gloo.receiver", "transports.gloo.trainer", "transports.gloo.worker",
+        "transports.gloo.group", "transports.gloo.shares", "transports.gloo.receiver", "transports.gloo.trainer",
+        "transports.gloo.worker",
     ],
     "where vLLM lives": [
         "engines", "engines.base", "engines.config_facts", "engines.local", "engines.async_local", "engines.http",
@@ -30,7 +31,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "one engine's connection": ["connection", "engine_set", "payloads"],
     "the updater": ["torchrl_interface", "updater"],
-    "several ranks, background": ["ranks", "background"],
+    "several ranks, background": ["ranks", "every_rank", "background"],
     "rollouts and push points": ["rollouts", "push_points"],
     "when to send": ["callback"],
     "the package": [""],

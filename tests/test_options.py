@@ -41,6 +41,12 @@ from lightning_vllm.options import SyncOptions, UpdaterOptions, check_options, c
         (SyncOptions(updater=UpdaterOptions(pause_mode="drop")), "pause_mode='drop'"),  # type: ignore[arg-type]
         (SyncOptions(updater=UpdaterOptions(lora="both")), "lora='both'"),  # type: ignore[arg-type]
         (SyncOptions(updater=UpdaterOptions(vllm_tp_size=0)), "vllm_tp_size=0"),
+        (SyncOptions(push_from="rank1"), "push_from='rank1'"),
+        # Every rank's share goes over our gloo transport; vLLM's NCCL engine sends from one rank.
+        (
+            SyncOptions(push_from="every_rank", updater=UpdaterOptions(backend="nccl")),
+            "push_from='every_rank' sends over the gloo backend, not backend='nccl'",
+        ),
     ],
 )
 def test_conflicting_or_out_of_range_options_are_refused_with_both_named(options, message):
@@ -58,6 +64,7 @@ def test_conflicting_or_out_of_range_options_are_refused_with_both_named(options
         SyncOptions(num_engines=3, updater=UpdaterOptions(master_port=65533)),  # 65533, 65534, 65535
         SyncOptions(num_engines=0, updater=UpdaterOptions(master_port=0)),  # 0: any free port
         SyncOptions(every_n_train_steps=0, every_n_epochs=1, on_sync_error="warn"),
+        SyncOptions(push_from="every_rank", updater=UpdaterOptions(backend="gloo")),
     ],
 )
 def test_options_that_fit_together_are_accepted(options):

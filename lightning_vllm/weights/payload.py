@@ -11,10 +11,13 @@ in the :class:`Payload`, so no wrapper of the weights must remember to forward i
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.changes import Stamp
+
+if TYPE_CHECKING:
+    from lightning_vllm.weights.shares import EveryRankSend
 
 PushView = Literal["merged", "adapter", "base_and_adapter"]
 """What a push of a policy sends: its full weights (a LoRA policy's merged), its LoRA adapter
@@ -32,6 +35,8 @@ class Payload:
             ``"base_and_adapter"`` views); vLLM's loader needs rank, alpha and target modules.
         stamps: what each tensor was computed from when the push was prepared
             (``weights/changes.py``), for changed-only pushes; ``None``: every tensor counts as changed.
+        every_rank: set when every trainer rank sends a share of each tensor (``weights/shares.py``):
+            ``weights`` then yields rank 0's shares, and this tells the other ranks what to send.
 
     Example::
 
@@ -46,6 +51,7 @@ class Payload:
     view: PushView = "merged"
     adapter_config: dict[str, Any] | None = None
     stamps: dict[str, Stamp] | None = None
+    every_rank: EveryRankSend | None = None
 
     @property
     def carries_adapter(self) -> bool:

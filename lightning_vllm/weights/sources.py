@@ -50,6 +50,10 @@ class _ParameterWeights(Weights):
         for _, param in self._parameters():
             yield materialize_full_tensor(param.detach())
 
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(checkpoint name, parameter)`` of every tensor sent, in send order; nothing is read or gathered."""
+        return zip(self._names, (param for _, param in self._parameters()))
+
     def declare(self) -> list[ParamMeta]:
         # A DTensor (FSDP2) reports its global shape here, so nothing is gathered.
         return [

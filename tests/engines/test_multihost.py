@@ -141,6 +141,20 @@ def test_a_two_node_run_keeps_a_server_on_a_third_host_in_sync(cluster, strategy
             assert address == f"*:{MASTER_PORT}" or address.startswith(f"{hosts.address(name)}:"), address
     assert f"{hosts.address('node0')}:{SYNC_PORT}" in ranks[0]["listening"]
     assert not any(address.endswith(f":{SYNC_PORT}") for address in ranks[1]["listening"])
+    # Under FSDP2 every rank sends its own shard (push_from="every_rank"): rank 1 meets the server's
+    # workers on the next port, master_port + 1, at its own node's address; under DDP it listens on none.
+    sends_shares = f"{hosts.address('node1')}:{SYNC_PORT + 1}" in ranks[1]["listening"]
+    assert sends_shares == (strategy == "fsdp2")
+    if strategy == "fsdp2":
+        # Rank 1 fails half way through its shares: both ranks fail with its error, the server keeps
+        # the trained weights it had, and the next push goes through.
+        failed = [rank["failed_share"] for rank in ranks]
+        assert failed[1]["failure"] == "RuntimeError: rank 1 lost its shard"
+        assert failed[0]["failure"] == f"PushAborted: The push failed on trainer rank 1: {failed[1]['failure']}"
+        assert failed[0]["served_after_failure"] == final and failed[0]["gap_after_failure"] < TOLERANCE
+        assert max(rank["failure_seconds"] for rank in failed) < 30
+        assert failed[0]["weight_version"] == failed[1]["weight_version"] == failed[0]["served_after_retry"] > final
+        assert failed[0]["gap_after_retry"] < TOLERANCE
     # While the nodes ran, the server's host listened on the server's port alone: vLLM's own
     # sockets are on loopback, and its workers connected out to the trainer for every push.
     assert f"{hosts.address('server')}:{SERVER_PORT}" in server_listening

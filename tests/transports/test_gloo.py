@@ -31,6 +31,9 @@ def test_update_info_round_trips_through_plain_data():
         "bucket_ends": [1, 2],
         "segment_ends": [1, 2],
         "adapter": None,
+        "pieces": None,  # (every trainer rank sends a share: tests/transports/test_shares.py)
+        "senders": [],
+        "sender_group": "",
     }
     received = GlooWeightTransferUpdateInfo(**payload)
     assert received.specs() == specs
@@ -81,7 +84,7 @@ def test_a_broadcast_that_never_finishes_ends_in_a_timeout_error_that_says_so():
     engine = GlooTrainerWeightTransferEngine(client=object(), timeout_seconds=0.2)
     workers_loading = BackgroundCall(time.sleep, 5, what="vLLM workers to load the weights")
     with pytest.raises(WeightSyncTimeoutError, match="did not finish within 0.2 s after 1024 bytes"):
-        engine._wait(NeverCompletes(), workers_loading, sent=1024)
+        engine.wait_for(NeverCompletes(), workers_loading, sent=1024)
 
 
 class RecordingClient:

@@ -168,11 +168,15 @@ def listen(address: str, port: int) -> socket.socket:
         ) from error
 
 
-def accept_workers(listener: socket.socket, group_name: str, ranks: range, timeout_seconds: float) -> Wire:
+def accept_workers(
+    listener: socket.socket, group_name: str, ranks: range, timeout_seconds: float, *, keep_listener: bool = False
+) -> Wire:
     """Accept one connection from each of ``ranks`` that names ``group_name``, then tell each to go.
 
     Connections that are not a worker of this group (another group's, a rank already
-    joined, a port scanner) are closed and logged; at most 64 of them are read.
+    joined, a port scanner) are closed and logged; at most 64 of them are read. The
+    returned wire closes ``listener`` with its connections, unless ``keep_listener``
+    (a trainer rank that accepts the workers anew at each push).
 
     Raises:
         WeightSyncTimeoutError: not every worker joined within ``timeout_seconds``.
@@ -205,7 +209,7 @@ def accept_workers(listener: socket.socket, group_name: str, ranks: range, timeo
             sock.close()
         raise
     connections = [_Connection(_tuned(joined[rank]), f"worker rank {rank}", receives=False) for rank in ranks]
-    return Wire(connections, listener)
+    return Wire(connections, None if keep_listener else listener)
 
 
 def _read_hello(sock: socket.socket, group_name: str, ranks: range, deadline: float, peer: object) -> int | None:

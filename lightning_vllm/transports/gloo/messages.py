@@ -68,6 +68,14 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ``adapter`` is set when the update carries a LoRA adapter: ``{"key", "config"}``
     (where the workers stage it, and its PEFT config as JSON values); its tensors are
     the ones named ``base_model.model.*``, the others are base weights.
+
+    ``pieces`` is set when every trainer rank sends a share of each tensor (a sharded
+    policy, ``push_from="every_rank"``): ``pieces[i][k]`` is how many bytes of tensor ``i``
+    trainer rank ``k`` sends, in rank order, which together make the tensor. Rank 0's
+    come down the connection made at init; each other rank's down a connection the
+    worker makes for this update to ``senders[k - 1]`` (``{"address", "port"}``), naming
+    ``sender_group`` (fresh for each update, which is also what lets it in). Each piece
+    travels in slices of at most ``bucket_size_bytes``, and there is no coalescing.
     """
 
     names: list[str]
@@ -76,6 +84,9 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     bucket_ends: list[int]
     segment_ends: list[int]
     adapter: dict[str, Any] | None = None
+    pieces: list[list[int]] | None = None
+    senders: list[dict[str, Any]] = field(default_factory=list)
+    sender_group: str = ""
 
     def __post_init__(self) -> None:
         num_tensors = len(self.names)
@@ -94,6 +105,21 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             )
         if self.segment_ends and self.segment_ends[-1] != num_tensors:
             raise ValueError(f"segment_ends={self.segment_ends} must end at {num_tensors}.")
+        if self.pieces is not None:
+            self._check_pieces()
+
+    def _check_pieces(self) -> None:
+        assert self.pieces is not None
+        if len(self.pieces) != len(self.names):
+            raise ValueError(f"pieces must have one entry per tensor: got {len(self.pieces)} for {len(self.names)}.")
+        for spec, pieces in zip(self.specs(), self.pieces):
+            if len(pieces) != len(self.senders) + 1 or min(pieces, default=0) < 0 or sum(pieces) != spec.num_bytes:
+                raise ValueError(
+                    f"pieces of {spec.name!r} are {pieces}: they must be one count of bytes per trainer rank "
+                    f"({len(self.senders) + 1}), none negative, adding up to its {spec.num_bytes} bytes."
+                )
+        if self.senders and not self.sender_group:
+            raise ValueError("An update with senders must name their sender_group.")
 
     def specs(self) -> list[TensorSpec]:
         return [
@@ -118,8 +144,11 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         buckets: Sequence[Bucket],
         segment_ends: Sequence[int] | None = None,
         adapter: dict[str, Any] | None = None,
+        **every_rank: Any,
     ) -> Self:
-        """The message for a plan; without ``segment_ends``, each bucket is one segment."""
+        """The message for a plan; without ``segment_ends``, each bucket is one segment.
+        ``every_rank``: the ``pieces``, ``senders`` and ``sender_group`` of a push every trainer
+        rank sends a share of."""
         bucket_ends = [bucket.stop for bucket in buckets]
         return cls(
             names=[spec.name for spec in specs],
@@ -128,6 +157,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             bucket_ends=bucket_ends,
             segment_ends=list(segment_ends) if segment_ends is not None else bucket_ends,
             adapter=adapter,
+            **every_rank,
         )
 
 

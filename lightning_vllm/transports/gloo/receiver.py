@@ -15,6 +15,7 @@ import torch
 from lightning_vllm.transports.buckets import unpack_bucket
 from lightning_vllm.transports.gloo.group import Wire, connect_to_trainer, post_broadcast
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
+from lightning_vllm.transports.gloo.shares import piece_slices
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -30,6 +31,7 @@ class PostedUpdate:
         self.timeout_seconds = timeout_seconds
         self.num_buffers = 0
         self.adapter: dict[str, Any] | None = None  # the LoRA adapter the update carries, if any
+        self.senders: list[Wire] = []  # connections to the other trainer ranks, for this update only
         self._posted: list[tuple[list[Any], NamedTensors]] = []
 
     def add(self, works: list[Any], tensors: NamedTensors) -> None:
@@ -67,6 +69,14 @@ class PostedUpdate:
                 f"The weight update did not arrive in full ({error}); the model keeps its previous weights. "
                 "The trainer stopped or the network broke during the transfer."
             ) from error
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the connections made for this update (receives still posted on them fail at once)."""
+        for wire in self.senders:
+            wire.close()
+        self.senders = []
 
 
 class GlooReceiver:
@@ -83,6 +93,7 @@ class GlooReceiver:
     def __init__(self, init_info: GlooWeightTransferInitInfo, rank: int) -> None:
         self.bucket_size_bytes = init_info.bucket_size_bytes
         self.timeout_seconds = init_info.timeout_seconds
+        self.rank = rank
         self._group: Wire = connect_to_trainer(
             init_info.master_address,
             init_info.master_port,
@@ -103,6 +114,9 @@ class GlooReceiver:
         posted = into if into is not None else PostedUpdate(self.timeout_seconds)
         if update_info.adapter is not None:
             posted.adapter = update_info.adapter
+        if update_info.pieces is not None:
+            self._post_pieces(update_info, posted)
+            return posted
         specs = update_info.specs()
         for bucket in update_info.buckets(specs):
             buffer = self._receive_buffer(posted.num_buffers, bucket.num_bytes)
@@ -113,6 +127,41 @@ class GlooReceiver:
                 data = buffer[segment.offset : segment.offset + segment.num_bytes]
                 posted.add(works, unpack_bucket(data, specs[segment.start : segment.stop]))
         return posted
+
+    def _post_pieces(self, update_info: GlooWeightTransferUpdateInfo, posted: PostedUpdate) -> None:
+        """Post the receives of an update every trainer rank sends a share of: each tensor's pieces,
+        in rank order, land end to end in its place (``transports/gloo/shares.py``).
+
+        Joins each other trainer rank first (it accepts this update's workers), so it blocks until
+        they have all joined, at most ``timeout_seconds`` each.
+        """
+        assert update_info.pieces is not None
+        try:
+            for sender in update_info.senders:
+                posted.senders.append(
+                    connect_to_trainer(
+                        sender["address"],
+                        int(sender["port"]),
+                        update_info.sender_group,
+                        self.rank,
+                        self.timeout_seconds,
+                    )
+                )
+        except BaseException:
+            posted.close()
+            raise
+        wires = [self._group, *posted.senders]
+        specs = update_info.specs()
+        for bucket in update_info.buckets(specs):
+            buffer = self._receive_buffer(posted.num_buffers, bucket.num_bytes)
+            posted.num_buffers += 1
+            works, offset = [], 0
+            for pieces in update_info.pieces[bucket.start : bucket.stop]:
+                for wire, num_bytes in zip(wires, pieces):
+                    for begin, end in piece_slices(num_bytes, self.bucket_size_bytes):
+                        works.append(post_broadcast(wire, buffer[offset + begin : offset + end]))
+                    offset += num_bytes
+            posted.add(works, unpack_bucket(buffer, specs[bucket.start : bucket.stop]))
 
     def close(self) -> None:
         """Close the connection; receives still posted fail at once."""

@@ -23,8 +23,10 @@ from lightning_vllm.transports.gloo.messages import (
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
+from lightning_vllm.transports.gloo.shares import send_in_shares
 from lightning_vllm.transports.staging import StagingRing
 from lightning_vllm.weights.base import ForeignWeights, Weights
+from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +171,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         source = self.source if isinstance(self.source, Weights) else ForeignWeights(self.source)
         self.send_push(source, self.client)
 
-    def send_push(self, source: Weights, client: Any, adapter: dict[str, Any] | None = None) -> None:
+    def send_push(
+        self, source: Weights, client: Any, adapter: dict[str, Any] | None = None, every: EveryRankSend | None = None
+    ) -> None:
         """Send every tensor of ``source`` and load it in vLLM, between start and finish.
 
         Our connection calls this with each push's own source and client (whose
         ``finish_weight_update`` commits the version), so nothing of one push is left on
         the engine object for the next. ``adapter`` is the LoRA adapter among the
         tensors, as the workers are told (``GlooWeightTransferUpdateInfo``).
+
+        With ``every``, ``source`` yields rank 0's shares (``weights/shares.py``) and every
+        other trainer rank sends its own at the same time (``shares.send_in_shares``).
 
         Blocks until the workers have loaded the weights and finished the update,
         each wait bounded by ``timeout_seconds``.
@@ -186,9 +193,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             for _ in tensors:  # stay in step with the sender's collective gathers
                 pass
             return
-        self._connected_group()  # before the engine starts an update it could not finish
+        wire = self._connected_group()  # before the engine starts an update it could not finish
         self._start_update(client)
-        if groups:  # (nothing changed since the last push: only the version moves)
+        if groups and every is not None:
+            send_in_shares(self, wire, groups, tensors, client, every)
+        elif groups:  # (nothing changed since the last push: only the version moves)
             self.send_update(groups, tensors, adapter=adapter, client=client)
         client.finish_weight_update()
 
@@ -276,7 +285,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         def wait_oldest() -> None:
             nonlocal sent, in_flight_bytes
             work, num_bytes = in_flight.popleft()
-            self._wait(work, receive, sent)
+            self.wait_for(work, receive, sent)
             sent += num_bytes
             in_flight_bytes -= num_bytes
 
@@ -300,7 +309,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             while in_flight:
                 wait_oldest()
 
-    def _wait(self, work: Any, receive: BackgroundCall[None], sent: int) -> None:
+    def wait_for(self, work: Any, receive: BackgroundCall[None], sent: int) -> None:
         """Wait for one broadcast, failing early if the workers' update call fails first."""
 
         def workers_failed() -> None:

@@ -67,7 +67,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     @override
     def start_weight_update(self) -> None:
-        self.pending = None  # an update a stopped trainer left half-received is dropped, never loaded
+        self._drop_pending()  # an update a stopped trainer left half-received is dropped, never loaded
+
+    def _drop_pending(self) -> None:
+        if self.pending is not None:
+            self.pending.close()
+        self.pending = None
 
     @override
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -88,6 +93,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
         pending, self.pending = self.pending, None
         if pending is None or not len(pending):
+            if pending is not None:
+                pending.close()
             return
         received = pending.wait()  # raises before the model is touched if any byte is missing
         adapter = None
@@ -114,7 +121,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     @override
     def shutdown(self) -> None:
-        self.pending = None
+        self._drop_pending()
         if self.receiver is not None:
             self.receiver.close()
         self.receiver = None  # frees the kept receive buffers

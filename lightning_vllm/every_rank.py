@@ -1,0 +1,228 @@
+"""Pushes every trainer rank sends a share of (``push_from="every_rank"``): no rank-0 funnel.
+
+With ``push_from="rank0"`` (the default) a sharded policy is gathered on every rank and
+rank 0 alone sends it, so a push is capped by rank 0's link. With ``"every_rank"`` each
+rank sends its own FSDP2 shard of every tensor, as it holds it (``weights/shares.py``):
+nothing is gathered, each trainer host's link carries its share of the bytes, and the
+workers put the shares together (``transports/gloo/receiver.py``).
+
+The exchange, on the trainer's status group (``ranks.TrainerRanks``):
+
+* every rank says where it listens (rank 0 on the connection made at init; rank ``k`` on
+  ``master_port + (number of engines - 1) + k``, or a free port when no ``master_port``
+  is given, at :func:`send_address`);
+* rank 0 pushes through the updater as usual. For each engine, before the workers are
+  told the update, it tells the other ranks the pass (the workers' group, how many, and
+  the wire); each accepts the workers, sends its shares and closes their connections;
+  then every rank says whether it managed, before the engine commits;
+* rank 0 ends with the version it committed, or its error.
+
+A rank that fails fails the push on every rank, with its message (``PushAborted`` on the
+others); the engines load nothing of it, as with any failed push. Every wait is bounded:
+a rank waits ``RANK_WAIT_FACTOR`` times ``timeout_seconds`` for rank 0's next word.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from lightning_vllm.errors import PartialPushError, PushAborted
+from lightning_vllm.ranks import FAILED, PROCEED, SharesPush, TrainerRanks
+from lightning_vllm.transports.gloo.group import listen
+from lightning_vllm.transports.gloo.messages import dtype_from_name, dtype_name
+from lightning_vllm.transports.gloo.shares import piece_bytes, send_share
+from lightning_vllm.weights.payload import Payload
+from lightning_vllm.weights.shares import EveryRankSend, RankShares
+
+if TYPE_CHECKING:
+    from lightning_vllm.updater import SyncStats, VLLMUpdater
+
+log = logging.getLogger(__name__)
+
+SEND_ADDRESS_VARIABLE = "LIGHTNING_VLLM_SEND_ADDRESS"
+"""The environment variable that sets the address a trainer rank other than 0 listens on."""
+
+
+def send_address(master_address: str) -> str:
+    """The address this rank listens on for the workers: ``$LIGHTNING_VLLM_SEND_ADDRESS`` if set,
+    else this host's address on the route to ``master_address`` (rank 0's, which the workers reach).
+
+    Example::
+
+        >>> send_address("127.0.0.1")
+        '127.0.0.1'
+    """
+    if chosen := os.environ.get(SEND_ADDRESS_VARIABLE):
+        return chosen
+    target = str(socket.getaddrinfo(master_address, None, socket.AF_INET)[0][4][0])
+    if ipaddress.ip_address(target).is_loopback:
+        return target
+    if ipaddress.ip_address(target).is_unspecified:
+        raise ValueError(
+            f"push_from='every_rank' needs a master_address the workers can reach, not {master_address!r}; "
+            f"or set {SEND_ADDRESS_VARIABLE} on each trainer rank."
+        )
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((target, 9))  # a UDP connect only picks the route: nothing is sent
+        return str(probe.getsockname()[0])
+
+
+def agreed_shares(payload: Payload, ranks: TrainerRanks) -> RankShares | None:
+    """This rank's shares of ``payload``, if every rank has its own (a collective); else ``None``,
+    with a warning (once) that says why the push is gathered and sent by rank 0 instead."""
+    shares: RankShares | str = "a LoRA adapter push is gathered"
+    if not payload.carries_adapter:
+        shares = RankShares.of(payload.weights, ranks.rank, ranks.world_size)
+    if ranks.every_rank(isinstance(shares, RankShares)):
+        return shares if isinstance(shares, RankShares) else None
+    if not ranks.warned_gathered:
+        ranks.warned_gathered = True
+        why = shares if isinstance(shares, str) else "another rank's policy has no share of its own"
+        log.warning("push_from='every_rank': this push is gathered and sent by rank 0 instead, as %s.", why)
+    return None
+
+
+def shares_push(updater: VLLMUpdater, ranks: TrainerRanks) -> SharesPush:
+    """What ``ranks.push_from_every_rank`` takes to send a push in shares when every rank can."""
+
+    def decide(payload: Payload) -> Callable[[], SyncStats | None] | None:
+        shares = agreed_shares(payload, ranks)
+        return None if shares is None else functools.partial(push_in_shares, updater, payload, shares, ranks)
+
+    return decide
+
+
+def push_in_shares(updater: VLLMUpdater, payload: Payload, shares: RankShares, ranks: TrainerRanks) -> SyncStats | None:
+    """Push with every rank sending ``shares``; on every rank at the same point. Returns the figures on
+    rank 0. Every rank's ``updater.versions`` ends on the version rank 0 committed, or one more missed
+    push point when the push failed.
+
+    Raises:
+        WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
+    """
+    if ranks.rank == 0:
+        return _lead(updater, payload, shares, ranks)
+    try:
+        version = _follow(updater, shares, ranks)
+    except BaseException:
+        updater.versions.skip()  # the push point's weights reached no engine
+        raise
+    updater.versions.adopt([version, -1, 0, 0])  # rank 0's, after its commit
+    return None
+
+
+def _lead(updater: VLLMUpdater, payload: Payload, shares: RankShares, ranks: TrainerRanks) -> SyncStats:
+    endpoints = ranks.gather_to_rank_zero(b"")
+    senders = [json.loads(endpoint) for endpoint in endpoints[1:]]
+    every = _StatusGroupSend(ranks, shares, senders)
+    try:
+        stats = updater.push_weights(replace(payload.with_weights(shares), every_rank=every))
+    except PartialPushError as error:
+        if not every.aborted:
+            ranks.broadcast_bytes(json.dumps({"done": cast("SyncStats", error.stats).weight_version}).encode())
+        raise
+    except BaseException as error:
+        if not every.aborted:  # (after an abort the other ranks have left, with its error)
+            ranks.broadcast_bytes(json.dumps({"failed": f"{type(error).__name__}: {error}"}).encode())
+        raise
+    ranks.broadcast_bytes(json.dumps({"done": stats.weight_version}).encode())
+    return stats
+
+
+def _follow(updater: VLLMUpdater, shares: RankShares, ranks: TrainerRanks) -> int:
+    """A rank other than 0: send this rank's shares for each pass rank 0 announces; rank 0's version."""
+    listener = _listener(updater, ranks)
+    address, port = listener.getsockname()[:2]
+    ranks.gather_to_rank_zero(json.dumps({"address": address, "port": port}).encode())
+    while True:
+        word = json.loads(ranks.broadcast_bytes(b""))
+        if "done" in word:
+            return int(word["done"])
+        if "failed" in word:
+            raise PushAborted(f"The push failed on trainer rank 0: {word['failed']}")
+        error: BaseException | None = None
+        try:
+            wire = [(name, dtype_from_name(dtype)) for name, dtype in word["wire"]]
+            send_share(
+                listener,
+                word["group"],
+                int(word["workers"]),
+                _pieces(shares, wire),
+                updater.bucket_size_bytes,
+                updater.timeout_seconds,
+            )
+        except Exception as caught:  # noqa: BLE001  # told to every rank, then raised
+            error = caught
+        _end_pass(ranks, error)
+        if error is not None:
+            raise error
+
+
+def _end_pass(ranks: TrainerRanks, error: BaseException | None) -> None:
+    """Every rank says whether it sent its shares; raises ``PushAborted`` on a rank that did not fail
+    when another did (a rank that failed raises its own error)."""
+    status, _ = ranks.exchange(FAILED if error is not None else PROCEED)
+    if status != FAILED:
+        return
+    rank, message = ranks.shared_error(f"{type(error).__name__}: {error}" if error is not None else None)
+    if error is None:
+        raise PushAborted(f"The push failed on trainer rank {rank}: {message}")
+
+
+def _pieces(shares: RankShares, wire: Sequence[tuple[str, torch.dtype]]) -> Iterator[torch.Tensor]:
+    """This rank's shares of the tensors of ``wire``, in its order, as the wire's bytes."""
+    tensors = shares.iter_full()
+    for name, dtype in wire:
+        for have, piece in tensors:
+            if have == name:
+                yield piece_bytes(piece, dtype)
+                break
+        else:
+            raise ValueError(f"Rank {shares.rank} has no tensor {name!r} to send; its policy differs from rank 0's.")
+
+
+def _listener(updater: VLLMUpdater, ranks: TrainerRanks) -> socket.socket:
+    """This rank's listener for the workers, made at its first push and kept (closed with ``ranks``)."""
+    if ranks.listener is None:
+        port = updater.master_port + max(len(updater.engines), 1) - 1 + ranks.rank if updater.master_port else 0
+        ranks.listener = listen(send_address(updater.master_address), port)
+    return ranks.listener
+
+
+class _StatusGroupSend(EveryRankSend):
+    """Rank 0's side of the exchange above, for the gloo transport."""
+
+    def __init__(self, ranks: TrainerRanks, shares: RankShares, senders: list[dict[str, Any]]) -> None:
+        self.ranks = ranks
+        self.shares = shares
+        self._senders = senders
+        self.aborted = False  # a pass failed: the other ranks have left the exchange
+
+    @property
+    def senders(self) -> list[dict[str, Any]]:
+        return list(self._senders)
+
+    def begin_pass(self, group: str, num_workers: int, wire: Sequence[tuple[str, torch.dtype]]) -> None:
+        if self.aborted:  # any failed pass ends the push on every rank: the others have left
+            raise PushAborted("The push ended at an earlier engine's failure; the engines after it keep their weights.")
+        word = {"group": group, "workers": num_workers, "wire": [[name, dtype_name(dtype)] for name, dtype in wire]}
+        self.ranks.broadcast_bytes(json.dumps(word).encode())
+
+    def end_pass(self, error: BaseException | None) -> None:
+        try:
+            _end_pass(self.ranks, error)
+        except PushAborted:
+            self.aborted = True
+            raise
+        if error is not None:
+            self.aborted = True
