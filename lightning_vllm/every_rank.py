@@ -122,26 +122,51 @@ def push_in_shares(updater: VLLMUpdater, payload: Payload, shares: RankShares, r
 
 
 def _lead(updater: VLLMUpdater, payload: Payload, shares: RankShares, ranks: TrainerRanks) -> SyncStats:
-    endpoints = ranks.gather_to_rank_zero(b"")
-    senders = [json.loads(endpoint) for endpoint in endpoints[1:]]
+    try:
+        senders = _senders(ranks)
+    except BaseException:
+        updater.versions.skip()  # the push point's weights reached no engine
+        raise
     every = _StatusGroupSend(ranks, shares, senders)
     try:
         stats = updater.push_weights(replace(payload.with_weights(shares), every_rank=every))
     except PartialPushError as error:
         if not every.aborted:
-            ranks.broadcast_bytes(json.dumps({"done": cast("SyncStats", error.stats).weight_version}).encode())
+            _tell(ranks, done=cast("SyncStats", error.stats).weight_version)
         raise
     except BaseException as error:
         if not every.aborted:  # (after an abort the other ranks have left, with its error)
-            ranks.broadcast_bytes(json.dumps({"failed": f"{type(error).__name__}: {error}"}).encode())
+            _tell(ranks, failed={"rank": 0, "message": f"{type(error).__name__}: {error}"})
         raise
-    ranks.broadcast_bytes(json.dumps({"done": stats.weight_version}).encode())
+    _tell(ranks, done=stats.weight_version)
     return stats
+
+
+def _senders(ranks: TrainerRanks) -> list[dict[str, Any]]:
+    """Where each other rank listens, gathered on rank 0; a rank that could not listen ends the push."""
+    endpoints = [json.loads(endpoint) for endpoint in ranks.gather_to_rank_zero(b"")[1:]]
+    for rank, endpoint in enumerate(endpoints, start=1):
+        if "error" in endpoint:
+            failed = {"rank": rank, "message": endpoint["error"]}
+            _tell(ranks, failed=failed)
+            raise PushAborted(f"The push failed on trainer rank {rank}: {endpoint['error']}")
+    return endpoints
+
+
+def _tell(ranks: TrainerRanks, **word: Any) -> None:
+    """Rank 0's word to the other ranks: a pass, ``done`` (the version committed) or ``failed``."""
+    ranks.broadcast_bytes(json.dumps(word).encode())
 
 
 def _follow(updater: VLLMUpdater, shares: RankShares, ranks: TrainerRanks) -> int:
     """A rank other than 0: send this rank's shares for each pass rank 0 announces; rank 0's version."""
-    listener = _listener(updater, ranks)
+    try:
+        listener = _listener(updater, ranks)
+    except Exception as cannot_listen:  # told to rank 0, which ends the push everywhere
+        message = f"{type(cannot_listen).__name__}: {cannot_listen}"
+        ranks.gather_to_rank_zero(json.dumps({"error": message}).encode())
+        ranks.broadcast_bytes(b"")
+        raise
     address, port = listener.getsockname()[:2]
     ranks.gather_to_rank_zero(json.dumps({"address": address, "port": port}).encode())
     while True:
@@ -149,7 +174,7 @@ def _follow(updater: VLLMUpdater, shares: RankShares, ranks: TrainerRanks) -> in
         if "done" in word:
             return int(word["done"])
         if "failed" in word:
-            raise PushAborted(f"The push failed on trainer rank 0: {word['failed']}")
+            raise PushAborted(f"The push failed on trainer rank {word['failed']['rank']}: {word['failed']['message']}")
         error: BaseException | None = None
         try:
             wire = [(name, dtype_from_name(dtype)) for name, dtype in word["wire"]]
@@ -215,8 +240,7 @@ class _StatusGroupSend(EveryRankSend):
     def begin_pass(self, group: str, num_workers: int, wire: Sequence[tuple[str, torch.dtype]]) -> None:
         if self.aborted:  # any failed pass ends the push on every rank: the others have left
             raise PushAborted("The push ended at an earlier engine's failure; the engines after it keep their weights.")
-        word = {"group": group, "workers": num_workers, "wire": [[name, dtype_name(dtype)] for name, dtype in wire]}
-        self.ranks.broadcast_bytes(json.dumps(word).encode())
+        _tell(self.ranks, group=group, workers=num_workers, wire=[[name, dtype_name(dtype)] for name, dtype in wire])
 
     def end_pass(self, error: BaseException | None) -> None:
         try:

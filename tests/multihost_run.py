@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from sharded_run import ShardedCausalLM, full_model  # noqa: E402
 
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.every_rank import shares_push  # noqa: E402
+from lightning_vllm.every_rank import send_address, shares_push  # noqa: E402
 from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
 from lightning_vllm.weights.shares import RankShares  # noqa: E402
 
@@ -108,15 +109,25 @@ def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
 
 
 def failed_share(sync: VLLMWeightSync, module: ShardedCausalLM, engine: HTTPEngine, trained, rank: int) -> dict:
-    """A push in shares whose rank 1 fails after its first tensor, then one that goes through."""
+    """A push in shares whose rank 1 cannot listen (its port is taken), one whose rank 1 fails after its
+    first tensor, then one that goes through."""
     ranks = TrainerRanks(timeout_seconds=30)
+    outcome: dict = {}
+    taken = None
+    if rank == 1:
+        taken = socket.create_server((send_address(sync.updater.master_address), sync.updater.master_port + 1))
+    try:
+        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
+    except Exception as error:  # noqa: BLE001
+        outcome["cannot_listen"] = f"{type(error).__name__}: {error}"
+    if taken is not None:
+        taken.close()
     sends = RankShares.iter_full
 
     def fails_after_one(shares):
         yield next(sends(shares))
         raise RuntimeError("rank 1 lost its shard")
 
-    outcome: dict = {}
     if rank == 1:
         RankShares.iter_full = fails_after_one
     start = time.monotonic()

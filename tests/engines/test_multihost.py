@@ -146,9 +146,13 @@ def test_a_two_node_run_keeps_a_server_on_a_third_host_in_sync(cluster, strategy
     sends_shares = f"{hosts.address('node1')}:{SYNC_PORT + 1}" in ranks[1]["listening"]
     assert sends_shares == (strategy == "fsdp2")
     if strategy == "fsdp2":
+        # Rank 1 cannot listen (its port is taken): both ranks fail with its error before vLLM is touched.
+        failed = [rank["failed_share"] for rank in ranks]
+        assert failed[1]["cannot_listen"].startswith(f"WeightSyncError: Cannot listen on {hosts.address('node1')}:")
+        named = failed[1]["cannot_listen"]
+        assert failed[0]["cannot_listen"] == f"PushAborted: The push failed on trainer rank 1: {named}"
         # Rank 1 fails half way through its shares: both ranks fail with its error, the server keeps
         # the trained weights it had, and the next push goes through.
-        failed = [rank["failed_share"] for rank in ranks]
         assert failed[1]["failure"] == "RuntimeError: rank 1 lost its shard"
         assert failed[0]["failure"] == f"PushAborted: The push failed on trainer rank 1: {failed[1]['failure']}"
         assert failed[0]["served_after_failure"] == final and failed[0]["gap_after_failure"] < TOLERANCE
