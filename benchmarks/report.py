@@ -204,11 +204,12 @@ def plot(results: Sequence[ModelResult], methods: Sequence[str], path: Path) -> 
     plt.close(figure)
 
 
-def replace_results(page: Path, results_markdown: str) -> None:
-    """Put ``results_markdown`` between the page's result markers, leaving the prose around them alone."""
-    text = page.read_text() if page.exists() else f"# Benchmarks\n\n{RESULTS_START}\n{RESULTS_END}\n"
-    if RESULTS_START not in text or RESULTS_END not in text:
-        raise ValueError(f"{page} has no {RESULTS_START} ... {RESULTS_END} section to fill.")
-    head, rest = text.split(RESULTS_START, 1)
-    _, tail = rest.split(RESULTS_END, 1)
-    page.write_text(f"{head}{RESULTS_START}\n{results_markdown.strip()}\n{RESULTS_END}{tail}")
+def replace_results(page: Path, results_markdown: str, start: str = RESULTS_START, end: str = RESULTS_END) -> None:
+    """Put ``results_markdown`` between the page's markers ``start`` and ``end`` (by default those of
+    ``make bench``'s results), leaving the prose around them alone."""
+    text = page.read_text() if page.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
+    if start not in text or end not in text:
+        raise ValueError(f"{page} has no {start} ... {end} section to fill.")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    page.write_text(f"{head}{start}\n{results_markdown.strip()}\n{end}{tail}")
