@@ -1,4 +1,4 @@
-# The commands of the README: `make test`, `make test-fast`, `make demo` and `make bench`.
+# The commands of the README: `make test`, `make test-fast`, `make demo`, `make bench` and `make bench-multihost`.
 # Both create .venv in the repository root and install what the tests need.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install test test-fast test-vllm-next lint demo demo-lora demo-tiny bench soak clean
+.PHONY: install test test-fast test-vllm-next lint demo demo-lora demo-tiny bench bench-multihost soak clean
 
 install: $(STAMP)
 
@@ -75,6 +75,11 @@ demo-tiny: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# An FSDP2 policy on two trainer hosts (network namespaces, links shaped to 1 Gbit/s) pushes into vllm serve on a
+# third: rank 0 sends everything, or every rank sends its shard (about 5 minutes; needs root and iproute2).
+bench-multihost: $(STAMP)
+	$(PY) benchmarks/multihost.py
 
 # 1000 pushes into an in-process engine and 300 through vllm serve: memory, threads and
 # file descriptors stay flat (the last run and its time: docs/benchmarks.md#soak-make-soak).
