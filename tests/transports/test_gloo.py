@@ -31,7 +31,7 @@ def test_update_info_round_trips_through_plain_data():
         "bucket_ends": [1, 2],
         "segment_ends": [1, 2],
         "adapter": None,
-        "pieces": None,  # (every trainer rank sends a share: tests/transports/test_shares.py)
+        "pieces": None,  # (every trainer rank sends a share: tests/transports/test_gloo_shares.py)
         "senders": [],
         "sender_group": "",
     }

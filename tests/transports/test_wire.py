@@ -142,3 +142,38 @@ def test_workers_that_joined_a_rendezvous_that_failed_are_let_go():
     with pytest.raises(RuntimeError, match="broke"):  # the trainer closed its side: nothing waits on it
         receive.wait(5)
     client.worker.close()
+
+
+def test_an_update_whose_trainer_stops_after_some_buckets_is_not_landed_not_even_in_part():
+    """Receives that failed are complete too; an update whose first buckets landed and whose last
+    ones failed must raise, never hand the landed buckets with the failed ones to the loader."""
+    from lightning_vllm.transports.buckets import Bucket, TensorSpec
+    from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
+    from lightning_vllm.transports.gloo.receiver import GlooReceiver
+
+    listener = listen("127.0.0.1", 0)
+    init = GlooWeightTransferInitInfo(
+        master_address="127.0.0.1",
+        master_port=listener.getsockname()[1],
+        rank_offset=1,
+        world_size=2,
+        group_name=GROUP,
+        bucket_size_bytes=1024,
+        timeout_seconds=10.0,
+    )
+    trainer = BackgroundCall(accept_workers, listener, GROUP, range(1, 2), 10.0, what="the worker to join")
+    receiver = GlooReceiver(init, rank=1)
+    wire = trainer.result(10)
+    specs = [TensorSpec(name, torch.uint8, (1024,)) for name in "abc"]
+    update = GlooWeightTransferUpdateInfo.from_plan(specs, [Bucket(i, i + 1, 1024) for i in range(3)])
+    posted = receiver.post_update(update)
+    assert post_broadcast(wire, torch.ones(1024, dtype=torch.uint8)).wait(10)  # bucket "a" lands
+    deadline = time.monotonic() + 10
+    while not posted._posted[0][0][0].is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wire.close()  # the trainer stops: the receives of "b" and "c" fail at once
+    try:
+        with pytest.raises(RuntimeError, match="did not arrive in full"):
+            posted.wait()
+    finally:
+        receiver.close()

@@ -64,6 +64,10 @@ class Transfer:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
+    def succeeded(self) -> bool:
+        """Complete, with every byte moved (a failed transfer is complete too)."""
+        return self._done.is_set() and self._error is None
+
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
         """Block until complete (at most ``timeout``).
 

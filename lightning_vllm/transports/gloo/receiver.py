@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_vllm.transports.buckets import unpack_bucket
-from lightning_vllm.transports.gloo.group import Wire, connect_to_trainer, post_broadcast
+from lightning_vllm.transports.gloo.group import Transfer, Wire, connect_to_trainer, post_broadcast
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 from lightning_vllm.transports.gloo.shares import piece_slices
 
@@ -32,9 +32,9 @@ class PostedUpdate:
         self.num_buffers = 0
         self.adapter: dict[str, Any] | None = None  # the LoRA adapter the update carries, if any
         self.senders: list[Wire] = []  # connections to the other trainer ranks, for this update only
-        self._posted: list[tuple[list[Any], NamedTensors]] = []
+        self._posted: list[tuple[list[Transfer], NamedTensors]] = []
 
-    def add(self, works: list[Any], tensors: NamedTensors) -> None:
+    def add(self, works: list[Transfer], tensors: NamedTensors) -> None:
         """Count the broadcasts ``works`` that fill ``tensors`` as part of this update."""
         self._posted.append((works, tensors))
 
@@ -50,8 +50,10 @@ class PostedUpdate:
             for work in works:
                 work.wait(timeout)
             index += 1
-            while index < len(self._posted) and all(work.is_completed() for work in self._posted[index][0]):
-                ready = ready + self._posted[index][1]  # load what has already landed in one call
+            # What has landed already is loaded in one call; a receive that failed is not "landed" (it
+            # is complete too), so its wait, next round, raises.
+            while index < len(self._posted) and all(work.succeeded() for work in self._posted[index][0]):
+                ready = ready + self._posted[index][1]
                 index += 1
             yield ready
 
