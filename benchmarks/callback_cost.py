@@ -84,14 +84,15 @@ class CallbackCost:
 
 
 def measure_callback_cost(
-    llm: Any, model: torch.nn.Module, *, vocab_size: int, num_steps: int, num_rounds: int
+    llm: Any, model: torch.nn.Module, *, vocab_size: int, num_steps: int, num_rounds: int, warm_up: bool = True
 ) -> CallbackCost:
+    """Medians over ``num_rounds`` rounds of the two fits, after one discarded round if ``warm_up``."""
     model = copy.deepcopy(model).float()
     tokens = torch.randint(0, vocab_size, (num_steps * 2, 64), generator=torch.Generator().manual_seed(0))
     never: list[float] = []
     every: list[float] = []
     push: list[float] = []
-    for round_index in range(num_rounds + 1):  # round 0 warms up and is discarded
+    for round_index in range(0 if warm_up else 1, num_rounds + 1):  # round 0 warms up and is discarded
         updater = TimedUpdater(engine=llm, timeout_seconds=600)
         seconds_never = fit_seconds(model, llm, tokens, num_steps, callbacks=[])
         sync = VLLMWeightSync(updater=updater, every_n_train_steps=1)

@@ -93,7 +93,7 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
     updater.close()
     ranks.close()
     if llm is not None:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown(timeout=1.0)  # its CPU engine core outlasts the default 5 s grace
     dist.destroy_process_group()
 
 
