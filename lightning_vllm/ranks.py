@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from lightning_vllm.errors import PushAborted, WeightSyncTimeoutError
+from lightning_vllm.errors import PushAborted, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.fsdp import holds_fsdp_units
 from lightning_vllm.weights.payload import Payload, PushView
@@ -92,6 +93,7 @@ class TrainerRanks:
 
         Raises:
             WeightSyncTimeoutError: a rank did not check in within ``timeout_seconds``.
+            WeightSyncError: a rank is gone (its connection broke before that).
         """
         values = torch.tensor([status, version], dtype=torch.int64)
         self._collective(dist.all_reduce, values, op=dist.ReduceOp.MAX)
@@ -137,9 +139,16 @@ class TrainerRanks:
         return data.numpy().tobytes()
 
     def _collective(self, operation: Any, first: Any, /, **kwargs: Any) -> None:
+        start = time.monotonic()
         try:
             operation(first, group=self.group, **kwargs)
         except RuntimeError as error:  # gloo's own timeout, or a rank that is gone
+            waited = time.monotonic() - start
+            if waited < self.timeout_seconds:
+                raise WeightSyncError(
+                    f"Rank {self.rank} lost the other trainer ranks during a push, after {waited:.1f} s ({error}). "
+                    "A rank is gone or its connection broke; see its log."
+                ) from error
             raise WeightSyncTimeoutError(
                 f"Rank {self.rank} waited more than {self.timeout_seconds:g} s for the other trainer ranks during a "
                 f"push ({error}). A rank is stuck or gone; see its log."
@@ -213,7 +222,7 @@ class LockstepWeights(Weights):
         """Tell the other ranks ``status``; raises :class:`PushAborted` if any rank failed."""
         try:
             agreed, agreed_version = self.ranks.exchange(status, version)
-        except WeightSyncTimeoutError:
+        except WeightSyncError:  # (a rank stuck or gone)
             self.failed = True  # the status group cannot be trusted for another exchange
             raise
         if agreed == FAILED:

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -104,14 +107,49 @@ def main(strategy_name: str, url: str, sync_port: int, out_dir: Path) -> None:
         result["served_version"] = int(engine.get_weight_version())
         result["logprob_gap"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
     if strategy_name == "fsdp2":
-        result["failed_share"] = failed_share(sync, module, engine, trained, rank)
+        ranks = TrainerRanks(timeout_seconds=30)
+        result["failed_share"] = failed_share(sync, module, engine, trained, rank, ranks)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if strategy_name == "fsdp2":
+        killed_half_way(sync, module, engine, trained, rank, ranks, out_dir)
 
 
-def failed_share(sync: VLLMWeightSync, module: ShardedCausalLM, engine: HTTPEngine, trained, rank: int) -> dict:
+def killed_half_way(sync, module, engine, trained, rank: int, ranks: TrainerRanks, out_dir: Path) -> None:
+    """Last, a push of changed weights whose rank 1 stops itself (SIGSTOP) after its first share; the
+    test then kills it (SIGKILL). Rank 0 must fail within its bounds, the server keep its weights.
+    Rank 0 writes ``rank0-killed.json`` and leaves at once (torch's teardown would wait for rank 1)."""
+    with torch.no_grad():
+        for param in module.model.parameters():
+            param.to_local().add_(0.01)
+    changed = full_model(module)  # what the push would have served (a collective, while both ranks live)
+    if rank == 1:
+        sends = RankShares.iter_full
+
+        def stops_after_one(shares):
+            pieces = sends(shares)
+            yield next(pieces)
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test kills this process now
+            yield from pieces
+
+        RankShares.iter_full = stops_after_one
+    outcome: dict = {"failure": None}
+    start = time.monotonic()
+    try:
+        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
+    except Exception as error:  # noqa: BLE001
+        outcome["failure"] = f"{type(error).__name__}: {error}"
+    outcome["failure_seconds"] = time.monotonic() - start
+    served = engine_prompt_logprobs(engine)
+    outcome["served"] = int(engine.get_weight_version())
+    outcome["gap_to_trained"] = max_abs_diff(served, hf_prompt_logprobs(trained))
+    outcome["gap_to_changed"] = max_abs_diff(served, hf_prompt_logprobs(changed))
+    (out_dir / "rank0-killed.json").write_text(json.dumps(outcome))
+    os._exit(0)
+
+
+def failed_share(sync: VLLMWeightSync, module, engine: HTTPEngine, trained, rank: int, ranks: TrainerRanks) -> dict:
     """A push in shares whose rank 1 cannot listen (its port is taken), one whose rank 1 fails after its
     first tensor, then one that goes through."""
-    ranks = TrainerRanks(timeout_seconds=30)
     outcome: dict = {}
     taken = None
     if rank == 1:
@@ -145,8 +183,6 @@ def failed_share(sync: VLLMWeightSync, module: ShardedCausalLM, engine: HTTPEngi
     if rank == 0:
         outcome["served_after_retry"] = int(engine.get_weight_version())
         outcome["gap_after_retry"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
-    sync.updater.close()
-    ranks.close()
     return outcome
 
 

@@ -68,6 +68,14 @@ def wait_until_healthy_from(hosts: Hosts, name: str, server: VLLMServer) -> None
     assert completed.returncode == 0, completed.stderr[-2000:] + Path(server.log.name).read_text()[-2000:]
 
 
+def process_state(pid: int) -> str:
+    """The state letter of a process (``T``: stopped), or ``""`` once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path) -> tuple[list[dict], set[str]]:
     """Start one process per node with Lightning's own environment; returns each rank's record
     and every socket seen listening on the server's host while they ran (sampled each second)."""
@@ -92,13 +100,17 @@ def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path
         )
     server_listening: set[str] = set()
     deadline = time.monotonic() + 300
+    stops = strategy == "fsdp2"  # node 1 ends by stopping itself half way through a push: it is killed then
     try:
         while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
             server_listening |= {f"{listener.address}:{listener.port}" for listener in hosts.listening("server")}
+            if stops and process_state(nodes[1].pid) == "T":
+                time.sleep(1)  # rank 0 is waiting for it
+                nodes[1].kill()
             time.sleep(1)
         for node_rank, node in enumerate(nodes):
             code = node.poll()
-            assert code == 0, (
+            assert code == (-9 if stops and node_rank == 1 else 0), (
                 f"node {node_rank} exited with {code}:\n" + (out_dir / f"node{node_rank}.log").read_text()[-4000:]
             )
     finally:
@@ -159,6 +171,13 @@ def test_a_two_node_run_keeps_a_server_on_a_third_host_in_sync(cluster, strategy
         assert max(rank["failure_seconds"] for rank in failed) < 30
         assert failed[0]["weight_version"] == failed[1]["weight_version"] == failed[0]["served_after_retry"] > final
         assert failed[0]["gap_after_retry"] < TOLERANCE
+        # Last, rank 1 stops itself (SIGSTOP) half way through its share of a push of changed weights, and
+        # is killed (SIGKILL): rank 0 fails within its bounds, the server keeps the weights it had.
+        killed = json.loads((tmp_path / "rank0-killed.json").read_text())
+        assert killed["failure"].startswith("WeightSyncError: Rank 0 lost the other trainer ranks during a push")
+        assert killed["failure_seconds"] < 15, killed  # (the test kills rank 1 a second after it stopped)
+        assert killed["served"] == failed[0]["served_after_retry"] and killed["gap_to_trained"] < TOLERANCE
+        assert killed["gap_to_changed"] > 1e-3  # the push would have changed what it serves
     # While the nodes ran, the server's host listened on the server's port alone: vLLM's own
     # sockets are on loopback, and its workers connected out to the trainer for every push.
     assert f"{hosts.address('server')}:{SERVER_PORT}" in server_listening
