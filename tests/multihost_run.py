@@ -132,13 +132,7 @@ def killed_half_way(sync, module, engine, trained, rank: int, ranks: TrainerRank
             yield from pieces
 
         RankShares.iter_full = stops_after_one
-    outcome: dict = {"failure": None}
-    start = time.monotonic()
-    try:
-        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
-    except Exception as error:  # noqa: BLE001
-        outcome["failure"] = f"{type(error).__name__}: {error}"
-    outcome["failure_seconds"] = time.monotonic() - start
+    outcome = dict(zip(("failure", "failure_seconds"), push_in_shares(sync, module, ranks)))
     served = engine_prompt_logprobs(engine)
     outcome["served"] = int(engine.get_weight_version())
     outcome["gap_to_trained"] = max_abs_diff(served, hf_prompt_logprobs(trained))
@@ -154,10 +148,7 @@ def failed_share(sync: VLLMWeightSync, module, engine: HTTPEngine, trained, rank
     taken = None
     if rank == 1:
         taken = socket.create_server((send_address(sync.updater.master_address), sync.updater.master_port + 1))
-    try:
-        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
-    except Exception as error:  # noqa: BLE001
-        outcome["cannot_listen"] = f"{type(error).__name__}: {error}"
+    outcome["cannot_listen"], _ = push_in_shares(sync, module, ranks)
     if taken is not None:
         taken.close()
     sends = RankShares.iter_full
@@ -168,22 +159,27 @@ def failed_share(sync: VLLMWeightSync, module, engine: HTTPEngine, trained, rank
 
     if rank == 1:
         RankShares.iter_full = fails_after_one
-    start = time.monotonic()
-    try:
-        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
-    except Exception as error:  # noqa: BLE001
-        outcome["failure"] = f"{type(error).__name__}: {error}"
-    outcome["failure_seconds"] = time.monotonic() - start
+    outcome["failure"], outcome["failure_seconds"] = push_in_shares(sync, module, ranks)
     RankShares.iter_full = sends
     if rank == 0:
         outcome["served_after_failure"] = int(engine.get_weight_version())
         outcome["gap_after_failure"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
-    push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
+    assert push_in_shares(sync, module, ranks)[0] is None
     outcome["weight_version"] = sync.weight_version
     if rank == 0:
         outcome["served_after_retry"] = int(engine.get_weight_version())
         outcome["gap_after_retry"] = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(trained))
     return outcome
+
+
+def push_in_shares(sync: VLLMWeightSync, module, ranks: TrainerRanks) -> tuple[str | None, float]:
+    """One push with every rank sending its shares: its error (``None`` if it went through) and its seconds."""
+    start = time.monotonic()
+    try:
+        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}", time.monotonic() - start
+    return None, time.monotonic() - start
 
 
 if __name__ == "__main__":
