@@ -1,7 +1,7 @@
 """Two CPU processes train an FSDP2-sharded policy (Lightning's ModelParallelStrategy) while
 VLLMWeightSync keeps a vLLM engine on rank 0 in sync; started by test_ranks.py.
 
-One engine, five runs in a row (each a new engine would cost ~20 s):
+One engine, six runs in a row (each a new engine would cost ~20 s, and two more processes as much):
   0. DDP (every rank holds the whole model): rank 0 alone pushes, rank 1 holds no engine and
      samples through rank 0's; no rank waits for a push;
   1. FSDP2: 4 steps, a push every 2 steps;
@@ -9,7 +9,10 @@ One engine, five runs in a row (each a new engine would cost ~20 s):
      same error, vLLM keeps serving;
   3. a PEFT LoRA policy sharded with FSDP2 (bfloat16 compute, CPU offload): merged from
      gathered float32 shards, the live module untouched;
-  4. the engine core is killed mid-run; the next push fails on rank 0 and both ranks raise
+  4. FSDP1 and DeepSpeed ZeRO-3 driven by hand over the same process group: Lightning's
+     FSDPStrategy and DeepSpeedStrategy refuse a CPU accelerator, so this drives torch's
+     ``FullyShardedDataParallel`` and DeepSpeed (``DS_ACCELERATOR=cpu``) directly;
+  5. the engine core is killed mid-run; the next push fails on rank 0 and both ranks raise
      the same error within the timeout.
 Each rank writes what it saw to rank<N>.json.
 """
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported (step 4)
 
 import torch  # noqa: E402
 from helpers import (  # noqa: E402
@@ -34,6 +38,7 @@ from helpers import (  # noqa: E402
     cpu_trainer,
     hf_prompt_logprobs,
     max_abs_diff,
+    push_from_every_rank_and_record,
     shutdown,
     tensorboard_scalars,
     tiny_qwen2,
@@ -42,7 +47,7 @@ from helpers import (  # noqa: E402
 )
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
-from lightning_vllm import VLLMWeightSync  # noqa: E402
+from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
 from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
 
 
@@ -139,6 +144,62 @@ def lora_run(out_dir: Path, llm, rank: int) -> dict:
     return result
 
 
+ZERO3_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3},
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def by_hand_run(llm, rank: int) -> dict:
+    """FSDP1 and DeepSpeed ZeRO-3 driven by hand over Lightning's process group (gloo): every rank takes
+    part in each push through one updater, rank 0 sends."""
+    import deepspeed
+
+    # What DeepSpeed reads to find the process group; Lightning removes WORLD_SIZE when a fit ends.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the group FSDP1 uses too
+    ranks = TrainerRanks(timeout_seconds=30)
+    updater = VLLMUpdater(engine=llm, timeout_seconds=30)
+    result: dict = {}
+    fsdp1_cases(result, updater, ranks, llm)
+    zero3_cases(result, updater, ranks, llm)
+    updater.close()
+    ranks.close()
+    return result
+
+
+def fsdp1_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    for seed, use_orig_params, in_lightning_module in ((5, True, False), (6, False, False), (7, True, True)):
+        reference = tiny_qwen2(seed=seed)
+        # As Lightning's FSDPStrategy does: the LightningModule itself is the FSDP root.
+        model = FSDP(
+            TinyCausalLM(tiny_qwen2(seed=seed)) if in_lightning_module else tiny_qwen2(seed=seed),
+            auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
+            device_id=torch.device("cpu"),
+            use_orig_params=use_orig_params,
+        )
+        case = "LightningModule" if in_lightning_module else f"use_orig_params={use_orig_params}"
+        push_from_every_rank_and_record(result, f"FSDP1 {case}", updater, ranks, model, reference, llm)
+
+
+def zero3_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) -> None:
+    import deepspeed
+
+    # A Hugging Face model, then a LightningModule holding one, as DeepSpeedStrategy wraps it.
+    for seed, in_lightning_module in ((8, False), (9, True)):
+        reference = tiny_qwen2(seed=seed)
+        model = TinyCausalLM(tiny_qwen2(seed=seed)) if in_lightning_module else tiny_qwen2(seed=seed)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ZERO3_CONFIG)
+        case = "LightningModule" if in_lightning_module else "model"
+        push_from_every_rank_and_record(result, f"ZeRO-3 {case}", updater, ranks, engine, reference, llm)
+
+
 def engine_gone_run(out_dir: Path, llm, rank: int) -> dict:
     """Rank 0's engine core is SIGKILLed in step 2: the push after it must fail on every rank."""
 
@@ -220,6 +281,8 @@ def run(model_dir: Path, out_dir: Path) -> None:
         result["max_logprob_diff_after_failure"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
     # A third run, on the same engine: a LoRA policy.
     result["lora"] = lora_run(out_dir, llm, rank)
+    # FSDP1 and ZeRO-3, outside Lightning, over the same processes and engine.
+    result["by_hand"] = by_hand_run(llm, rank)
     # The last: the engine is killed mid-run (SIGKILL of its engine core).
     result["engine_gone"] = engine_gone_run(out_dir, llm, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))

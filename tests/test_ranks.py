@@ -1,6 +1,8 @@
 """DDP then FSDP2 through Lightning on 2 CPU processes (one engine): under DDP rank 0 alone sends;
 under FSDP2 every rank takes part in each push, rank 0 sends,
-and a failure on any rank ends the push on every rank with that rank's error."""
+and a failure on any rank ends the push on every rank with that rank's error. FSDP1 and ZeRO-3,
+driven by hand, in the same processes on the same engine (``sharded_run.py``: one run for every test
+here, since two processes and an engine cost a minute to start)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ from helpers import TOLERANCE, expected_rollouts
 pytestmark = pytest.mark.engine
 
 
-def run(model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
+@pytest.fixture(scope="module")
+def ranks_seen(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """What each rank of one ``sharded_run.py`` saw (``rank0.json``, ``rank1.json``)."""
+    out_dir = tmp_path_factory.mktemp("sharded_run")
     script = Path(__file__).with_name("sharded_run.py")
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     completed = subprocess.run(
@@ -30,8 +35,8 @@ def run(model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
     return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
 
 
-def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_sends_its_adapter(model_dir, tmp_path):
-    rank0, rank1 = run(model_dir, tmp_path)
+def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_sends_its_adapter(ranks_seen):
+    rank0, rank1 = ranks_seen
     # DDP first: rank 0 pushed at fit start and at steps 2 and 4; rank 1 never talked to vLLM, yet
     # knows every version rank 0 committed, so its staleness is right.
     ddp0, ddp1 = rank0["ddp"], rank1["ddp"]
@@ -79,37 +84,15 @@ def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_
     assert gone0["failure_seconds"] < 4 * 20 + 15
 
 
-def run_ranks_by_hand(script_name: str, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
-    """Start both ranks of ``script_name`` (``RANK PORT MODEL_DIR OUT_DIR``); their JSON results."""
-    from helpers import free_port
-
-    script = Path(__file__).with_name(script_name)
-    port = str(free_port())
-    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, str(model_dir), str(out_dir)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    errors = [process.communicate(timeout=600)[1] for process in processes]
-    assert [process.returncode for process in processes] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
-    stem = script_name.removesuffix("_run.py")
-    return tuple(json.loads((out_dir / f"{stem}_rank{rank}.json").read_text()) for rank in (0, 1))
-
-
-def test_fsdp1_and_deepspeed_zero3_driven_by_hand_push_from_every_rank(model_dir, tmp_path):
+def test_fsdp1_and_deepspeed_zero3_driven_by_hand_push_from_every_rank(ranks_seen):
     """Lightning's FSDPStrategy and DeepSpeedStrategy need a GPU; FSDP1 and ZeRO-3 themselves run on CPU."""
-    rank0, rank1 = run_ranks_by_hand("by_hand_run.py", model_dir, tmp_path)
+    rank0, rank1 = (seen["by_hand"] for seen in ranks_seen)
     cases = ("FSDP1 use_orig_params=True", "FSDP1 use_orig_params=False", "FSDP1 LightningModule")
     for case in (*cases, "ZeRO-3 model", "ZeRO-3 LightningModule"):
         assert rank0[f"{case} max_logprob_diff"] < TOLERANCE, case
         # Full shapes, not FSDP1's flat shards or ZeRO-3's empty placeholders.
         assert rank0[f"{case} num_bytes"] == rank0["full_bytes"], case
-    # Every rank counts the same versions: three FSDP1 pushes, then two ZeRO-3 ones.
-    assert rank0["FSDP1 LightningModule version"] == rank1["FSDP1 LightningModule version"] == 3
-    assert rank0["ZeRO-3 LightningModule version"] == rank1["ZeRO-3 LightningModule version"] == 5
+    # Every rank counts the same versions: three FSDP1 pushes, then two ZeRO-3 ones, counting on
+    # from the LoRA run's 10 on the same engine.
+    assert rank0["FSDP1 LightningModule version"] == rank1["FSDP1 LightningModule version"] == 10 + 3
+    assert rank0["ZeRO-3 LightningModule version"] == rank1["ZeRO-3 LightningModule version"] == 10 + 5
