@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -571,10 +572,34 @@ def push_from_every_rank_and_record(result: dict, key: str, updater, ranks, shar
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
-def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run an example in a subprocess (vLLM needs a ``__main__`` guard); fails the test if it fails."""
-    completed = subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=dict(os.environ), capture_output=True, text=True, timeout=600
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return completed
+class StartedExample:
+    """An example running in a subprocess (vLLM needs a ``__main__`` guard); :meth:`finish` waits for it.
+    Its output goes to temporary files, not pipes, so that it never stops for a reader while the test
+    waits for another example."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.outputs = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(
+            [sys.executable, *args], cwd=cwd, env=dict(os.environ), stdout=self.outputs[0], stderr=self.outputs[1]
+        )
+
+    def finish(self) -> subprocess.CompletedProcess:
+        """Wait for the example (10 minutes at most); fails the test if it fails."""
+        try:
+            self.process.wait(timeout=600)
+        finally:
+            self.kill()
+        stdout, stderr = (read_from_start(output) for output in self.outputs)
+        assert self.process.returncode == 0, stderr[-4000:]
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
+
+    def kill(self) -> None:
+        """Stop it if it is still running (a test that failed before waiting for it, or a timeout)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def read_from_start(file) -> str:
+    file.seek(0)
+    return file.read()
