@@ -79,18 +79,10 @@ def start_nodes(hosts, url: str, out_dir: Path, args: argparse.Namespace) -> lis
     env.update(MASTER_ADDR=hosts.address("node0"), MASTER_PORT=str(MASTER_PORT), GLOO_SOCKET_IFNAME=INTERFACE)
     command = [sys.executable, str(NODE_SCRIPT), url, str(SYNC_PORT), str(out_dir)]
     command += ["--size", args.size, "--rounds", str(args.rounds)]
-    nodes = []
-    for rank in (0, 1):
-        log = open(out_dir / f"node{rank}.log", "w")
-        nodes.append(
-            subprocess.Popen(
-                hosts.command(f"node{rank}", command),
-                env={**env, "NODE_RANK": str(rank)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    return nodes
+    return [
+        hosts.start(f"node{rank}", command, {**env, "NODE_RANK": str(rank)}, out_dir / f"node{rank}.log")
+        for rank in (0, 1)
+    ]
 
 
 def supervise(hosts, server, nodes: list[subprocess.Popen], out_dir: Path, timeout: float) -> None:

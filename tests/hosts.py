@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,11 @@ class Hosts:
     def command(self, name: str, command: list[str]) -> list[str]:
         """``command`` as run inside host ``name``."""
         return ["ip", "netns", "exec", self.namespaces[name], *command]
+
+    def start(self, name: str, command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """Start ``command`` inside host ``name``, its output going to the file ``log`` (no pipe to drain)."""
+        with open(log, "w") as output:
+            return subprocess.Popen(self.command(name, command), env=env, stdout=output, stderr=subprocess.STDOUT)
 
     def listening(self, name: str) -> list[Listener]:
         """Every TCP socket listening in host ``name``, with the processes that hold it."""

@@ -86,18 +86,11 @@ def run_two_nodes(hosts: Hosts, server: VLLMServer, strategy: str, out_dir: Path
         MASTER_PORT=str(MASTER_PORT),
         GLOO_SOCKET_IFNAME=INTERFACE,
     )
-    nodes = []
-    for node_rank in (0, 1):
-        command = [sys.executable, str(SCRIPT), strategy, server.url, str(SYNC_PORT), str(out_dir)]
-        log = open(out_dir / f"node{node_rank}.log", "w")
-        nodes.append(
-            subprocess.Popen(
-                hosts.command(f"node{node_rank}", command),
-                env={**env, "NODE_RANK": str(node_rank)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
+    command = [sys.executable, str(SCRIPT), strategy, server.url, str(SYNC_PORT), str(out_dir)]
+    nodes = [
+        hosts.start(f"node{rank}", command, {**env, "NODE_RANK": str(rank)}, out_dir / f"node{rank}.log")
+        for rank in (0, 1)
+    ]
     server_listening: set[str] = set()
     deadline = time.monotonic() + 300
     stops = strategy == "fsdp2"  # node 1 ends by stopping itself half way through a push: it is killed then
