@@ -21,9 +21,17 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
+from lightning_vllm import after_failure
 from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
+from lightning_vllm.after_failure import end_failed_update
 from lightning_vllm.engines import EngineTarget
-from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
+from lightning_vllm.engines.base import (
+    ChecksIPCHandles,
+    FollowsUpdaterTimeout,
+    PolicyAdapter,
+    ServesLoraAdapters,
+    version_number,
+)
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
 from lightning_vllm.lora.serving import LoraLimits, adapter_problems
@@ -111,10 +119,14 @@ class EngineConnection:
 
         if isinstance(engine, FollowsUpdaterTimeout):  # a server's requests wait as long as the updater does
             engine.follow_timeout(settings.timeout_seconds)
+        after_failure.wait_for(engine, settings.timeout_seconds)
 
         configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
         backend = backend_for_engine(settings.backend, configured, engine.description)
         check_trainer_can_send(backend)
+        if backend == "ipc" and isinstance(engine, ChecksIPCHandles):
+            if problem := bounded(engine.ipc_handles_problem, f"{engine.description} to describe its RPC"):
+                raise EngineConfigError(problem)
         tp_size = engine.tensor_parallel_size()
         if settings.vllm_tp_size is not None and settings.vllm_tp_size != tp_size:
             raise EngineConfigError(
@@ -258,13 +270,13 @@ class EngineConnection:
         try:
             self._send(sent, client, adapter_message, payload.every_rank)
         except BaseException:
-            # The engine may be frozen or gone: release its side without waiting, so
-            # the error reaches the caller within timeout_seconds.
-            self.close(wait=False)
+            # The engine may be frozen or gone: release its side without waiting, so the error reaches the
+            # caller within timeout_seconds. vLLM's engines may be left inside the update, which is closed
+            # before generation resumes (see _end_failed_update).
+            self.close(wait=False, update_open=pause_for_transfer)
             raise
-        finally:
-            if pause_for_transfer:
-                self._resume()
+        if pause_for_transfer:
+            self._resume()
         if adapter is None:
             self.has_policy_base = False  # merged weights replaced the base
         elif any(not name.startswith(ADAPTER_PREFIX) for name in wire):
@@ -349,18 +361,28 @@ class EngineConnection:
     def _resume(self) -> None:
         self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, update_open: bool = False) -> None:
         """Leave the group and release the engine's side of it; the engine keeps serving.
 
         Args:
-            wait: wait (at most ``timeout_seconds``) for the engine to release its side;
-                ``False`` asks on a background thread and returns at once.
+            wait: wait (at most ``timeout_seconds`` a call) for the engine to release its side;
+                ``False`` asks on a background thread and returns at once (the next connection
+                to the engine waits for it).
+            update_open: a failed push of vLLM's own engines (``nccl``, ``ipc``) may have left
+                the engine inside the update, with generation paused: the update is closed
+                first, then generation resumes, then the engine's side is released.
         """
         self.transfer.shutdown()
+
+        def release() -> None:
+            if update_open:
+                end_failed_update(self.client, self._resume, self.engine.description)
+            self._release_engine_side()
+
         if not wait:
-            BackgroundCall(self._release_engine_side, what=f"{self.engine.description} to release its group")
+            after_failure.started(self.engine, BackgroundCall(release, what=f"{self.engine.description} to release"))
             return
-        self._release_engine_side()
+        release()
 
     def _release_engine_side(self) -> None:
         try:

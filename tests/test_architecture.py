@@ -15,6 +15,7 @@ LAYERS: dict[str, list[str]] = {
         "settings", "errors", "options", "versions", "_waits", "prompts", "schedule", "weights.changes",
         "weights.model", "lora", "lora.merge", "lora.worker", "lora.cpu_ops", "transports.buckets",
         "transports.busy_wait", "transports.staging", "transports.gloo.tied_embedding_fix", "engines.completions",
+        "engines.serialization",
     ],
     "what is sent": [
         "weights", "weights.base", "weights.fsdp", "weights.zero3", "weights.sources", "weights.checks",
@@ -29,7 +30,7 @@ LAYERS: dict[str, list[str]] = {
         "engines", "engines.base", "engines.config_facts", "engines.local", "engines.async_local", "engines.http",
         "engines.ray", "engines.failures", "server",
     ],
-    "one engine's connection": ["connection", "engine_set", "payloads"],
+    "one engine's connection": ["after_failure", "connection", "engine_set", "payloads"],
     "the updater": ["torchrl_interface", "updater"],
     "several ranks, background": ["ranks", "every_rank", "background"],
     "rollouts and push points": ["rollouts", "push_points"],

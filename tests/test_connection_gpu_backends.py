@@ -18,8 +18,8 @@ from test_connection import SETTINGS as CONNECTION_SETTINGS
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-from lightning_vllm import WeightSyncTimeoutError
-from lightning_vllm._waits import TimedClient
+from lightning_vllm import EngineConfigError, WeightSyncTimeoutError, after_failure
+from lightning_vllm._waits import BackgroundCall, TimedClient
 from lightning_vllm.connection import EngineConnection
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
@@ -28,14 +28,47 @@ SETTINGS = replace(CONNECTION_SETTINGS, timeout_seconds=2.0, changed_only=False)
 
 
 class GPUEngine(FakeEngine):
-    """An engine built with vLLM's ``nccl`` or ``ipc`` backend: it records the control calls (no NCCL here)."""
+    """An engine built with vLLM's ``nccl`` or ``ipc`` backend: it records the control calls (no NCCL here),
+    and keeps the update's state as vLLM 0.33's GPU worker does (``gpu_worker.py``): one update at a time,
+    no release of the connection inside one, an ``update_weights`` that fails ends the update but leaves
+    layer-wise reload open until an update finishes."""
 
-    def __init__(self, model, backend: str) -> None:
+    def __init__(self, model, backend: str, ipc_problem: str | None = None) -> None:
         super().__init__(model)
         self.backend = backend
         self.init_infos: list[dict] = []
         self.update_infos: list[dict] = []
         self.paused = 0
+        self.calls: list[str] = []
+        self.active = False  # the worker's _weight_update_active
+        self.reloading = False  # layers left in layer-wise reload (meta tensors: nothing can be generated)
+        self.fail_update_weights = False
+        self.ipc_problem = ipc_problem
+
+    def ipc_handles_problem(self) -> str | None:
+        return self.ipc_problem
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active.")
+        self.active = self.reloading = True
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(f"finish {weight_version}")
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        self.active = self.reloading = False
+        if weight_version is not None:
+            self.version = weight_version
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.calls.append("shutdown")
+        if self.active:
+            raise RuntimeError("Cannot release a trainer connection during a weight update")
+
+    def resume_generation(self) -> None:
+        self.calls.append("resume")
 
     def transfer_backend(self) -> str:
         return self.backend
@@ -47,7 +80,11 @@ class GPUEngine(FakeEngine):
         self.init_infos.append(init_info)
 
     def update_weights(self, update_info: dict) -> None:
+        assert self.active, "start_weight_update must be called before update_weights."
         self.update_infos.append(update_info)
+        if self.fail_update_weights:
+            self.active = False  # as vLLM's worker does; its layers stay in layer-wise reload
+            raise RuntimeError("the worker could not load the weights")
 
     def pause_generation(self, mode: str) -> None:
         self.paused += 1
@@ -82,16 +119,15 @@ def test_vllms_trainer_engine_gets_the_wire_as_its_source_when_the_group_forms(b
         assert source.implements_iter_full() and source.owned_names(0) == list(metadata)
 
 
-def nccl_connection(engine, model, broadcast, timeout_seconds=2.0):
-    """A connection over vLLM's real NCCL trainer engine, whose broadcast (the NCCL call) is ``broadcast``."""
+def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=torch.device("cuda")):
+    """A connection over vLLM's real NCCL trainer engine, whose broadcast (the NCCL call) is ``broadcast``
+    (``device=None``: the weights stay where they are, so that ``broadcast`` may read them here)."""
     wire = source_metadata(ModuleWeights(model))
     client = TimedClient(engine, timeout_seconds)
     transfer = NCCLTrainerWeightTransferEngine(client=client, source=DeclaredWeights(wire))
     transfer._broadcast = broadcast  # type: ignore[method-assign]
     settings = replace(SETTINGS, backend="nccl", timeout_seconds=timeout_seconds)
-    return EngineConnection(
-        engine, settings, client, transfer, wire, False, backend="nccl", device=torch.device("cuda")
-    )
+    return EngineConnection(engine, settings, client, transfer, wire, False, backend="nccl", device=device)
 
 
 def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_wire_dtypes_and_commits_the_version():
@@ -122,3 +158,64 @@ def test_an_nccl_transfer_that_never_ends_is_an_error_within_the_timeout_and_com
     assert time.monotonic() - started < 3.0
     assert engine.version == "default"  # nothing committed
     stuck.set()
+
+
+def test_ipc_into_an_engine_that_would_refuse_the_handles_is_refused_at_connect_before_a_byte_moves(trainer_has_cuda):
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "ipc", ipc_problem="VLLM_ALLOW_INSECURE_SERIALIZATION=1 is missing")
+    with pytest.raises(EngineConfigError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1 is missing"):
+        EngineConnection.open(engine, source_metadata(ModuleWeights(model)), replace(SETTINGS, backend="auto"))
+    assert engine.init_infos == [] and engine.calls == []  # nothing asked of the workers
+
+
+class RaisesHalfWay(ModuleWeights):
+    """A policy whose reading fails after the first half of its tensors (a source that raises mid-push)."""
+
+    def iter_full(self):
+        items = list(super().iter_full())
+        yield from items[: len(items) // 2]
+        raise RuntimeError("the policy could not be read")
+
+
+def read_all(source, meta):  # vLLM's broadcast reads every tensor it sends
+    for _ in source.iter_full():
+        pass
+
+
+@pytest.mark.parametrize("where", ["trainer side", "worker side"])
+def test_a_push_that_fails_half_way_closes_the_update_then_resumes_and_the_next_push_lands(where):
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "nccl")
+    connection = nccl_connection(engine, model, read_all, device=None)
+    payload = Payload(RaisesHalfWay(model)) if where == "trainer side" else Payload(ModuleWeights(model))
+    engine.fail_update_weights = where == "worker side"
+
+    with pytest.raises(RuntimeError, match="could not be read" if where == "trainer side" else "could not load"):
+        connection.push(payload, version=1)
+    after_failure.wait_for(engine, timeout=5.0)  # what the next connection waits for
+
+    assert not engine.active and not engine.reloading  # the update is closed, every layer back in place
+    assert engine.version == "default"  # nothing committed
+    tail = ["finish None", "resume", "shutdown"]  # closed before generation resumes, released after
+    assert engine.calls[-len(tail) :] == tail
+    if where == "worker side":  # the worker had left the update itself: an empty one put its layers back
+        assert engine.calls[-5:-3] == ["finish None", "start"]
+
+    engine.fail_update_weights = False
+    engine.calls.clear()
+    again = nccl_connection(engine, model, read_all, device=None)
+    again.push(Payload(ModuleWeights(model)), version=1)
+    assert engine.version == "1" and engine.calls == ["start", "finish 1", "resume"]
+
+
+def test_a_new_connection_waits_for_the_end_of_what_a_failed_push_left_running():
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "nccl")
+    release = threading.Event()
+    after_failure.started(engine, BackgroundCall(release.wait, what="a frozen engine's cleanup"))
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError, match="has not ended the update a failed push left open"):
+        EngineConnection.open(engine, source_metadata(ModuleWeights(model)), replace(SETTINGS, timeout_seconds=0.5))
+    assert 0.4 < time.monotonic() - started < 2.0 and engine.init_infos == []
+    release.set()
+    after_failure.wait_for(engine, timeout=1.0)  # ended now: nothing left to wait for

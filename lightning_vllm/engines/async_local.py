@@ -21,15 +21,23 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
-from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs, version_number
+from lightning_vllm.engines.base import (
+    ChecksIPCHandles,
+    Generation,
+    PauseMode,
+    as_prompt,
+    generations_from_outputs,
+    version_number,
+)
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
+from lightning_vllm.engines.serialization import ipc_handles_problem
 
 _T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine(EngineConfigFacts):
+class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles):
     """Engine target for a ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     Args:
@@ -68,6 +76,9 @@ class AsyncLLMEngine(EngineConfigFacts):
 
     def is_dead(self) -> bool:
         return engine_core_died(self.async_llm.engine_core)
+
+    def ipc_handles_problem(self) -> str | None:
+        return ipc_handles_problem(self.async_llm.engine_core, self.description)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

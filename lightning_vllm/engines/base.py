@@ -93,6 +93,16 @@ class ChecksBackgroundPushes(Protocol):
         ...
 
 
+@runtime_checkable
+class ChecksIPCHandles(Protocol):
+    """Capability of an engine target that can tell, before any byte moves, whether it will take
+    vLLM's CUDA IPC handles (the ``ipc`` backend; see ``engines/serialization.py``)."""
+
+    def ipc_handles_problem(self) -> str | None:
+        """Why ``ipc`` pushes would be refused, with the fix (``None``: they will be taken)."""
+        ...
+
+
 class ServesAdapter(ServesLoraAdapters):
     """What every engine target of this package shares to serve a pushed LoRA adapter: it remembers
     which adapter generation goes through. Subclasses read :meth:`lora_limits` from their engine."""
@@ -125,7 +135,7 @@ class EngineTarget(Protocol):
 
     Optional capabilities are small protocols of their own, which a target declares by
     subclassing them: :class:`ServesLoraAdapters` (adapter pushes of LoRA policies),
-    :class:`FollowsUpdaterTimeout`, :class:`ChecksBackgroundPushes`.
+    :class:`FollowsUpdaterTimeout`, :class:`ChecksBackgroundPushes`, :class:`ChecksIPCHandles`.
     """
 
     @property

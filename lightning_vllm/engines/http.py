@@ -26,6 +26,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import (
+    ChecksIPCHandles,
     FollowsUpdaterTimeout,
     Generation,
     PauseMode,
@@ -34,6 +35,7 @@ from lightning_vllm.engines.base import (
     version_number,
 )
 from lightning_vllm.engines.completions import completion_fields
+from lightning_vllm.engines.serialization import server_ipc_handles_problem
 from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
@@ -53,7 +55,7 @@ _NO_ADAPTER_MIDDLEWARE = (
 )
 
 
-class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout):
+class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles):
     """Engine target for a vLLM server.
 
     Args:
@@ -163,9 +165,17 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout):
             ) from error
 
     @cached_property
+    def _server_info(self) -> dict[str, Any]:
+        return dict(self._request("GET", "server_info", params={"config_format": "json"}))
+
+    @property
     def _config(self) -> dict[str, Any]:
-        info = self._request("GET", "server_info", params={"config_format": "json"})
-        return dict(info["vllm_config"])
+        return dict(self._server_info["vllm_config"])
+
+    def ipc_handles_problem(self) -> str | None:
+        """Whether the server's workers will unpickle CUDA IPC handles (its ``/server_info`` says)."""
+        environment = self._server_info.get("vllm_env")
+        return server_ipc_handles_problem(environment if isinstance(environment, dict) else None, self.description)
 
     def transfer_backend(self) -> str | None:
         config = self._config.get("weight_transfer_config")
@@ -235,7 +245,8 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout):
         self._request("POST", "start_weight_update")
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
-        self._request("POST", "update_weights", json={"update_info": update_info})
+        sent = [_json_safe(info) for info in update_info] if isinstance(update_info, list) else _json_safe(update_info)
+        self._request("POST", "update_weights", json={"update_info": sent})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
@@ -312,6 +323,21 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout):
                 )
             )
         return generations
+
+
+def _json_safe(update_info: dict[str, Any]) -> dict[str, Any]:
+    """``update_info`` as JSON: CUDA IPC handles (``ipc`` backend) go pickled in ``ipc_handles_pickled``, as
+    vLLM's own ``HTTPVLLMWeightSyncClient`` sends them; the server unpickles them only with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which the connection checked before the push."""
+    handles = update_info.get("ipc_handles")
+    if handles is None:
+        return update_info
+    import base64
+    import pickle
+
+    safe = {key: value for key, value in update_info.items() if key != "ipc_handles"}
+    safe["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+    return safe
 
 
 def _server_message(response: Any) -> str:

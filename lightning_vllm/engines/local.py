@@ -10,6 +10,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import (
     ChecksBackgroundPushes,
+    ChecksIPCHandles,
     Generation,
     PauseMode,
     as_prompt,
@@ -17,9 +18,10 @@ from lightning_vllm.engines.base import (
     version_number,
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
+from lightning_vllm.engines.serialization import ipc_handles_problem
 
 
-class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes):
+class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles):
     """Engine target for a ``vllm.LLM``.
 
     ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.
@@ -59,6 +61,9 @@ class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes):
             "this vllm.LLM runs its engine core in the training process (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
             "which only one thread may drive"
         )
+
+    def ipc_handles_problem(self) -> str | None:
+        return ipc_handles_problem(self.llm.llm_engine.engine_core, self.description)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

@@ -1,0 +1,74 @@
+"""What a failed push leaves on an engine, and how it ends before the next push.
+
+vLLM's own engines (``nccl``, ``ipc``) load each chunk as it arrives, inside an update that
+``start_weight_update`` opened, with generation paused around it. A push that fails half way
+leaves that update open, and vLLM has no abort: :func:`end_failed_update` closes it, then
+resumes generation. The connection runs that on a background thread (the engine may be
+frozen, and the error must reach the trainer within ``timeout_seconds``); a new connection to
+the same engine waits for it first (:func:`wait_for`), so that its first update never meets
+the end of the old one.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from lightning_vllm._waits import BackgroundCall, TimedClient
+from lightning_vllm.errors import WeightSyncTimeoutError
+
+log = logging.getLogger(__name__)
+
+_RUNNING: weakref.WeakKeyDictionary[Any, BackgroundCall[None]] = weakref.WeakKeyDictionary()
+
+
+def started(engine: Any, cleanup: BackgroundCall[None]) -> None:
+    """Remember ``cleanup``, running for ``engine`` after a failed push, for the next connection to wait for."""
+    _RUNNING[engine] = cleanup
+
+
+def wait_for(engine: Any, timeout: float) -> None:
+    """Wait (at most ``timeout`` seconds) for what a failed push left running on ``engine`` to end.
+
+    Raises:
+        WeightSyncTimeoutError: it is still running (the engine does not answer).
+    """
+    cleanup = _RUNNING.get(engine)
+    if cleanup is None:
+        return
+    if not cleanup.wait(timeout):
+        raise WeightSyncTimeoutError(
+            f"{engine.description} has not ended the update a failed push left open after {timeout:g} s: it may be "
+            "frozen. Check that it is alive; the next push tries again."
+        )
+    _RUNNING.pop(engine, None)
+
+
+def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: str) -> None:
+    """Close the update a failed push left open on vLLM's workers, then resume generation; no version is
+    committed. Every call is bounded by the client's timeout; what fails is logged, not raised (the
+    push's own error is what the trainer gets).
+
+    The worker stays inside the update when the failure came before its ``update_weights`` (the
+    trainer's side broke): ``finish_weight_update`` without a version closes it, and layer-wise
+    reload puts back the current weights of every layer that received nothing. When its
+    ``update_weights`` failed, the worker left the update itself, but the layers it had started
+    stay in layer-wise reload (their weights on the meta device, which generation cannot run on):
+    one empty update (start, finish) puts them back. Layers that the failed push had sent whole
+    keep the new weights, so the engine serves a mix of the two versions until the next push,
+    which replaces every weight.
+    """
+    try:
+        client.close_open_update()
+    except Exception as first:  # noqa: BLE001  # the worker had left the update: put its layers back
+        try:
+            client.start_weight_update()
+            client.close_open_update()
+        except Exception as error:  # noqa: BLE001  # gone or frozen: the next connection finds out
+            log.warning("Could not close the update a failed push left on %s: %s (first: %s)", engine, error, first)
+    try:
+        resume()
+    except Exception as error:  # noqa: BLE001
+        log.warning("Could not resume generation on %s after a failed push: %s", engine, error)

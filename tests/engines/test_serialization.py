@@ -1,0 +1,98 @@
+"""Whether an engine will carry vLLM's CUDA IPC handles, read before an ``ipc`` push: from this
+process's environment and from the environment a real spawned engine-core process started with."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_vllm.engines.serialization import (
+    INSECURE_SERIALIZATION,
+    ipc_handles_problem,
+    process_environment,
+    server_ipc_handles_problem,
+)
+
+
+def _wait_forever(ready) -> None:  # the stand-in for an engine core: a spawned process that waits
+    ready.set()
+    import time
+
+    time.sleep(60)
+
+
+@pytest.fixture
+def spawned_without_the_variable(monkeypatch):
+    """A real process started by multiprocessing's spawn, whose environment lacks the variable."""
+    monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=_wait_forever, args=(ready,), daemon=True)
+    process.start()
+    assert ready.wait(30)
+    yield process
+    process.kill()
+    process.join(5)
+
+
+def engine_core_client(*processes):
+    """What vLLM's multiprocess engine-core client exposes: a request socket and the processes it started."""
+    return SimpleNamespace(
+        _send_input=lambda *args: None,
+        resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=list(processes))),
+    )
+
+
+def test_an_engine_core_in_this_process_serializes_nothing(monkeypatch):
+    monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
+    assert ipc_handles_problem(SimpleNamespace(resources=None), "in-process vllm.LLM") is None
+
+
+def test_without_the_variable_in_this_process_the_error_names_it_and_the_fix(monkeypatch):
+    monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
+    problem = ipc_handles_problem(engine_core_client(), "in-process vllm.LLM")
+    assert problem is not None
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in problem and "before the engine is built" in problem
+    assert "CUDA IPC handles" in problem and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in problem
+
+
+def test_an_engine_core_started_without_the_variable_is_found_out_though_this_process_has_it(
+    spawned_without_the_variable, monkeypatch
+):
+    monkeypatch.setenv(INSECURE_SERIALIZATION, "1")  # set after the engine core started: too late for it
+    assert process_environment(spawned_without_the_variable.pid) is not None
+    problem = ipc_handles_problem(engine_core_client(spawned_without_the_variable), "in-process AsyncLLM")
+    assert problem is not None and f"pid {spawned_without_the_variable.pid}" in problem
+    assert "started without it" in problem
+
+
+def test_an_engine_core_started_with_the_variable_takes_the_handles(monkeypatch):
+    monkeypatch.setenv(INSECURE_SERIALIZATION, "1")
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=_wait_forever, args=(ready,), daemon=True)
+    process.start()
+    try:
+        assert ready.wait(30)
+        assert process_environment(process.pid)[INSECURE_SERIALIZATION] == "1"
+        assert ipc_handles_problem(engine_core_client(process), "in-process vllm.LLM") is None
+    finally:
+        process.kill()
+        process.join(5)
+
+
+def test_a_server_says_in_its_server_info_whether_it_unpickles_the_handles():
+    assert server_ipc_handles_problem({INSECURE_SERIALIZATION: True}, "vLLM server") is None
+    assert server_ipc_handles_problem(None, "vLLM server") is None  # an older server that does not say
+    problem = server_ipc_handles_problem({INSECURE_SERIALIZATION: False}, "vLLM server at http://127.0.0.1:1")
+    assert problem is not None and "Restart it with VLLM_ALLOW_INSECURE_SERIALIZATION=1" in problem
+
+
+def test_the_variable_reads_as_vllm_reads_it():
+    from lightning_vllm.engines.serialization import flag_set
+
+    assert [flag_set(v) for v in ("1", "2", "0", "", "yes", None)] == [True, True, False, False, False, False]
+    assert os.environ.get("LIGHTNING_VLLM_NOT_A_VARIABLE") is None
