@@ -317,6 +317,8 @@ class VLLMServer:
         netns: str | None = None,
         port: int | None = None,
         lora: bool = False,
+        extra_args: list[str] | tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         import subprocess
         import sys
@@ -325,8 +327,10 @@ class VLLMServer:
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
         self.api_key = api_key
+        given = env or {}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0"}
         env.pop("VLLM_API_KEY", None)
+        env.update(given)
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", host, "--port", str(self.port), "--dtype", "float32", "--max-model-len", "128",
@@ -341,6 +345,7 @@ class VLLMServer:
         if lora:  # serves the adapters trainers push (see docs/lora.md)
             command += ["--enable-lora", "--max-lora-rank", str(LORA_ENGINE["max_lora_rank"]), "--max-loras", "1"]
             command += ["--middleware", "lightning_vllm.server.PushedAdapters"]
+        command += list(extra_args)  # (later flags win: e.g. a longer --max-model-len)
         if netns is not None:  # run inside a network namespace the test made
             command = ["ip", "netns", "exec", netns, *command]
         self.log = open(log_path, "w")

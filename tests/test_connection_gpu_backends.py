@@ -119,7 +119,10 @@ def test_vllms_trainer_engine_gets_the_wire_as_its_source_when_the_group_forms(b
         assert source.implements_iter_full() and source.owned_names(0) == list(metadata)
 
 
-def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=torch.device("cuda")):
+CUDA = torch.device("cuda")
+
+
+def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=CUDA):
     """A connection over vLLM's real NCCL trainer engine, whose broadcast (the NCCL call) is ``broadcast``
     (``device=None``: the weights stay where they are, so that ``broadcast`` may read them here)."""
     wire = source_metadata(ModuleWeights(model))

@@ -1,0 +1,97 @@
+"""The GPU tier: lightning-vllm against vLLM's own engine (engine core, worker, model runner) on one CUDA GPU.
+
+Run it on the GPU host, from a clean checkout plus ``.gpu-carry`` (``make gpu-carry`` here):
+``make test-gpu``, that is ``source .gpu-carry/setup.sh && python3 -m pytest tests/gpu``. On a
+machine without CUDA every test here is skipped, saying why (CI never runs them). docs/gpu.md
+has the last run's results and what ran: vLLM 0.33's Python sources with torch-native stand-ins
+for its compiled kernels (``tests/gpu/host/vllm_native_C.py``), Triton attention, eager mode.
+
+Engines take 30-40 s to start there: they are shared, one per kind, for the whole session, and
+built with the fix that ``ipc`` needs (``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine
+starts); the test of the refusal without it builds its own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_helpers import FIGURES, HOST_SETUP, gpu_llm, gpu_server, stop_llm  # noqa: E402
+from helpers import save_model, save_tokenizer, tiny_qwen2  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"the GPU tier needs a CUDA GPU and vLLM's engine there ({HOST_SETUP})")
+    for item in items:
+        if HERE in Path(str(item.path)).parents:
+            item.add_marker(skip)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not FIGURES:
+        return
+    import json
+
+    text = json.dumps(FIGURES, indent=1, sort_keys=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_figures.json").write_text(text)
+    print("\nGPU tier figures:", text)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_starting(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gpu_model_dir: Path):
+    """``vllm serve`` starts at the beginning of the session, beside the first engines (about 45 s there),
+    when the session runs the server's tests; ``None`` otherwise."""
+    wanted = torch.cuda.is_available() and any("test_gpu_server" in item.nodeid for item in request.session.items)
+    if not wanted:
+        yield None
+        return
+    server = gpu_server(gpu_model_dir, tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def insecure_serialization():
+    """What vLLM's ipc backend needs in every process, set before the shared engines start (docs/security.md)."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+
+@pytest.fixture(scope="session")
+def gpu_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny float32 Qwen2 the engines start from, with a tokenizer for the server's completions route."""
+    directory = tmp_path_factory.mktemp("tiny-qwen2-gpu")
+    save_model(tiny_qwen2(seed=0), directory)
+    return save_tokenizer(directory)
+
+
+@pytest.fixture(scope="session")
+def ipc_llm(gpu_model_dir: Path, insecure_serialization):
+    """A ``vllm.LLM`` on the GPU (multiprocess engine core) with vLLM's ipc backend."""
+    llm = gpu_llm(gpu_model_dir)
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def async_ipc_engine(gpu_model_dir: Path, insecure_serialization):
+    """An ``AsyncLLM`` on the GPU with the ipc backend, behind its engine target."""
+    from gpu_helpers import engine_settings
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lightning_vllm import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_settings(gpu_model_dir))))
+    yield engine
+    engine.async_llm.shutdown(timeout=2.0)

@@ -1,0 +1,173 @@
+"""Engines, measurements and trainers of the GPU tier (vLLM's own engine on one CUDA GPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers import PROMPTS, VLLMServer
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+
+HOST_SETUP = "make gpu-carry here, then on the GPU host: make test-gpu (docs/gpu.md)"
+
+FIGURES: dict[str, float] = {}
+"""What the GPU tier measured, by name; written to ``$OUT/gpu_figures.json`` (or printed) when the session ends."""
+
+# What vLLM's engine needs on the GPU host: its compiled kernels are torch-native stand-ins there
+# (tests/gpu/host/vllm_native_C.py), which eager mode and vLLM's native custom ops reach, and Triton attention.
+GPU_ENGINE: dict[str, Any] = dict(
+    enforce_eager=True, attention_backend="TRITON_ATTN", compilation_config={"custom_ops": ["none"]}
+)
+
+
+def engine_settings(model_dir: Path, backend: str = "ipc", **overrides: Any) -> dict[str, Any]:
+    """Arguments of a small float32 engine on the GPU (``vllm.LLM`` or ``AsyncEngineArgs``)."""
+    settings: dict[str, Any] = dict(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=32,
+        gpu_memory_utilization=0.06,
+        seed=0,
+        weight_transfer_config={"backend": backend},
+        **GPU_ENGINE,
+    )
+    return {**settings, **overrides}
+
+
+def gpu_llm(model_dir: Path, **overrides: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(**engine_settings(model_dir, **overrides))
+
+
+def stop_llm(llm: Any) -> None:
+    """End the engine core (a test may have killed it already)."""
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=2.0)
+    except Exception:  # noqa: BLE001  # a killed engine core has nothing left to stop
+        pass
+
+
+def engine_core_pid(llm: Any) -> int:
+    from lightning_vllm.engines.serialization import engine_core_processes
+
+    (process,) = engine_core_processes(llm.llm_engine.engine_core)
+    return int(process.pid)
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> list[list[float]]:
+    """The Hugging Face model's logprob of every prompt token after the first, on the model's device."""
+    model.eval()
+    device = next(model.parameters()).device
+    result = []
+    for prompt in prompts:
+        logits = model(torch.tensor([prompt], device=device)).logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)[0]
+        result.append([logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)])
+    return result
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    model.eval()
+    device = next(model.parameters()).device
+    result = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt], device=device), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+        result.append(out[0, len(prompt) :].tolist())
+    return result
+
+
+def gap(served: list[list[float]], reference: list[list[float]]) -> float:
+    return max(abs(a - b) for row_a, row_b in zip(served, reference) for a, b in zip(row_a, row_b))
+
+
+def gpu_trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> Trainer:
+    settings: dict[str, Any] = dict(
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        accelerator="gpu",
+        devices=1,
+        precision="32-true",
+        logger=TensorBoardLogger(tmp_path, name="logs"),
+    )
+    settings.update(kwargs)
+    return Trainer(callbacks=callbacks, **settings)
+
+
+def engine_digest(llm: Any) -> tuple[float, float, float]:
+    """The float64 sum, sum of squares and sum of magnitudes of every parameter vLLM's model holds, on its GPU.
+
+    They are the same whether vLLM fuses q/k/v and gate/up into one tensor or not, so they are held
+    against the trainer's (:func:`model_digest`) across the two layouts.
+    """
+
+    def digest(worker: Any) -> tuple[float, float, float]:  # runs in vLLM's worker (cloudpickled: defined here)
+        import torch
+
+        sums = torch.zeros(3, dtype=torch.float64, device="cuda")
+        for parameter in worker.get_model().parameters():
+            values = parameter.detach().double()
+            sums += torch.stack([values.sum(), (values * values).sum(), values.abs().sum()])
+        return tuple(float(value) for value in sums.tolist())
+
+    (result,) = llm.collective_rpc(digest)
+    return tuple(result)
+
+
+@torch.no_grad()
+def model_digest(model: torch.nn.Module) -> tuple[float, float, float]:
+    """:func:`engine_digest` of a Hugging Face model (tied embeddings once, as vLLM holds them)."""
+    sums = torch.zeros(3, dtype=torch.float64, device="cuda")
+    for parameter in model.parameters():
+        values = parameter.detach().double()
+        sums += torch.stack([values.sum(), (values * values).sum(), values.abs().sum()])
+    return tuple(float(value) for value in sums.tolist())
+
+
+def engine_gpu_memory(llm: Any) -> tuple[int, int]:
+    """What vLLM's worker process has allocated and reserved through torch on its GPU, in bytes."""
+
+    def memory(worker: Any) -> tuple[int, int]:
+        import torch
+
+        torch.cuda.synchronize()
+        return int(torch.cuda.memory_allocated()), int(torch.cuda.memory_reserved())
+
+    (result,) = llm.collective_rpc(memory)
+    return result
+
+
+def gpu_server(model_dir: Path, log_path: Path, backend: str = "ipc") -> VLLMServer:
+    """``vllm serve`` on the GPU with the ipc backend and the variable it needs (returns once started)."""
+    return VLLMServer(
+        model_dir,
+        log_path,
+        backend=backend,
+        extra_args=[
+            "--attention-backend", "TRITON_ATTN",
+            "--compilation-config", '{"custom_ops": ["none"]}',
+            "--gpu-memory-utilization", "0.06",
+            "--max-model-len", "256",
+        ],
+        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+    )  # fmt: skip
