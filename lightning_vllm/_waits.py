@@ -75,6 +75,18 @@ def call_with_timeout(
     return BackgroundCall(fn, *args, what=what, **kwargs).result(timeout, hint)
 
 
+def call_watched(
+    fn: Callable[[], _T], *, timeout: float, what: str, check: Callable[[], None], interval: float, hint: str = ""
+) -> _T:
+    """Like :func:`call_with_timeout`, asking ``check()`` every ``interval`` seconds while ``fn`` runs:
+    ``check`` raises to end the wait early (the other side is known to be gone)."""
+    call = BackgroundCall(fn, what=what)
+    deadline = time.monotonic() + timeout
+    while not call.wait(interval) and time.monotonic() < deadline:
+        check()
+    return call.result(max(0.0, deadline - time.monotonic()), hint)
+
+
 def wait_polling(
     done: Callable[[], bool],
     *,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_vllm._waits import BackgroundCall, TimedClient
+from lightning_vllm.engines.base import EngineTarget
 from lightning_vllm.errors import WeightSyncTimeoutError
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def wait_for(engine: Any, timeout: float) -> None:
     _RUNNING.pop(engine, None)
 
 
-def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: str) -> None:
+def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: EngineTarget) -> None:
     """Close the update a failed push left open on vLLM's workers, then resume generation; no version is
     committed. Every call is bounded by the client's timeout; what fails is logged, not raised (the
     push's own error is what the trainer gets).
@@ -58,8 +59,10 @@ def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: s
     stay in layer-wise reload (their weights on the meta device, which generation cannot run on):
     one empty update (start, finish) puts them back. Layers that the failed push had sent whole
     keep the new weights, so the engine serves a mix of the two versions until the next push,
-    which replaces every weight.
+    which replaces every weight. An engine known to have died is left alone.
     """
+    if engine.is_dead():
+        return
     try:
         client.close_open_update()
     except Exception as first:  # noqa: BLE001  # the worker had left the update: put its layers back
@@ -67,8 +70,10 @@ def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: s
             client.start_weight_update()
             client.close_open_update()
         except Exception as error:  # noqa: BLE001  # gone or frozen: the next connection finds out
-            log.warning("Could not close the update a failed push left on %s: %s (first: %s)", engine, error, first)
+            log.warning(
+                "Could not close the update a failed push left on %s: %s (first: %s)", engine.description, error, first
+            )
     try:
         resume()
     except Exception as error:  # noqa: BLE001
-        log.warning("Could not resume generation on %s after a failed push: %s", engine, error)
+        log.warning("Could not resume generation on %s after a failed push: %s", engine.description, error)

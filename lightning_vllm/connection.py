@@ -22,7 +22,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
 from lightning_vllm import after_failure
-from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
+from lightning_vllm._waits import BackgroundCall, TimedClient, call_watched, call_with_timeout
 from lightning_vllm.after_failure import end_failed_update
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
@@ -32,6 +32,7 @@ from lightning_vllm.engines.base import (
     ServesLoraAdapters,
     version_number,
 )
+from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
 from lightning_vllm.lora.serving import LoraLimits, adapter_problems
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 # How many timeout_seconds forming a group may take at most: the workers' side is bounded by one,
 # after which vLLM raises the trainer side's error; more than that is NCCL's init stuck.
 _RENDEZVOUS_GRACE = 1.5
+
+_DEATH_POLL_SECONDS = 0.1  # how often a transfer over vLLM's engines asks whether the engine died (free)
 
 
 class EngineConnection:
@@ -270,9 +273,8 @@ class EngineConnection:
         try:
             self._send(sent, client, adapter_message, payload.every_rank)
         except BaseException:
-            # The engine may be frozen or gone: release its side without waiting, so the error reaches the
-            # caller within timeout_seconds. vLLM's engines may be left inside the update, which is closed
-            # before generation resumes (see _end_failed_update).
+            # The engine may be frozen or gone: release its side without waiting, so the error reaches the caller
+            # within timeout_seconds. vLLM's engines may be left inside the update (after_failure.py).
             self.close(wait=False, update_open=pause_for_transfer)
             raise
         if pause_for_transfer:
@@ -295,11 +297,9 @@ class EngineConnection:
         engines read ``self.source`` and ``self.client`` in ``send_weights``: they are set for
         this push only, and restored after it.
 
-        Ours (gloo) bounds each of its waits by ``timeout_seconds``. vLLM's NCCL and IPC
-        engines wait on NCCL and CUDA, which have no timeouts (a receiver killed mid-push
-        leaves the broadcast waiting forever), so their whole transfer is bounded by
-        ``timeout_seconds``; on timeout the caller closes the connection, which aborts the
-        NCCL communicator and so releases the GPU work stuck in it.
+        Ours (gloo) bounds each of its waits by ``timeout_seconds``. vLLM's engines wait on NCCL and
+        CUDA, which have no timeouts: their whole transfer is bounded by ``timeout_seconds`` (and ends
+        when the engine is known to have died); on failure the caller closes the connection.
         """
         if isinstance(self.transfer, GlooTrainerWeightTransferEngine):
             self.transfer.send_push(source, client, adapter, every)
@@ -322,10 +322,13 @@ class EngineConnection:
             with torch.cuda.device(device) if device is not None and device.index is not None else nullcontext():
                 self.transfer.send_weights()
 
-        call_with_timeout(
+        # A call to an engine core that died is not woken up: the transfer ends as soon as it is known.
+        call_watched(
             send_on_device,
             timeout=self.settings.timeout_seconds,
             what=f"the {self.backend} transfer to {self.engine.description}",
+            check=lambda: raise_if_dead(self.engine),
+            interval=_DEATH_POLL_SECONDS,
             hint="The engine may have stopped mid-push; the version was not committed. With nccl and ipc, "
             "timeout_seconds bounds a whole push: raise it if pushes of this model take longer.",
         )
@@ -355,8 +358,8 @@ class EngineConnection:
             self._resume()
 
     def _pause(self) -> None:
-        engine = self.engine
-        self._call(engine.pause_generation, self.settings.pause_mode, what=f"{engine.description} to pause generation")
+        what = f"{self.engine.description} to pause generation"
+        self._call(self.engine.pause_generation, self.settings.pause_mode, what=what)
 
     def _resume(self) -> None:
         self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
@@ -365,18 +368,16 @@ class EngineConnection:
         """Leave the group and release the engine's side of it; the engine keeps serving.
 
         Args:
-            wait: wait (at most ``timeout_seconds`` a call) for the engine to release its side;
-                ``False`` asks on a background thread and returns at once (the next connection
-                to the engine waits for it).
-            update_open: a failed push of vLLM's own engines (``nccl``, ``ipc``) may have left
-                the engine inside the update, with generation paused: the update is closed
-                first, then generation resumes, then the engine's side is released.
+            wait: wait (at most ``timeout_seconds`` a call) for the engine; ``False`` asks on a
+                background thread and returns at once (the next connection waits for it).
+            update_open: a failed push over ``nccl``/``ipc`` may have left the engine inside the update,
+                paused: it is closed, then generation resumes, then the engine's side is released.
         """
         self.transfer.shutdown()
 
         def release() -> None:
             if update_open:
-                end_failed_update(self.client, self._resume, self.engine.description)
+                end_failed_update(self.client, self._resume, self.engine)
             self._release_engine_side()
 
         if not wait:

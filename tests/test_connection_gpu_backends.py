@@ -18,7 +18,7 @@ from test_connection import SETTINGS as CONNECTION_SETTINGS
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-from lightning_vllm import EngineConfigError, WeightSyncTimeoutError, after_failure
+from lightning_vllm import EngineConfigError, EngineDeadError, WeightSyncTimeoutError, after_failure
 from lightning_vllm._waits import BackgroundCall, TimedClient
 from lightning_vllm.connection import EngineConnection
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
@@ -222,3 +222,22 @@ def test_a_new_connection_waits_for_the_end_of_what_a_failed_push_left_running()
     assert 0.4 < time.monotonic() - started < 2.0 and engine.init_infos == []
     release.set()
     after_failure.wait_for(engine, timeout=1.0)  # ended now: nothing left to wait for
+
+
+def test_an_engine_that_dies_mid_transfer_ends_the_push_at_once_not_at_the_timeout():
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "nccl")
+    stuck = threading.Event()  # the broadcast to a dead engine core waits forever; vLLM's client is not woken up
+
+    def dies_then_hangs(source, meta):
+        engine.is_dead = lambda: True  # what vLLM's monitor thread sees when the engine core's process exits
+        stuck.wait()
+
+    connection = nccl_connection(engine, model, dies_then_hangs, timeout_seconds=30.0)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="has died"):
+        connection.push(Payload(ModuleWeights(model)), version=1)
+    assert time.monotonic() - started < 2.0
+    after_failure.wait_for(engine, timeout=1.0)  # a dead engine is left alone: nothing to wait for
+    assert engine.version == "default" and "finish None" not in engine.calls
+    stuck.set()

@@ -15,8 +15,10 @@ msgpack types, so:
   ``HTTPVLLMWeightSyncClient`` sends), which its workers unpickle only with the same variable
   set in the server's environment;
 - an engine core in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) serializes
-  nothing: the handles reach the worker as Python objects, and torch rebuilds each tensor from
-  its own cache of the storages this process shared (no CUDA IPC opens at all).
+  nothing, but its worker then opens the CUDA IPC handles in the process that made them, which
+  CUDA refuses: measured on an H200 with vLLM 0.33, the first push failed in the worker's
+  ``rebuild_cuda_tensor`` with ``CUDA error: invalid device context``. So ``ipc`` is refused there
+  too, before a byte moves.
 
 What the variable allows: wherever vLLM's RPC decodes a message, a pickled object in it is
 unpickled, that is, any process that can write to the engine core's sockets (local ZMQ IPC
@@ -74,17 +76,23 @@ def ipc_handles_problem(engine_core: Any, description: str) -> str | None:
     """Why an in-process ``vllm.LLM``/``AsyncLLM`` with this engine-core client would refuse CUDA IPC
     handles (``None``: it takes them), with the fix.
 
-    The trainer's process must have the variable now (vLLM reads it at each encode). A
-    spawned engine core read it when it started, which ``/proc`` shows; a forked one copied
-    this process's environment when it was forked, which is taken to be the current one.
+    An engine core in this process cannot take them at all. Otherwise the trainer's process must
+    have the variable now (vLLM reads it at each encode). A spawned engine core read it when it
+    started, which ``/proc`` shows; a forked one copied this process's environment when it was
+    forked, which is taken to be the current one.
     """
     if getattr(engine_core, "_send_input", None) is None:
-        return None  # the engine core runs in this process: nothing is serialized
+        return (
+            f"The {description} engine runs its engine core in the trainer's process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0), where vLLM's ipc backend cannot work: its worker would open the "
+            "CUDA IPC handles in the process that made them, which CUDA refuses ('invalid device context'). Build "
+            "the engine with its engine core in a process of its own (leave VLLM_ENABLE_V1_MULTIPROCESSING unset) "
+            f"and {INSECURE_SERIALIZATION}=1 set before it starts (docs/security.md says what that allows)."
+        )
     fix = (
         f"Set {INSECURE_SERIALIZATION}=1 in the environment before the engine is built (vLLM's engine core reads it "
         "when it starts), e.g. os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1' at the top of the training "
-        "script, or build the engine with VLLM_ENABLE_V1_MULTIPROCESSING=0 (its engine core then runs in the "
-        "trainer's process and nothing is serialized). docs/security.md says what the variable allows."
+        "script. docs/security.md says what the variable allows."
     )
     if not flag_set(os.environ.get(INSECURE_SERIALIZATION)):
         return f"The {description} engine cannot take ipc pushes: {WHY}, which this process lacks. {fix}"

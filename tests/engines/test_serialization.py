@@ -46,9 +46,15 @@ def engine_core_client(*processes):
     )
 
 
-def test_an_engine_core_in_this_process_serializes_nothing(monkeypatch):
-    monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
-    assert ipc_handles_problem(SimpleNamespace(resources=None), "in-process vllm.LLM") is None
+@pytest.mark.parametrize("variable", ["1", None])
+def test_an_engine_core_in_the_trainers_process_cannot_take_ipc_whatever_the_variable(variable, monkeypatch):
+    if variable is None:
+        monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
+    else:
+        monkeypatch.setenv(INSECURE_SERIALIZATION, variable)
+    problem = ipc_handles_problem(SimpleNamespace(resources=None), "in-process vllm.LLM")  # vLLM's InprocClient
+    assert problem is not None and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in problem
+    assert "invalid device context" in problem and "a process of its own" in problem
 
 
 def test_without_the_variable_in_this_process_the_error_names_it_and_the_fix(monkeypatch):
@@ -56,7 +62,7 @@ def test_without_the_variable_in_this_process_the_error_names_it_and_the_fix(mon
     problem = ipc_handles_problem(engine_core_client(), "in-process vllm.LLM")
     assert problem is not None
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION=1" in problem and "before the engine is built" in problem
-    assert "CUDA IPC handles" in problem and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in problem
+    assert "CUDA IPC handles" in problem and "docs/security.md" in problem
 
 
 def test_an_engine_core_started_without_the_variable_is_found_out_though_this_process_has_it(

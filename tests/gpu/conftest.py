@@ -56,7 +56,8 @@ def server_starting(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     if not wanted:
         yield None
         return
-    server = gpu_server(gpu_model_dir, tmp_path_factory.mktemp("server") / "server.log")
+    logs = Path(os.environ["OUT"]) if os.environ.get("OUT") else tmp_path_factory.mktemp("server")
+    server = gpu_server(gpu_model_dir, logs / "server.log")
     yield server
     server.stop()
 

@@ -144,6 +144,12 @@ def model_digest(model: torch.nn.Module) -> tuple[float, float, float]:
     return tuple(float(value) for value in sums.tolist())
 
 
+def digests_equal(engine: tuple[float, float, float], trainer: tuple[float, float, float]) -> bool:
+    """Equal up to the float64 rounding of sums that add the same values in other orders."""
+    (total_e, squares_e, scale), (total_t, squares_t, _) = engine, trainer
+    return abs(total_e - total_t) <= 1e-12 * scale and abs(squares_e - squares_t) <= 1e-12 * squares_t
+
+
 def engine_gpu_memory(llm: Any) -> tuple[int, int]:
     """What vLLM's worker process has allocated and reserved through torch on its GPU, in bytes."""
 

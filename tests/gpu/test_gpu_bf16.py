@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import FIGURES, engine_digest, gpu_llm, model_digest, stop_llm
+from gpu_helpers import FIGURES, digests_equal, engine_digest, gpu_llm, model_digest, stop_llm
 
 from lightning_vllm import VLLMUpdater
 
@@ -17,12 +17,6 @@ SHAPE = dict(
     vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1000000.0,
 )  # fmt: skip
-
-
-def digests_equal(engine: tuple[float, float, float], trainer: tuple[float, float, float]) -> bool:
-    """Equal up to float64 rounding of the two sums, which add the same values in other orders."""
-    (total_e, squares_e, scale), (total_t, squares_t, _) = engine, trainer
-    return abs(total_e - total_t) <= 1e-12 * scale and abs(squares_e - squares_t) <= 1e-12 * squares_t
 
 
 def test_every_push_of_a_1_5b_bf16_model_lands_exactly(tmp_path, insecure_serialization):

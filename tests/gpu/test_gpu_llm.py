@@ -11,13 +11,16 @@ import pytest
 import torch
 from gpu_helpers import (
     FIGURES,
+    digests_equal,
     engine_core_pid,
+    engine_digest,
     engine_gpu_memory,
     gap,
     gpu_trainer,
     hf_greedy,
     hf_prompt_logprobs,
     kill,
+    model_digest,
 )
 from helpers import (
     PROMPTS,
@@ -46,7 +49,7 @@ def serves(llm, model: torch.nn.Module, bound: float = 2 * 2.0e-4) -> float:
 
 
 def test_fit_pushes_land_within_the_engines_own_float32_floor(ipc_llm, tmp_path):
-    module = TinyCausalLM(tiny_qwen2(seed=0), lr=3e-2)  # the weights the engine started from
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from
     served_before = vllm_prompt_logprobs(ipc_llm)
     floor = gap(served_before, hf_prompt_logprobs(module.hf.cuda()))  # the engine's own kernels against HF's
     module.hf.cpu()
@@ -56,9 +59,12 @@ def test_fit_pushes_land_within_the_engines_own_float32_floor(ipc_llm, tmp_path)
     trainer.fit(module, token_batches(num_batches=6))
 
     before_sync = gap(served_before, hf_prompt_logprobs(module.hf))
-    after_sync = serves(ipc_llm, module.hf, bound=2 * floor)
-    FIGURES.update(floor=floor, before_sync=before_sync, after_sync=after_sync)
+    after_sync = gap(vllm_prompt_logprobs(ipc_llm), hf_prompt_logprobs(module.hf))
+    FIGURES.update(fit_floor=floor, fit_gap_before_sync=before_sync, fit_gap_after_sync=after_sync)
+    assert digests_equal(engine_digest(ipc_llm), model_digest(module.hf))  # every weight landed exactly
+    assert after_sync <= 2 * floor, (after_sync, floor)
     assert before_sync >= 100 * floor, (before_sync, floor)
+    assert vllm_greedy(ipc_llm) == hf_greedy(module.hf)
     assert ipc_llm.get_weight_version() == str(sync.weight_version) == "3"  # steps 2, 4, 6
     versions = [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/weight_version")]
     assert versions == [1.0, 2.0, 3.0]
@@ -180,30 +186,33 @@ def test_a_hundred_pushes_leave_gpu_memory_flat_on_both_sides(ipc_llm):
     updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=60)
     for _ in range(10):  # warm-up: buffers and caches reach their size
         updater.push_weights(model)
-    torch.cuda.synchronize()
-    trainer_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    engine_before = engine_gpu_memory(ipc_llm)
+    trainer, engine = [], []  # (allocated, reserved) after each push
     started = time.perf_counter()
     for step in range(100):
         with torch.no_grad():
             model.lm_head.weight.add_(1e-4 * ((-1) ** step))
         updater.push_weights(model)
+        torch.cuda.synchronize()
+        trainer.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        if step % 10 == 9:
+            engine.append(engine_gpu_memory(ipc_llm))
     seconds = time.perf_counter() - started
-    torch.cuda.synchronize()
-    trainer_after = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    engine_after = engine_gpu_memory(ipc_llm)
-    FIGURES.update(
-        soak_seconds_per_push=seconds / 100,
-        soak_pushes=100,
-        trainer_allocated_growth=trainer_after[0] - trainer_before[0],
-        trainer_reserved_growth=trainer_after[1] - trainer_before[1],
-        engine_allocated_growth=engine_after[0] - engine_before[0],
-        engine_reserved_growth=engine_after[1] - engine_before[1],
-    )
-    assert trainer_after[0] - trainer_before[0] <= 1 << 20, (trainer_before, trainer_after)
-    assert trainer_after[1] - trainer_before[1] <= 4 << 20, (trainer_before, trainer_after)
-    assert engine_after[0] - engine_before[0] <= 1 << 20, (engine_before, engine_after)
-    assert engine_after[1] - engine_before[1] <= 4 << 20, (engine_before, engine_after)
+
+    # Flat: the second half never holds more than the first (a leak of a buffer or a handle per push would).
+    # The trainer's reserved memory swings by one packed buffer: one stays shared with the worker until
+    # torch's IPC reference counting lets the caching allocator reuse it.
+    def growth(samples: list[tuple[int, int]], i: int) -> int:
+        half = len(samples) // 2
+        return max(v[i] for v in samples[half:]) - max(v[i] for v in samples[:half])
+
+    growths = {
+        f"{side}_{kind}_growth": growth(samples, i)
+        for side, samples in (("trainer", trainer), ("engine", engine))
+        for i, kind in enumerate(("allocated", "reserved"))
+    }
+    swing = max(r for _, r in trainer) - min(r for _, r in trainer)
+    FIGURES.update(soak_pushes=100, soak_seconds_per_push=seconds / 100, trainer_reserved_swing=swing, **growths)
+    assert all(value <= 0 for value in growths.values()), growths
     serves(ipc_llm, model)
     updater.close()
 
