@@ -70,9 +70,10 @@ def kill(pid: int) -> None:
 
 @torch.no_grad()
 def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> list[list[float]]:
-    """The Hugging Face model's logprob of every prompt token after the first, on the model's device."""
-    model.eval()
-    device = next(model.parameters()).device
+    """The Hugging Face model's logprob of every prompt token after the first, on the GPU (where the engine's
+    own float32 floor was measured; Lightning moves a module back to the CPU when fit ends)."""
+    model.cuda().eval()
+    device = torch.device("cuda", torch.cuda.current_device())
     result = []
     for prompt in prompts:
         logits = model(torch.tensor([prompt], device=device)).logits.float()
@@ -83,8 +84,8 @@ def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]] = PROMPT
 
 @torch.no_grad()
 def hf_greedy(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
-    model.eval()
-    device = next(model.parameters()).device
+    model.cuda().eval()
+    device = torch.device("cuda", torch.cuda.current_device())
     result = []
     for prompt in prompts:
         out = model.generate(
@@ -137,6 +138,7 @@ def engine_digest(llm: Any) -> tuple[float, float, float]:
 @torch.no_grad()
 def model_digest(model: torch.nn.Module) -> tuple[float, float, float]:
     """:func:`engine_digest` of a Hugging Face model (tied embeddings once, as vLLM holds them)."""
+    model.cuda()
     sums = torch.zeros(3, dtype=torch.float64, device="cuda")
     for parameter in model.parameters():
         values = parameter.detach().double()

@@ -51,7 +51,7 @@ def serves(llm, model: torch.nn.Module, bound: float = 2 * 2.0e-4) -> float:
 def test_fit_pushes_land_within_the_engines_own_float32_floor(ipc_llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from
     served_before = vllm_prompt_logprobs(ipc_llm)
-    floor = gap(served_before, hf_prompt_logprobs(module.hf.cuda()))  # the engine's own kernels against HF's
+    floor = gap(served_before, hf_prompt_logprobs(module.hf))  # the engine's own kernels against HF's, same GPU
     module.hf.cpu()
     sync = VLLMWeightSync(engine=ipc_llm, every_n_train_steps=2, push_on_fit_start=False)
 
