@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, TypeVar
 
-from lightning_vllm.errors import WeightSyncTimeoutError
+from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
 _T = TypeVar("_T")
 
@@ -174,3 +174,17 @@ class TimedClient:
     def shutdown_weight_transfer_engine(self) -> None:
         if hasattr(self.inner, "shutdown_weight_transfer_engine"):
             self._call("shutdown_weight_transfer_engine", what="vLLM to release its weight-transfer engine")
+
+
+class AbandonedClient:
+    """The client a failed push leaves with vLLM's trainer engine: a transfer thread that outlived its
+    push's timeout (a slow source, say) must not reach the engine, whose update was closed meanwhile or
+    belongs to the next push. Every call raises."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise WeightSyncError(f"{self.what} had already failed; what it sent after that was stopped before the engine.")
+
+    init_weight_transfer_engine = start_weight_update = update_weights = finish_weight_update = _refuse

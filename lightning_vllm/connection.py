@@ -22,7 +22,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
 from lightning_vllm import after_failure
-from lightning_vllm._waits import BackgroundCall, TimedClient, call_watched, call_with_timeout
+from lightning_vllm._waits import AbandonedClient, BackgroundCall, TimedClient, call_watched, call_with_timeout
 from lightning_vllm.after_failure import end_failed_update
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
@@ -293,13 +293,10 @@ class EngineConnection:
         """Send ``source`` through the trainer engine, ending with ``client.finish_weight_update()``
         (which commits the version); every wait bounded.
 
-        Ours (gloo) is handed the push's source, client and adapter. vLLM's NCCL and IPC
-        engines read ``self.source`` and ``self.client`` in ``send_weights``: they are set for
-        this push only, and restored after it.
-
-        Ours (gloo) bounds each of its waits by ``timeout_seconds``. vLLM's engines wait on NCCL and
-        CUDA, which have no timeouts: their whole transfer is bounded by ``timeout_seconds`` (and ends
-        when the engine is known to have died); on failure the caller closes the connection.
+        Ours (gloo) is handed them and bounds each of its waits by ``timeout_seconds``. vLLM's engines
+        read ``self.source`` and ``self.client`` in ``send_weights`` (set for this push only) and wait on
+        NCCL and CUDA, which have no timeouts: their whole transfer is bounded by ``timeout_seconds``
+        (and ends when the engine is known to have died); on failure the caller closes the connection.
         """
         if isinstance(self.transfer, GlooTrainerWeightTransferEngine):
             self.transfer.send_push(source, client, adapter, every)
@@ -307,8 +304,10 @@ class EngineConnection:
         self.transfer.source, self.transfer.client = source, client
         try:
             self._send_vllm()
-        finally:
-            self.transfer.source, self.transfer.client = None, self.client
+        except BaseException:  # its transfer thread may go on: it must not reach the engine
+            self.transfer.client = AbandonedClient(f"A push to {self.engine.description}")
+            raise
+        self.transfer.source, self.transfer.client = None, self.client
 
     def _send_vllm(self) -> None:
         device = self.device

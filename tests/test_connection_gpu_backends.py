@@ -241,3 +241,20 @@ def test_an_engine_that_dies_mid_transfer_ends_the_push_at_once_not_at_the_timeo
     after_failure.wait_for(engine, timeout=1.0)  # a dead engine is left alone: nothing to wait for
     assert engine.version == "default" and "finish None" not in engine.calls
     stuck.set()
+
+
+def test_a_transfer_that_outlives_its_timeout_cannot_reach_the_engine_afterwards():
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "nccl")
+    slow = threading.Event()  # a slow source: the transfer thread goes on after the push timed out
+
+    connection = nccl_connection(engine, model, lambda source, meta: slow.wait(10), timeout_seconds=0.5)
+    with pytest.raises(WeightSyncTimeoutError):
+        connection.push(Payload(ModuleWeights(model)), version=1)
+    after_failure.wait_for(engine, timeout=5.0)  # the update was closed meanwhile
+    again = nccl_connection(engine, model, read_all, device=None)
+    engine.calls.clear()
+    again.push(Payload(ModuleWeights(model)), version=1)  # the next push
+    slow.set()  # the old transfer wakes up, and vLLM's engine would now finish "its" update
+    time.sleep(0.3)
+    assert engine.calls == ["start", "finish 1", "resume"] and engine.version == "1"  # nothing of the old one
