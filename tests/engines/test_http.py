@@ -115,12 +115,13 @@ class ScriptedHandler(http.server.BaseHTTPRequestHandler):
 
     status, body, delay = 200, b"{}", 0.0
     seen_headers: list = []
+    seen_bodies: list = []
 
     def do_GET(self):
         self.answer()
 
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).seen_bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
         self.answer()
 
     def answer(self):
@@ -136,10 +137,43 @@ class ScriptedHandler(http.server.BaseHTTPRequestHandler):
 
 
 def scripted_server(status: int, body: bytes, delay: float = 0.0):
-    handler = type("Handler", (ScriptedHandler,), {"status": status, "body": body, "delay": delay, "seen_headers": []})
+    fields = {"status": status, "body": body, "delay": delay, "seen_headers": [], "seen_bodies": []}
+    handler = type("Handler", (ScriptedHandler,), fields)
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def test_a_server_started_without_the_variable_ipc_needs_is_named_with_the_restart_that_fixes_it():
+    # What vLLM's /server_info reports (its "vllm_env") for a server started without the variable.
+    body = b'{"vllm_config": {}, "vllm_env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": false}}'
+    httpd, _, url = scripted_server(200, body)
+    try:
+        problem = HTTPEngine(url).ipc_handles_problem()
+        assert problem is not None and "Restart it with VLLM_ALLOW_INSECURE_SERIALIZATION=1" in problem
+    finally:
+        httpd.shutdown()
+
+
+def test_ipc_handles_go_to_a_server_pickled_as_vllms_own_http_client_sends_them():
+    import base64
+    import json
+    import pickle
+
+    import torch
+
+    handles = {"GPU-0": (torch.Tensor, (4,), (1,), 0, torch.UntypedStorage, torch.bfloat16, 0, b"handle")}
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4]], "ipc_handles": handles}
+    httpd, handler, url = scripted_server(200, b"{}")
+    try:
+        HTTPEngine(url).update_weights(update)
+        (sent,) = [json.loads(body)["update_info"] for body in handler.seen_bodies]
+        assert "ipc_handles" not in sent and sent["names"] == ["w"]
+        assert pickle.loads(base64.b64decode(sent["ipc_handles_pickled"])) == handles
+        HTTPEngine(url).update_weights({"names": ["w"], "packed": True})  # nccl's update info goes as it is
+        assert json.loads(handler.seen_bodies[-1])["update_info"] == {"names": ["w"], "packed": True}
+    finally:
+        httpd.shutdown()
 
 
 def test_the_servers_own_error_message_is_in_the_error():

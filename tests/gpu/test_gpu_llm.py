@@ -33,7 +33,14 @@ from helpers import (
     vllm_prompt_logprobs,
 )
 
-from lightning_vllm import EngineConfigError, VLLMUpdater, VLLMWeightSync, WeightSyncError, generate
+from lightning_vllm import (
+    EngineConfigError,
+    VLLMUpdater,
+    VLLMWeightSync,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+    generate,
+)
 from lightning_vllm.engines.base import version_number
 from lightning_vllm.weights import ModuleWeights
 
@@ -176,6 +183,41 @@ def test_a_push_that_fails_half_way_leaves_the_engine_serving_and_the_next_push_
     assert ipc_llm.get_weight_version() == version  # not committed
     vllm_prompt_logprobs(ipc_llm)  # the engine still generates: the update was closed, no layer left on meta
     updater.push_weights(model)  # the same engine, no restart
+    assert int(ipc_llm.get_weight_version()) == int(version) + 1
+    serves(ipc_llm, model)
+    updater.close()
+
+
+class StallsHalfWay(ModuleWeights):
+    """A policy whose reading stalls half way for longer than the push may take."""
+
+    def __init__(self, model: torch.nn.Module, seconds: float) -> None:
+        super().__init__(model)
+        self.seconds = seconds
+
+    def iter_full(self):
+        items = list(super().iter_full())
+        yield from items[: len(items) // 2]
+        time.sleep(self.seconds)
+        yield from items[len(items) // 2 :]
+
+
+def test_a_push_that_times_out_half_way_leaves_the_engine_serving_and_the_next_push_lands(ipc_llm):
+    model = tiny_qwen2(seed=9).cuda()
+    updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=5, bucket_size_bytes=1 << 20)
+    updater.push_weights(model)
+    version = ipc_llm.get_weight_version()
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError):
+        updater.push_weights(StallsHalfWay(model, seconds=8))
+    FIGURES.update(timeout_error_seconds=time.monotonic() - started)
+    assert time.monotonic() - started < 7
+    assert ipc_llm.get_weight_version() == version  # not committed
+    vllm_prompt_logprobs(ipc_llm)  # the engine generates
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    updater.push_weights(model)  # lands, although the stalled transfer wakes up in the middle of it
+    time.sleep(4)
     assert int(ipc_llm.get_weight_version()) == int(version) + 1
     serves(ipc_llm, model)
     updater.close()
