@@ -12,9 +12,7 @@ the end of the old one.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 from lightning_vllm._waits import BackgroundCall, TimedClient
 from lightning_vllm.engines.base import EngineTarget
@@ -22,21 +20,23 @@ from lightning_vllm.errors import WeightSyncTimeoutError
 
 log = logging.getLogger(__name__)
 
-_RUNNING: weakref.WeakKeyDictionary[Any, BackgroundCall[None]] = weakref.WeakKeyDictionary()
+# By the engine target's identity: a target need not be hashable. An entry lives until the next connection
+# to that engine (one finished call each).
+_RUNNING: dict[int, BackgroundCall[None]] = {}
 
 
-def started(engine: Any, cleanup: BackgroundCall[None]) -> None:
+def started(engine: EngineTarget, cleanup: BackgroundCall[None]) -> None:
     """Remember ``cleanup``, running for ``engine`` after a failed push, for the next connection to wait for."""
-    _RUNNING[engine] = cleanup
+    _RUNNING[id(engine)] = cleanup
 
 
-def wait_for(engine: Any, timeout: float) -> None:
+def wait_for(engine: EngineTarget, timeout: float) -> None:
     """Wait (at most ``timeout`` seconds) for what a failed push left running on ``engine`` to end.
 
     Raises:
         WeightSyncTimeoutError: it is still running (the engine does not answer).
     """
-    cleanup = _RUNNING.get(engine)
+    cleanup = _RUNNING.get(id(engine))
     if cleanup is None:
         return
     if not cleanup.wait(timeout):
@@ -44,7 +44,7 @@ def wait_for(engine: Any, timeout: float) -> None:
             f"{engine.description} has not ended the update a failed push left open after {timeout:g} s: it may be "
             "frozen. Check that it is alive; the next push tries again."
         )
-    _RUNNING.pop(engine, None)
+    _RUNNING.pop(id(engine), None)
 
 
 def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: EngineTarget) -> None:
