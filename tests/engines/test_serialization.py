@@ -11,6 +11,7 @@ import pytest
 
 from lightning_vllm.engines.serialization import (
     INSECURE_SERIALIZATION,
+    engine_core_processes,
     ipc_handles_problem,
     process_environment,
     server_ipc_handles_problem,
@@ -102,3 +103,25 @@ def test_the_variable_reads_as_vllm_reads_it():
 
     assert [flag_set(v) for v in ("1", "2", "0", "", "yes", None)] == [True, True, False, False, False, False]
     assert os.environ.get("LIGHTNING_VLLM_NOT_A_VARIABLE") is None
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("kind", ["vllm.LLM", "AsyncLLM"])
+def test_the_engine_core_of_a_real_engine_is_found_and_read(kind, request, monkeypatch):
+    """What the check reads of vLLM's own objects: the engine-core process of a real multiprocess engine."""
+    from lightning_vllm import LocalLLMEngine
+
+    if kind == "vllm.LLM":
+        target = LocalLLMEngine(request.getfixturevalue("llm"))
+        engine_core = target.llm.llm_engine.engine_core
+    else:
+        target = request.getfixturevalue("async_engine")
+        engine_core = target.async_llm.engine_core
+    (process,) = engine_core_processes(engine_core)
+    assert process.is_alive() and process._start_method in ("fork", "spawn")
+    monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
+    assert "lacks" in target.ipc_handles_problem()
+    monkeypatch.setenv(INSECURE_SERIALIZATION, "1")
+    started_with = (process_environment(process.pid) or {}).get(INSECURE_SERIALIZATION)
+    expected_refusal = process._start_method == "spawn" and started_with != "1"
+    assert (target.ipc_handles_problem() is not None) == expected_refusal
