@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
+from lightning_vllm import after_failure
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.engines import EngineTarget, Generation
 from lightning_vllm.engines.failures import is_engine_death, is_paused_refusal, raise_if_dead, retry_delay
@@ -173,6 +174,8 @@ class RolloutSampler:
 
             sampling_params = SamplingParams()
         self._await_timed_out(engine_index, engine, deadline)
+        # A failed nccl/ipc push may have left the engine's layers mid-reload, which its cleanup puts back.
+        after_failure.wait_for(engine, max(deadline - time.monotonic(), 0.0))
         # vLLM 0.33 refuses new requests while a push holds generation paused ("wait" and "abort" modes);
         # the refusal is immediate and the pause short, so the same request is asked again until the deadline.
         for attempt in itertools.count():

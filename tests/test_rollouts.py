@@ -318,3 +318,22 @@ def test_the_engine_is_given_what_is_left_of_the_generate_timeout():
     sampler.generate([[1, 2]])
     sampler.generate([[1, 2]], timeout_seconds=5)
     assert 29 < engine.timeouts[0] <= 30 and 4 < engine.timeouts[1] <= 5
+
+
+def test_a_rollout_waits_for_the_end_of_what_a_failed_push_left_on_the_engine():
+    from lightning_vllm import after_failure
+    from lightning_vllm._waits import BackgroundCall
+
+    engine = FakeEngine(tiny_qwen2())
+    sampler = RolloutSampler(VLLMUpdater(engine=engine), timeout_seconds=5)
+    cleanup_done = threading.Event()
+    after_failure.started(engine, BackgroundCall(cleanup_done.wait, 10, what="closing the update a push left open"))
+    threading.Timer(0.3, cleanup_done.set).start()
+    started = time.monotonic()
+    (generation,) = sampler.generate([[1, 2]])  # not on layers still mid-reload
+    assert time.monotonic() - started >= 0.25 and generation.prompt_token_ids == [1, 2]
+    frozen = threading.Event()
+    after_failure.started(engine, BackgroundCall(frozen.wait, 10, what="a frozen engine's cleanup"))
+    with pytest.raises(WeightSyncTimeoutError, match="has not ended the update a failed push left open"):
+        sampler.generate([[1, 2]], timeout_seconds=0.3)
+    frozen.set()
