@@ -147,9 +147,11 @@ def vllm_greedy(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[list[int]]:
 
 @torch.no_grad()
 def hf_prompt_logprobs(model, prompts=PROMPTS) -> list[list[float]]:
+    """The model's logprob of every prompt token after the first, computed on the model's device."""
+    device = next(model.parameters()).device
     result = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         logprobs = torch.log_softmax(model(ids).logits.float(), dim=-1)[0]
         result.append([logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)])
     return result
@@ -157,9 +159,10 @@ def hf_prompt_logprobs(model, prompts=PROMPTS) -> list[list[float]]:
 
 @torch.no_grad()
 def hf_greedy(model, prompts=PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    device = next(model.parameters()).device
     result = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
         result.append(out[0, len(prompt) :].tolist())
     return result
@@ -194,6 +197,30 @@ def assert_serves(engine, model) -> None:
     assert gap < TOLERANCE, f"served logprobs differ from the model's by {gap:.2e}"
     if isinstance(engine, LLM):
         assert vllm_greedy(engine) == hf_greedy(model)
+
+
+def half_way(model: torch.nn.Module, at_half):
+    """``model``'s weights as a source whose reading calls ``at_half()`` once half of its tensors were read,
+    then reads the rest: a source that raises, stalls or kills the engine in the middle of a push."""
+    from lightning_vllm.weights import ModuleWeights
+
+    class HalfWay(ModuleWeights):
+        def iter_full(self):
+            items = list(super().iter_full())
+            yield from items[: len(items) // 2]
+            at_half()
+            yield from items[len(items) // 2 :]
+
+    return HalfWay(model)
+
+
+def raises(error: BaseException):
+    """A callable that raises ``error`` (an ``at_half`` for :func:`half_way`)."""
+
+    def raising() -> None:
+        raise error
+
+    return raising
 
 
 class TinyCausalLM(LightningModule):

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import FakeEngine, tiny_qwen2
+from helpers import FakeEngine, half_way, raises, tiny_qwen2
 from test_connection import SETTINGS as CONNECTION_SETTINGS
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
@@ -171,15 +171,6 @@ def test_ipc_into_an_engine_that_would_refuse_the_handles_is_refused_at_connect_
     assert engine.init_infos == [] and engine.calls == []  # nothing asked of the workers
 
 
-class RaisesHalfWay(ModuleWeights):
-    """A policy whose reading fails after the first half of its tensors (a source that raises mid-push)."""
-
-    def iter_full(self):
-        items = list(super().iter_full())
-        yield from items[: len(items) // 2]
-        raise RuntimeError("the policy could not be read")
-
-
 def read_all(source, meta):  # vLLM's broadcast reads every tensor it sends
     for _ in source.iter_full():
         pass
@@ -190,7 +181,11 @@ def test_a_push_that_fails_half_way_closes_the_update_then_resumes_and_the_next_
     model = tiny_qwen2()
     engine = GPUEngine(model, "nccl")
     connection = nccl_connection(engine, model, read_all, device=None)
-    payload = Payload(RaisesHalfWay(model)) if where == "trainer side" else Payload(ModuleWeights(model))
+    payload = (
+        Payload(half_way(model, raises(RuntimeError("the policy could not be read"))))
+        if where == "trainer side"
+        else Payload(ModuleWeights(model))
+    )
     engine.fail_update_weights = where == "worker side"
 
     with pytest.raises(RuntimeError, match="could not be read" if where == "trainer side" else "could not load"):

@@ -168,7 +168,7 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles):
     def _server_info(self) -> dict[str, Any]:
         return dict(self._request("GET", "server_info", params={"config_format": "json"}))
 
-    @property
+    @cached_property
     def _config(self) -> dict[str, Any]:
         return dict(self._server_info["vllm_config"])
 

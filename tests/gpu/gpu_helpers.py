@@ -7,10 +7,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import helpers
 import torch
 from helpers import PROMPTS, VLLMServer
 from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 
 HOST_SETUP = "make gpu-carry here, then on the GPU host: make test-gpu (docs/gpu.md)"
 
@@ -68,51 +68,19 @@ def kill(pid: int) -> None:
         pass
 
 
-@torch.no_grad()
 def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> list[list[float]]:
-    """The Hugging Face model's logprob of every prompt token after the first, on the GPU (where the engine's
-    own float32 floor was measured; Lightning moves a module back to the CPU when fit ends)."""
-    model.cuda().eval()
-    device = torch.device("cuda", torch.cuda.current_device())
-    result = []
-    for prompt in prompts:
-        logits = model(torch.tensor([prompt], device=device)).logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)[0]
-        result.append([logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)])
-    return result
+    """The Hugging Face model's prompt logprobs on the GPU, where the engine's own float32 floor was measured
+    (Lightning moves a module back to the CPU when fit ends)."""
+    return helpers.hf_prompt_logprobs(model.cuda().eval(), prompts)
 
 
-@torch.no_grad()
 def hf_greedy(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS, max_tokens: int = 8) -> list[list[int]]:
-    model.cuda().eval()
-    device = torch.device("cuda", torch.cuda.current_device())
-    result = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt], device=device), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-        result.append(out[0, len(prompt) :].tolist())
-    return result
-
-
-def gap(served: list[list[float]], reference: list[list[float]]) -> float:
-    return max(abs(a - b) for row_a, row_b in zip(served, reference) for a, b in zip(row_a, row_b))
+    return helpers.hf_greedy(model.cuda().eval(), prompts, max_tokens)
 
 
 def gpu_trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> Trainer:
-    settings: dict[str, Any] = dict(
-        default_root_dir=tmp_path,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        accelerator="gpu",
-        devices=1,
-        precision="32-true",
-        logger=TensorBoardLogger(tmp_path, name="logs"),
-    )
-    settings.update(kwargs)
-    return Trainer(callbacks=callbacks, **settings)
+    """:func:`helpers.cpu_trainer` on the GPU, in float32."""
+    return helpers.cpu_trainer(tmp_path, callbacks, accelerator="gpu", precision="32-true", **kwargs)
 
 
 def engine_digest(llm: Any) -> tuple[float, float, float]:

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 
 def main(model_dir: str, force: bool) -> None:
-    from gpu_helpers import gap, gpu_llm
-    from helpers import tiny_qwen2, vllm_prompt_logprobs
+    from gpu_helpers import gpu_llm
+    from helpers import max_abs_diff, tiny_qwen2, vllm_prompt_logprobs
     from vllm.v1.engine.core_client import InprocClient
 
     from lightning_vllm import EngineConfigError, LocalLLMEngine, VLLMUpdater
@@ -35,7 +35,7 @@ def main(model_dir: str, force: bool) -> None:
     except EngineConfigError as error:
         refused = str(error)
     result = {"refused": refused, "version": llm.get_weight_version()}
-    result["gap_after"] = gap(vllm_prompt_logprobs(llm), served)
+    result["gap_after"] = max_abs_diff(vllm_prompt_logprobs(llm), served)
     print(json.dumps(result))
     updater.close()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from gpu_helpers import FIGURES, gap, hf_prompt_logprobs
-from helpers import PROMPTS, engine_prompt_logprobs, tiny_qwen2
+from gpu_helpers import FIGURES, hf_prompt_logprobs
+from helpers import PROMPTS, engine_prompt_logprobs, max_abs_diff, tiny_qwen2
 
 from lightning_vllm import VLLMUpdater
 
@@ -36,7 +36,7 @@ def test_a_push_in_each_pause_mode_lands_beside_a_request_in_flight(async_ipc_en
         outcome = f"{type(error).__name__}: {error}"
     FIGURES[f"async_{mode}_push_seconds"] = stats.seconds
     print(f"pause_mode={mode}: the request in flight ended with {outcome}")
-    measured = gap(engine_prompt_logprobs(engine), hf_prompt_logprobs(model))
+    measured = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(model))
     assert measured <= 4e-4, measured
     assert engine.get_weight_version() == str(stats.weight_version)
     updater.close()

@@ -15,7 +15,6 @@ from gpu_helpers import (
     engine_core_pid,
     engine_digest,
     engine_gpu_memory,
-    gap,
     gpu_trainer,
     hf_greedy,
     hf_prompt_logprobs,
@@ -25,7 +24,10 @@ from gpu_helpers import (
 from helpers import (
     PROMPTS,
     TinyCausalLM,
+    half_way,
     lora_policy,
+    max_abs_diff,
+    raises,
     tensorboard_scalars,
     tiny_qwen2,
     token_batches,
@@ -42,14 +44,13 @@ from lightning_vllm import (
     generate,
 )
 from lightning_vllm.engines.base import version_number
-from lightning_vllm.weights import ModuleWeights
 
 pytestmark = pytest.mark.gpu
 
 
 def serves(llm, model: torch.nn.Module, bound: float = 2 * 2.0e-4) -> float:
     """The prompt-logprob gap between the engine and ``model``; fails above ``bound`` or on other greedy tokens."""
-    measured = gap(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
+    measured = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(model))
     assert measured <= bound, f"served logprobs are {measured:.2e} from the model's (bound {bound:.1e})"
     assert vllm_greedy(llm) == hf_greedy(model)
     return measured
@@ -58,15 +59,17 @@ def serves(llm, model: torch.nn.Module, bound: float = 2 * 2.0e-4) -> float:
 def test_fit_pushes_land_within_the_engines_own_float32_floor(ipc_llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from
     served_before = vllm_prompt_logprobs(ipc_llm)
-    floor = gap(served_before, hf_prompt_logprobs(module.hf))  # the engine's own kernels against HF's, same GPU
+    floor = max_abs_diff(
+        served_before, hf_prompt_logprobs(module.hf)
+    )  # the engine's own kernels against HF's, same GPU
     module.hf.cpu()
     sync = VLLMWeightSync(engine=ipc_llm, every_n_train_steps=2, push_on_fit_start=False)
 
     trainer = gpu_trainer(tmp_path, [sync], max_steps=6)
     trainer.fit(module, token_batches(num_batches=6))
 
-    before_sync = gap(served_before, hf_prompt_logprobs(module.hf))
-    after_sync = gap(vllm_prompt_logprobs(ipc_llm), hf_prompt_logprobs(module.hf))
+    before_sync = max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
+    after_sync = max_abs_diff(vllm_prompt_logprobs(ipc_llm), hf_prompt_logprobs(module.hf))
     FIGURES.update(fit_floor=floor, fit_gap_before_sync=before_sync, fit_gap_after_sync=after_sync)
     assert digests_equal(engine_digest(ipc_llm), model_digest(module.hf))  # every weight landed exactly
     assert after_sync <= 2 * floor, (after_sync, floor)
@@ -149,7 +152,7 @@ def test_lora_policies_go_merged_over_ipc_and_their_adapter_alone_is_refused_bef
     policy.eval()
     serves(ipc_llm, policy)  # the PEFT model's outputs: base plus adapter, merged
     with policy.disable_adapter():
-        assert gap(vllm_prompt_logprobs(ipc_llm), hf_prompt_logprobs(policy)) > 1e-2  # (the test can fail)
+        assert max_abs_diff(vllm_prompt_logprobs(ipc_llm), hf_prompt_logprobs(policy)) > 1e-2  # (the test can fail)
 
     version = ipc_llm.get_weight_version()
     updater = VLLMUpdater(engine=ipc_llm, lora="adapter")
@@ -157,15 +160,6 @@ def test_lora_policies_go_merged_over_ipc_and_their_adapter_alone_is_refused_bef
         updater.push_weights(policy)
     assert ipc_llm.get_weight_version() == version
     updater.close()
-
-
-class RaisesHalfWay(ModuleWeights):
-    """A policy whose reading fails after half of its tensors were sent."""
-
-    def iter_full(self):
-        items = list(super().iter_full())
-        yield from items[: len(items) // 2]
-        raise RuntimeError("the policy could not be read half way")
 
 
 def test_a_push_that_fails_half_way_leaves_the_engine_serving_and_the_next_push_lands(ipc_llm):
@@ -178,7 +172,7 @@ def test_a_push_that_fails_half_way_leaves_the_engine_serving_and_the_next_push_
             parameter.mul_(1.5)
 
     with pytest.raises(RuntimeError, match="could not be read half way"):
-        updater.push_weights(RaisesHalfWay(model))
+        updater.push_weights(half_way(model, raises(RuntimeError("the policy could not be read half way"))))
 
     assert ipc_llm.get_weight_version() == version  # not committed
     vllm_prompt_logprobs(ipc_llm)  # the engine still generates: the update was closed, no layer left on meta
@@ -188,20 +182,6 @@ def test_a_push_that_fails_half_way_leaves_the_engine_serving_and_the_next_push_
     updater.close()
 
 
-class StallsHalfWay(ModuleWeights):
-    """A policy whose reading stalls half way for longer than the push may take."""
-
-    def __init__(self, model: torch.nn.Module, seconds: float) -> None:
-        super().__init__(model)
-        self.seconds = seconds
-
-    def iter_full(self):
-        items = list(super().iter_full())
-        yield from items[: len(items) // 2]
-        time.sleep(self.seconds)
-        yield from items[len(items) // 2 :]
-
-
 def test_a_push_that_times_out_half_way_leaves_the_engine_serving_and_the_next_push_lands(ipc_llm):
     model = tiny_qwen2(seed=9).cuda()
     updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=5, bucket_size_bytes=1 << 20)
@@ -209,7 +189,7 @@ def test_a_push_that_times_out_half_way_leaves_the_engine_serving_and_the_next_p
     version = ipc_llm.get_weight_version()
     started = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError):
-        updater.push_weights(StallsHalfWay(model, seconds=8))
+        updater.push_weights(half_way(model, lambda: time.sleep(8)))  # stalls past the timeout
     FIGURES.update(timeout_error_seconds=time.monotonic() - started)
     assert time.monotonic() - started < 7
     assert ipc_llm.get_weight_version() == version  # not committed
@@ -259,26 +239,15 @@ def test_a_hundred_pushes_leave_gpu_memory_flat_on_both_sides(ipc_llm):
     updater.close()
 
 
-class KillsTheEngineCoreHalfWay(ModuleWeights):
-    def __init__(self, model: torch.nn.Module, pid: int) -> None:
-        super().__init__(model)
-        self.pid = pid
-
-    def iter_full(self):
-        items = list(super().iter_full())
-        yield from items[: len(items) // 2]
-        kill(self.pid)
-        yield from items[len(items) // 2 :]
-
-
 def test_the_engine_core_killed_mid_push_is_an_error_within_the_timeout(ipc_llm):
     model = tiny_qwen2(seed=8).cuda()
     timeout = 20.0
     updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=timeout, bucket_size_bytes=1 << 20)
     updater.push_weights(model)
+    pid = engine_core_pid(ipc_llm)
     started = time.monotonic()
     with pytest.raises(WeightSyncError) as raised:
-        updater.push_weights(KillsTheEngineCoreHalfWay(model, engine_core_pid(ipc_llm)))
+        updater.push_weights(half_way(model, lambda: kill(pid)))
     elapsed = time.monotonic() - started
     FIGURES.update(kill_error_seconds=elapsed)
     print(f"engine core killed mid-push: {type(raised.value).__name__} after {elapsed:.1f} s: {raised.value}")

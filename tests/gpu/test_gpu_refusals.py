@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_helpers import gap, gpu_llm, stop_llm
-from helpers import tiny_qwen2, vllm_prompt_logprobs
+from gpu_helpers import gpu_llm, stop_llm
+from helpers import max_abs_diff, tiny_qwen2, vllm_prompt_logprobs
 
 from lightning_vllm import EngineConfigError, VLLMUpdater
 
@@ -38,7 +38,7 @@ def test_ipc_into_an_engine_built_without_the_variable_is_refused_at_connect_nam
         with pytest.raises(EngineConfigError, match="started without it"):
             updater.push_weights(model)
         assert llm.get_weight_version() == "default"  # nothing was committed, nothing moved
-        assert gap(vllm_prompt_logprobs(llm), served) < 1e-5  # and the engine serves what it served
+        assert max_abs_diff(vllm_prompt_logprobs(llm), served) < 1e-5  # and the engine serves what it served
         updater.close()
     finally:
         stop_llm(llm)

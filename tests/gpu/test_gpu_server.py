@@ -4,8 +4,8 @@ client sends them, to a server started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=
 from __future__ import annotations
 
 import pytest
-from gpu_helpers import gap, gpu_trainer, hf_prompt_logprobs
-from helpers import TinyCausalLM, engine_prompt_logprobs, tiny_qwen2, token_batches
+from gpu_helpers import gpu_trainer, hf_prompt_logprobs
+from helpers import TinyCausalLM, engine_prompt_logprobs, max_abs_diff, tiny_qwen2, token_batches
 
 from lightning_vllm import HTTPEngine, VLLMWeightSync
 
@@ -22,6 +22,6 @@ def test_fit_pushes_into_vllm_serve_over_ipc(server_starting, tmp_path):
 
     gpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
 
-    measured = gap(engine_prompt_logprobs(engine), hf_prompt_logprobs(module.hf))
+    measured = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(module.hf))
     assert measured <= 4e-4, measured
     assert engine.get_weight_version() == str(sync.weight_version) == "3"  # fit start, steps 1 and 2
