@@ -19,8 +19,9 @@ mkdir -p "$tmp/src" && (cd "$tmp/src" && python3 -m zipfile -e "$tmp"/vllm-*.whl
 find "$tmp/src" \( -name "*.so" -o -name "*.h" -o -name "*.hpp" -o -name "*.cuh" -o -name "*.inl" -o -name "*.cu" \) -delete
 rm -rf "$tmp/src/vllm/third_party/deep_gemm" "$tmp/src/vllm/third_party/fmha_sm100" "$tmp/src/vllm/vllm-rs" "$tmp/src/vllm/model_executor/layers/fused_moe/configs" "$tmp/src/vllm/model_executor/layers/quantization/utils/configs"
 tar czf "$out/vllm-py.tgz" -C "$tmp/src" vllm "vllm-$version.dist-info"
-# What vLLM's Python imports on the GPU host beyond its image (found by emulating that image); uvicorn and
-# prometheus-fastapi-instrumentator and watchfiles for `vllm serve` (the GPU tier's server test).
+# What vLLM's Python imports on the GPU host beyond its image (found by emulating that image); for `vllm serve`
+# (the GPU tier's server test): uvicorn, prometheus-fastapi-instrumentator, watchfiles, and
+# model-hosting-container-standards with jmespath and supervisor (its SageMaker routes import them at start).
 # Name more packages after the version if a script needs what the host's image lacks.
 for p in pyzmq pydantic pydantic-core typing-inspection annotated-types cbor2 httpx2 httpcore2 truststore \
          openai openai-harmony sniffio pybase64 tensordict \
@@ -28,7 +29,8 @@ for p in pyzmq pydantic pydantic-core typing-inspection annotated-types cbor2 ht
          jsonschema-specifications referencing rpds-py more-itertools partial-json-parser pydantic-extra-types \
          python-multipart opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
          opentelemetry-semantic-conventions-ai gguf xgrammar==0.2.8 apache-tvm-ffi==0.1.11 python-json-logger ijson \
-         compressed-tensors==0.17.0 loguru depyf astor pyvers uvicorn prometheus-fastapi-instrumentator watchfiles "$@"; do
+         compressed-tensors==0.17.0 loguru depyf astor pyvers uvicorn prometheus-fastapi-instrumentator watchfiles \
+         model-hosting-container-standards jmespath supervisor "$@"; do
   [ "$p" = "$version" ] && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
