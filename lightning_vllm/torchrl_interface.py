@@ -166,16 +166,21 @@ class TorchRLInterface(ABC):
     def _sync_weights_with_worker(
         self, *, worker_id: int | torch.device | None = None, server_weights: Any = None, version: int | None = None
     ) -> None:
-        """Send ``server_weights`` to one connected engine (``None``: the first) and commit ``version``
-        there (default: the next), as TorchRL's updaters name it. A failed push leaves the group; the
-        next push joins again."""
-        if server_weights is None:
-            server_weights = self._get_server_weights()
-        index = 0 if worker_id is None else worker_id
-        if not isinstance(index, int):
-            raise TypeError(f"worker_id must be an engine's index, got {index!r}.")
-        payload = self.choose_payload(server_weights)
-        self._engine_set.push_one(index, payload, self.versions.committed + 1 if version is None else version)
+        """Push ``server_weights`` to one engine (``None``: every engine), as TorchRL's updaters name the
+        per-worker step of ``WeightUpdaterBase.push_weights``: the same push as :meth:`push_weights`, with
+        its checks, its commit and its post hooks. The version is the updater's next; ``version``, if
+        given, must be that one (a version names one set of weights)."""
+        if version is not None and version != self.versions.committed + 1:
+            raise ValueError(
+                f"version={version} cannot be committed: the next weight version is {self.versions.committed + 1} "
+                "(versions only move one push at a time). Leave version=None, or set updater.weight_version first."
+            )
+        self.push_weights(server_weights, worker_id)
+
+    def _skip_update(self, worker_id: int | torch.device) -> bool:
+        """Whether TorchRL's ``WeightUpdaterBase.push_weights`` leaves engine ``worker_id`` out: never (a
+        push goes to every engine it names; one that fails joins again at the next push)."""
+        return False
 
     def _engines_of_collector(self) -> list[EngineTarget]:
         """The engine of the registered collector's policy (a TorchRL ``vLLMWrapper`` keeps it as

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import TinyCausalLM, tiny_qwen2
 
-from lightning_vllm import VLLMUpdater
+from lightning_vllm import EngineConfigError, VLLMUpdater
 
 # torchrl.collectors.llm.vLLMUpdater: method -> parameter names (self/cls excluded).
 REFERENCE = {
@@ -19,6 +19,7 @@ REFERENCE = {
     "_sync_weights_with_worker": ["worker_id", "server_weights"],
     "_get_server_weights": [],
     "_maybe_map_weights": ["server_weights"],
+    "_skip_update": ["worker_id"],
     "all_worker_ids": [],
     "from_policy": ["policy"],
     "get_model_metadata": ["model"],
@@ -145,9 +146,11 @@ def test_maybe_map_weights_turns_every_accepted_form_into_a_source():
         assert [meta.name for meta in source.metadata()] == [name for name, _ in model.named_parameters()]
 
 
-def test_sync_with_a_worker_needs_a_connected_updater():
-    with pytest.raises(RuntimeError, match="not connected to engine 0: call init"):
+def test_sync_with_a_worker_is_a_push_like_any_other():
+    with pytest.raises(EngineConfigError, match="No vLLM engine to push to"):
         VLLMUpdater()._sync_weights_with_worker(server_weights=tiny_qwen2())
+    with pytest.raises(ValueError, match="version=5 cannot be committed: the next weight version is 1"):
+        VLLMUpdater()._sync_weights_with_worker(server_weights=tiny_qwen2(), version=5)
     with pytest.raises(ValueError, match="push_weights needs the weights"):
         VLLMUpdater()._sync_weights_with_worker()
 

@@ -12,7 +12,17 @@ import copy
 
 import pytest
 import torch
-from helpers import TOLERANCE, TinyCausalLM, cpu_trainer, lora_policy, tiny_qwen2, token_batches, word_tokenizer
+from helpers import (
+    TOLERANCE,
+    TinyCausalLM,
+    assert_serves,
+    cpu_trainer,
+    lora_policy,
+    served_version,
+    tiny_qwen2,
+    token_batches,
+    word_tokenizer,
+)
 
 from lightning_vllm import EngineConfigError, VLLMWeightSync, WeightsMismatchError, vLLMUpdater
 
@@ -207,3 +217,46 @@ def test_a_lightning_run_collects_with_torchrl_from_the_weights_it_trains(llm, t
     # The fit-start push is version 1, then one push after each step.
     assert module.versions == [1, 2, 3] and collector.policy_version == 4
     assert max(module.log_prob_errors) < TOLERANCE, module.log_prob_errors
+
+
+def test_torchrls_per_worker_hook_commits_through_the_same_push_as_push_weights(llm):
+    """TorchRL's ``WeightUpdaterBase.push_weights`` calls ``_sync_weights_with_worker`` per engine. It is
+    one push like any other: checked, committed by the updater, then ``push_weights`` commits the next
+    version with other weights (before the fix the engine held N+1 while the updater said N, and the
+    next push committed N+1 again: one version, two sets of weights)."""
+    first, second, third = tiny_qwen2(seed=41), tiny_qwen2(seed=42), tiny_qwen2(seed=43)
+    updater = vLLMUpdater(engine=llm)
+    try:
+        updater.push_weights(first)
+        seen = [(updater.weight_version, served_version(llm))]
+        updater._sync_weights_with_worker(worker_id=0, server_weights=second)
+        seen.append((updater.weight_version, served_version(llm)))
+        assert_serves(llm, second)
+        updater.push_weights(third)
+        seen.append((updater.weight_version, served_version(llm)))
+    finally:
+        updater.close()
+    start = seen[0][0]
+    assert seen == [(start, start), (start + 1, start + 1), (start + 2, start + 2)]
+    assert_serves(llm, third)
+
+
+def test_torchrls_own_push_weights_goes_through_the_same_push(llm):
+    """Called as TorchRL's base class calls it (``_push_weights`` -> ``_sync_weights_with_worker`` for every
+    worker id): a bad dict is refused before a byte moves, like any push, and no version moves."""
+    from torchrl.collectors import WeightUpdaterBase
+
+    model = tiny_qwen2(seed=44)
+    updater = vLLMUpdater(engine=llm)
+    try:
+        updater.push_weights(model)
+        before = (updater.weight_version, served_version(llm))
+        wrong = {name: tensor for name, tensor in model.state_dict().items() if "layers.1." not in name}
+        with pytest.raises(WeightsMismatchError):
+            WeightUpdaterBase._push_weights(updater, policy_or_weights=wrong)
+        assert (updater.weight_version, served_version(llm)) == before
+        WeightUpdaterBase._push_weights(updater, policy_or_weights=tiny_qwen2(seed=45))
+        assert (updater.weight_version, served_version(llm)) == (before[0] + 1, before[1] + 1)
+        assert_serves(llm, tiny_qwen2(seed=45))
+    finally:
+        updater.close()
