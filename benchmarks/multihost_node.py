@@ -36,8 +36,8 @@ from helpers import PROMPTS, engine_prompt_logprobs, hf_prompt_logprobs, max_abs
 from models import SIZES, build_model  # noqa: E402
 
 from lightning_vllm import HTTPEngine, VLLMUpdater  # noqa: E402
-from lightning_vllm.every_rank import shares_push  # noqa: E402
-from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.every_rank import shares_push  # noqa: E402
+from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
 
 NUM_RANKS = 2
 MODES = ("rank0", "every_rank")

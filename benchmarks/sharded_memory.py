@@ -32,7 +32,7 @@ from models import SIZES, build_model, save  # noqa: E402
 from vllm.distributed.weight_transfer.base import layerwise_groups  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
-from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
 
 NUM_RANKS = 2
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_vllm.callback import VLLMWeightSync
-    from lightning_vllm.engine_set import SyncStats
+    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.updater import VLLMUpdater, vLLMUpdater
     from lightning_vllm.engines import (
         AsyncLLMEngine,
         EngineTarget,
@@ -39,9 +40,8 @@ if TYPE_CHECKING:
         WeightSyncError,
         WeightSyncTimeoutError,
     )
-    from lightning_vllm.rollouts import generate
+    from lightning_vllm.plans.rollouts import generate
     from lightning_vllm.server import PauseLease, PushedAdapters, RequireAPIKey
-    from lightning_vllm.updater import VLLMUpdater, vLLMUpdater
 
 # Each public name and the module that defines it.
 _MODULES = {
@@ -61,13 +61,13 @@ _MODULES = {
     "WeightsMismatchError": "lightning_vllm.errors",
     "WeightSyncError": "lightning_vllm.errors",
     "WeightSyncTimeoutError": "lightning_vllm.errors",
-    "generate": "lightning_vllm.rollouts",
+    "generate": "lightning_vllm.plans.rollouts",
     "PauseLease": "lightning_vllm.server",
     "PushedAdapters": "lightning_vllm.server",
     "RequireAPIKey": "lightning_vllm.server",
-    "SyncStats": "lightning_vllm.engine_set",
-    "VLLMUpdater": "lightning_vllm.updater",
-    "vLLMUpdater": "lightning_vllm.updater",
+    "SyncStats": "lightning_vllm.core.engine_set",
+    "VLLMUpdater": "lightning_vllm.core.updater",
+    "vLLMUpdater": "lightning_vllm.core.updater",
 }
 
 __all__ = list(_MODULES)

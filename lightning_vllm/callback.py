@@ -11,15 +11,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_vllm.background import BackgroundPusher
+from lightning_vllm.core.updater import VLLMUpdater
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
 from lightning_vllm.options import LoraMode, PauseMode, PushFrom, SyncOptions, UpdaterOptions, WhenBusy, check_options
-from lightning_vllm.push_points import PushPoints
-from lightning_vllm.rollouts import RolloutSampler, SamplesRollouts
+from lightning_vllm.plans.background import BackgroundPusher
+from lightning_vllm.plans.push_points import PushPoints
+from lightning_vllm.plans.rollouts import RolloutSampler, SamplesRollouts
 from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
-from lightning_vllm.updater import VLLMUpdater
 
 log = logging.getLogger(__name__)
 

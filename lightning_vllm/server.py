@@ -29,6 +29,7 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from lightning_vllm.engines.routes import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
 from lightning_vllm.lora.serving import PolicyAdapter
 
 Scope = MutableMapping[str, Any]
@@ -38,9 +39,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger(__name__)
-
-# The header with which HTTPEngine asks for a pause that ends by itself.
-PAUSE_LEASE_HEADER = "x-lightning-vllm-pause-lease"
 
 # Probes that read nothing about the model or the engine's state and change nothing:
 # load balancers and orchestrators call them without credentials.
@@ -157,10 +155,6 @@ class PauseLease:
             seconds,
         )
         await engine_client.resume_generation()
-
-
-ADAPTER_ROUTE = "/lightning_vllm/adapter"
-"""The route of :class:`PushedAdapters`: ``GET`` tells it is there, ``POST {"name", "id", "key"}`` serves an adapter."""
 
 
 class PushedAdapters:

@@ -20,10 +20,10 @@ from typing import Any, cast
 import torch
 from typing_extensions import Self
 
-from lightning_vllm.engine_set import EngineSet, SyncStats, WorkerIds
+from lightning_vllm.core.engine_set import EngineSet, SyncStats, WorkerIds
+from lightning_vllm.core.versions import WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.versions import WeightVersions
 from lightning_vllm.weights import source_metadata, weights_from
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata

@@ -42,8 +42,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from sharded_run import ShardedCausalLM, full_model  # noqa: E402
 
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.every_rank import send_address, shares_push  # noqa: E402
-from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.every_rank import send_address, shares_push  # noqa: E402
+from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
 from lightning_vllm.weights.shares import RankShares  # noqa: E402
 
 STEPS = 3

@@ -48,7 +48,7 @@ from helpers import (  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
 
 
 class ShardedCausalLM(RolloutCausalLM):
@@ -261,7 +261,7 @@ def run(model_dir: Path, out_dir: Path) -> None:
         result["engine_version"] = llm.get_weight_version()
     # A second run whose push fails on rank 1: it cannot read its weights (building the payload's source fails).
     failing = VLLMWeightSync(engine=llm, every_n_train_steps=1, timeout_seconds=20)
-    import lightning_vllm.payloads as payloads
+    import lightning_vllm.core.payloads as payloads
 
     readable = payloads.weights_from
     if rank == 1:

@@ -11,32 +11,34 @@ PACKAGE = Path(__file__).parents[1] / "lightning_vllm"
 
 # Lowest first; a module may import from its own layer or from those below. docs/index.md draws them.
 LAYERS: dict[str, list[str]] = {
-    "shared": [
-        "settings", "errors", "options", "versions", "_waits", "prompts", "schedule", "weights.changes",
-        "weights.model", "lora", "lora.merge", "lora.worker", "lora.cpu_ops", "transports.buckets",
-        "transports.busy_wait", "transports.staging", "transports.gloo.tied_embedding_fix", "engines.completions",
-        "engines.serialization",
-    ],
+    "base": ["settings", "errors", "options", "_waits", "prompts", "schedule"],
     "what is sent": [
-        "weights", "weights.base", "weights.fsdp", "weights.zero3", "weights.sources", "weights.checks",
-        "weights.payload", "weights.snapshot", "weights.shares", "lora.adapter", "lora.serving",
+        "weights", "weights.base", "weights.model", "weights.changes", "weights.lora_merge", "weights.fsdp",
+        "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
+        "lora", "lora.adapter", "lora.serving", "lora.worker", "lora.cpu_ops",
     ],
     "how bytes move": [
-        "transports", "transports.select", "transports.plugin", "transports.gloo", "transports.gloo.messages",
+        "transports", "transports.buckets", "transports.busy_wait", "transports.staging", "transports.select",
+        "transports.plugin", "transports.gloo", "transports.gloo.tied_embedding_fix", "transports.gloo.messages",
         "transports.gloo.group", "transports.gloo.shares", "transports.gloo.receiver", "transports.gloo.trainer",
         "transports.gloo.worker",
     ],
     "where vLLM lives": [
-        "engines", "engines.base", "engines.config_facts", "engines.local", "engines.async_local", "engines.http",
-        "engines.ray", "engines.failures", "server",
+        "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.base",
+        "engines.config_facts", "engines.local", "engines.async_local", "engines.http", "engines.ray",
+        "engines.failures", "server",
     ],
-    "one engine's connection": ["after_failure", "connection", "engine_set", "payloads"],
-    "the updater": ["torchrl_interface", "updater"],
-    "several ranks, background": ["ranks", "every_rank", "background"],
-    "rollouts and push points": ["rollouts", "push_points"],
-    "when to send": ["callback"],
+    "core": [
+        "core", "core.versions", "core.after_failure", "core.connection", "core.engine_set", "core.payloads",
+        "core.updater", "torchrl_interface",
+    ],
+    "plans": ["plans", "plans.ranks", "plans.every_rank", "plans.background", "plans.rollouts", "plans.push_points"],
+    "fronts": ["callback"],
     "the package": [""],
 }  # fmt: skip
+
+MAX_FLOORS = 10
+"""The most floors the house may have: rooms (a top-level module, or a folder) stacked by their imports."""
 
 
 def module_name(path: Path) -> str:
@@ -123,3 +125,4 @@ def test_our_own_objects_are_not_probed():
             ):
                 probes.append(f"{module_name(path)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
     assert probes == []
+

@@ -35,11 +35,11 @@ from lightning_vllm.engines.base import (
     version_number,
 )
 from lightning_vllm.engines.completions import completion_fields
+from lightning_vllm.engines.routes import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
 from lightning_vllm.engines.serialization import server_ipc_handles_problem
 from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
-from lightning_vllm.server import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_timeout
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 

@@ -102,7 +102,7 @@ class AdapterWeights(Weights):
         return [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in self._params]
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self._params:  # (no grad mode held across a yield: see lora/merge.py)
+        for name, param in self._params:  # (no grad mode held across a yield: see weights/lora_merge.py)
             with torch.no_grad():
                 tensor = materialize_full_tensor(param.detach())
             yield name, tensor
@@ -152,8 +152,8 @@ def lora_policy(weights: Any, model_attribute: str | None = None, required: bool
 
 
 def _lora_policy(weights: Any, model_attribute: str | None) -> torch.nn.Module | None:
-    from lightning_vllm.lora.merge import has_lora
     from lightning_vllm.weights.fsdp import holds_fsdp_units
+    from lightning_vllm.weights.lora_merge import has_lora
     from lightning_vllm.weights.model import find_hf_model
     from lightning_vllm.weights.zero3 import is_zero3_partitioned
 

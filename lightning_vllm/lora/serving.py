@@ -15,10 +15,10 @@ import torch
 
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import active_adapter, adapter_config, lora_layers
-from lightning_vllm.lora.merge import is_adapter_parameter
 from lightning_vllm.lora.worker import adapter_directory
 from lightning_vllm.options import LoraMode
 from lightning_vllm.weights.checks import ExpectedWeights
+from lightning_vllm.weights.lora_merge import is_adapter_parameter
 from lightning_vllm.weights.model import canonical_name
 from lightning_vllm.weights.payload import PushView
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
-from lightning_vllm.lora.merge import has_lora, lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.base import ForeignWeights, Weights
 from lightning_vllm.weights.changes import Stamp, stamps_of
 from lightning_vllm.weights.fsdp import FSDPWeights, holds_fsdp_units
+from lightning_vllm.weights.lora_merge import has_lora, lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
 from lightning_vllm.weights.zero3 import ZeRO3Weights, is_zero3_partitioned
 

@@ -26,7 +26,7 @@ from lightning_vllm.options import WhenBusy
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
-    from lightning_vllm.updater import SyncStats, VLLMUpdater
+    from lightning_vllm.core.updater import SyncStats, VLLMUpdater
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
-from lightning_vllm import after_failure
 from lightning_vllm._waits import AbandonedClient, BackgroundCall, TimedClient, call_watched, call_with_timeout
-from lightning_vllm.after_failure import end_failed_update
+from lightning_vllm.core import after_failure
+from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
     ChecksIPCHandles,

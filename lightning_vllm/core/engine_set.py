@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_vllm.connection import EngineConnection
+from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.failures import engine_death
 from lightning_vllm.errors import (

@@ -18,9 +18,10 @@ from test_connection import SETTINGS as CONNECTION_SETTINGS
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-from lightning_vllm import EngineConfigError, EngineDeadError, WeightSyncTimeoutError, after_failure
+from lightning_vllm import EngineConfigError, EngineDeadError, WeightSyncTimeoutError
 from lightning_vllm._waits import BackgroundCall, TimedClient
-from lightning_vllm.connection import EngineConnection
+from lightning_vllm.core import after_failure
+from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
 

@@ -42,7 +42,7 @@ from lightning_vllm.weights.payload import Payload, PushView
 from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
 if TYPE_CHECKING:
-    from lightning_vllm.updater import SyncStats, VLLMUpdater
+    from lightning_vllm.core.updater import SyncStats, VLLMUpdater
 
 PROCEED, DONE, FAILED = 0, 1, 2
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lightning_vllm.errors import PartialPushError, PushAborted
-from lightning_vllm.ranks import FAILED, PROCEED, SharesPush, TrainerRanks
+from lightning_vllm.plans.ranks import FAILED, PROCEED, SharesPush, TrainerRanks
 from lightning_vllm.transports.gloo.group import listen
 from lightning_vllm.transports.gloo.messages import dtype_from_name, dtype_name
 from lightning_vllm.transports.gloo.shares import piece_bytes, send_share
@@ -45,7 +45,7 @@ from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares
 
 if TYPE_CHECKING:
-    from lightning_vllm.updater import SyncStats, VLLMUpdater
+    from lightning_vllm.core.updater import SyncStats, VLLMUpdater
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import cast
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_vllm.background import BackgroundPusher
-from lightning_vllm.engine_set import SyncStats
+from lightning_vllm.core.engine_set import SyncStats
+from lightning_vllm.core.updater import VLLMUpdater
 from lightning_vllm.errors import (
     EngineConfigError,
     PartialPushError,
@@ -25,10 +25,10 @@ from lightning_vllm.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
-from lightning_vllm.every_rank import shares_push
 from lightning_vllm.options import PushFrom, WhenBusy
-from lightning_vllm.ranks import TrainerRanks, is_sharded, push_from_every_rank
-from lightning_vllm.updater import VLLMUpdater
+from lightning_vllm.plans.background import BackgroundPusher
+from lightning_vllm.plans.every_rank import shares_push
+from lightning_vllm.plans.ranks import TrainerRanks, is_sharded, push_from_every_rank
 
 log = logging.getLogger(__name__)
 

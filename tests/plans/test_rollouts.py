@@ -30,7 +30,7 @@ from lightning_vllm import (
     generate,
 )
 from lightning_vllm.engines.base import version_number
-from lightning_vllm.rollouts import RolloutSampler, sampler_of
+from lightning_vllm.plans.rollouts import RolloutSampler, sampler_of
 
 
 class RolloutModule(TinyCausalLM):
@@ -321,8 +321,8 @@ def test_the_engine_is_given_what_is_left_of_the_generate_timeout():
 
 
 def test_a_rollout_waits_for_the_end_of_what_a_failed_push_left_on_the_engine():
-    from lightning_vllm import after_failure
     from lightning_vllm._waits import BackgroundCall
+    from lightning_vllm.core import after_failure
 
     engine = FakeEngine(tiny_qwen2())
     sampler = RolloutSampler(VLLMUpdater(engine=engine), timeout_seconds=5)

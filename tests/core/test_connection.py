@@ -9,7 +9,7 @@ import torch
 from helpers import FakeEngine, tiny_qwen2
 
 from lightning_vllm import EngineConfigError, WeightsMismatchError
-from lightning_vllm.connection import ConnectionSettings, EngineConnection
+from lightning_vllm.core.connection import ConnectionSettings, EngineConnection
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
 

@@ -18,16 +18,16 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm._waits import call_with_timeout
-from lightning_vllm.connection import EngineConnection
-from lightning_vllm.engine_set import EngineSet, PreparedPush, SyncStats, WorkerIds
+from lightning_vllm.core.connection import EngineConnection
+from lightning_vllm.core.engine_set import EngineSet, PreparedPush, SyncStats, WorkerIds
+from lightning_vllm.core.payloads import choose_payload
+from lightning_vllm.core.versions import WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.options import ConnectionSettings, LoraMode, PauseMode, UpdaterOptions, check_updater_options
-from lightning_vllm.payloads import choose_payload
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.torchrl_interface import TorchRLInterface, register_with_torchrl
-from lightning_vllm.versions import WeightVersions
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
 from lightning_vllm.weights.payload import Payload, PushView
@@ -348,7 +348,7 @@ class VLLMUpdater(TorchRLInterface):
         worker_ids: Sequence[int] | None = None,
         agree: Callable[[Callable[[], PushView]], PushView] | None = None,
     ) -> Payload:
-        """What a push of ``weights`` carries (see ``lightning_vllm.payloads``): its tensors, its LoRA
+        """What a push of ``weights`` carries (see ``lightning_vllm.core.payloads``): its tensors, its LoRA
         adapter and its stamps, chosen once; asking whether the engines can serve an adapter connects
         to them. ``agree`` lets the trainer's ranks decide together.
 

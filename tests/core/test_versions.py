@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from lightning_vllm.versions import WeightVersions
+from lightning_vllm.core.versions import WeightVersions
 
 
 def play(events: str) -> WeightVersions:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 
-from lightning_vllm import after_failure
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
+from lightning_vllm.core import after_failure
 from lightning_vllm.engines import EngineTarget, Generation
 from lightning_vllm.engines.failures import is_engine_death, is_paused_refusal, raise_if_dead, retry_delay
 from lightning_vllm.errors import (
@@ -30,12 +30,12 @@ from lightning_vllm.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
+from lightning_vllm.plans.ranks import TrainerRanks
 from lightning_vllm.prompts import PromptLimits, checked_prompts
-from lightning_vllm.ranks import TrainerRanks
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 
 if TYPE_CHECKING:
-    from lightning_vllm.updater import VLLMUpdater
+    from lightning_vllm.core.updater import VLLMUpdater
 
 log = logging.getLogger(__name__)
 
