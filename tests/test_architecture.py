@@ -125,4 +125,3 @@ def test_our_own_objects_are_not_probed():
             ):
                 probes.append(f"{module_name(path)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
     assert probes == []
-
