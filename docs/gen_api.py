@@ -42,7 +42,7 @@ def render() -> str:
         lines += [f"## `{name}{_signature(obj)}`", "", f"*{kind}* in `{obj.__module__}`", "", _doc(obj), ""]
         if not inspect.isclass(obj):
             continue
-        # Members defined by the class or by a base of ours (VLLMUpdater's TorchRLInterface),
+        # Members defined by the class or by a base of ours (VLLMUpdater's WeightSync),
         # not those inherited from Lightning or Python.
         ours = {key for base in obj.__mro__ if base.__module__.startswith("lightning_vllm") for key in vars(base)}
         for member_name, member in inspect.getmembers(obj):

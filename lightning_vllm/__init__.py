@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_vllm.callback import VLLMWeightSync
     from lightning_vllm.core.engine_set import SyncStats
-    from lightning_vllm.core.updater import VLLMUpdater, vLLMUpdater
+    from lightning_vllm.core.weight_sync import WeightSync
     from lightning_vllm.engines import (
         AsyncLLMEngine,
         EngineTarget,
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     )
     from lightning_vllm.plans.rollouts import generate
     from lightning_vllm.server import PauseLease, PushedAdapters, RequireAPIKey
+    from lightning_vllm.torchrl import VLLMUpdater, vLLMUpdater
 
 # Each public name and the module that defines it.
 _MODULES = {
@@ -66,8 +67,9 @@ _MODULES = {
     "PushedAdapters": "lightning_vllm.server",
     "RequireAPIKey": "lightning_vllm.server",
     "SyncStats": "lightning_vllm.core.engine_set",
-    "VLLMUpdater": "lightning_vllm.core.updater",
-    "vLLMUpdater": "lightning_vllm.core.updater",
+    "VLLMUpdater": "lightning_vllm.torchrl",
+    "vLLMUpdater": "lightning_vllm.torchrl",
+    "WeightSync": "lightning_vllm.core.weight_sync",
 }
 
 __all__ = list(_MODULES)

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_vllm.core.updater import VLLMUpdater
+from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
 from lightning_vllm.options import LoraMode, PauseMode, PushFrom, SyncOptions, UpdaterOptions, WhenBusy, check_options
@@ -67,7 +67,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         max_staleness: the most versions a rollout may lag the trainer; ``None`` for no limit.
         generate_timeout_seconds: the longest one :meth:`generate` may take (10 minutes by
             default: long rollouts are legitimate, a frozen engine is not).
-        updater: a ready ``VLLMUpdater`` to use instead of building one from the arguments above
+        updater: a ready ``WeightSync`` (a ``VLLMUpdater``, say) to use instead of building one from the arguments above
             (which must then stay at their defaults).
         blocking: ``True`` (default): a push point holds the training step until the engine
             has the weights. ``False``: the push point copies the weights into memory kept
@@ -125,29 +125,19 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         lora: LoraMode = "auto",
         max_staleness: int | None = None,
         generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
-        updater: VLLMUpdater | None = None,
+        updater: WeightSync | None = None,
         on_sync_error: Literal["raise", "warn"] = "raise",
         blocking: bool = True,
         when_busy: WhenBusy = "skip",
         changed_only: bool = True,
         push_from: PushFrom = "rank0",
     ) -> None:
-        updater_options = UpdaterOptions(
-            master_address=master_address,
-            master_port=master_port,
-            backend=backend,
-            bucket_size_bytes=bucket_size_bytes,
-            timeout_seconds=timeout_seconds,
-            model_attribute=model_attribute,
-            pause_mode=pause_mode,
-            lora=lora,
-            changed_only=changed_only,
-        )
+        updater_options = UpdaterOptions.among(locals())
         num_engines = len(engine) if isinstance(engine, (list, tuple)) else int(engine is not None)
         ignored = check_options(
             SyncOptions(
                 updater=updater_options,
-                num_engines=len(updater.engines) if isinstance(updater, VLLMUpdater) else num_engines,
+                num_engines=len(updater.engines) if isinstance(updater, WeightSync) else num_engines,
                 updater_given=updater is not None,
                 engine_given=engine is not None,
                 every_n_train_steps=every_n_train_steps or 0,
@@ -166,10 +156,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self.push_on_fit_start = push_on_fit_start
         # vllm.LLM arguments: the engine is built on global rank 0 in setup.
         self._engine_args = dict(engine) if isinstance(engine, Mapping) else None
-        self.updater = updater or VLLMUpdater(
-            engine=None if self._engine_args is not None else engine,
-            **vars(updater_options),
-        )
+        self.updater = updater or WeightSync(None if self._engine_args is not None else engine, options=updater_options)
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error, push_from)
         self._last_global_step_pushed = -1

@@ -8,8 +8,9 @@ function of :class:`SyncOptions`, so every combination is tested without an engi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import (
@@ -47,7 +48,8 @@ _MAX_PORT = 65535
 
 @dataclass(frozen=True)
 class UpdaterOptions:
-    """``VLLMUpdater``'s settings (see its docstring); the defaults are its defaults."""
+    """How a push connects and sends: the settings of ``WeightSync`` and ``VLLMUpdater`` (see their
+    docstrings; the defaults are theirs), stored once, in this object, by whoever holds them."""
 
     master_address: str | None = None
     master_port: int | None = None
@@ -59,6 +61,22 @@ class UpdaterOptions:
     pause_mode: PauseMode = "keep"
     lora: LoraMode = "auto"
     changed_only: bool = True
+    reset_prefix_cache: bool = True
+
+    @property
+    def address(self) -> str:
+        """The address the trainer listens on: ``master_address``, loopback when not given."""
+        return self.master_address or "127.0.0.1"
+
+    def engine_port(self, index: int) -> int | None:
+        """The rendezvous port of the engine at ``index``: a fixed ``master_port`` is the first of one
+        port per engine (each engine's group has a rendezvous of its own); ``None``: a free one."""
+        return self.master_port + index if self.master_port else self.master_port
+
+    @classmethod
+    def among(cls, arguments: Mapping[str, Any]) -> UpdaterOptions:
+        """The options among a front end's ``arguments`` (its ``locals()``): those named as fields here."""
+        return cls(**{field.name: arguments[field.name] for field in fields(cls) if field.name in arguments})
 
     def given(self) -> list[str]:
         """The names of the settings that differ from the defaults."""
@@ -175,34 +193,3 @@ def check_options(options: SyncOptions) -> list[str]:
     if options.blocking and options.when_busy != "skip":
         notes.append(f"when_busy={options.when_busy!r} is ignored: it applies to background pushes (blocking=False).")
     return notes
-
-
-@dataclass(frozen=True)
-class ConnectionSettings:
-    """How the updater connects to and pushes into every engine: ``VLLMUpdater``'s attributes of the same names."""
-
-    backend: str
-    master_address: str
-    master_port: int | None
-    vllm_tp_size: int | None
-    bucket_size_bytes: int
-    timeout_seconds: float
-    pause_mode: PauseMode
-    reset_prefix_cache: bool
-    changed_only: bool
-
-    @classmethod
-    def for_engine(cls, options: UpdaterOptions, index: int, reset_prefix_cache: bool) -> ConnectionSettings:
-        """The settings of the connection to the engine at ``index``: a fixed ``master_port`` is the first
-        of one port per engine (each group has a rendezvous of its own)."""
-        return cls(
-            backend=options.backend,
-            master_address=options.master_address or "127.0.0.1",
-            master_port=options.master_port + index if options.master_port else options.master_port,
-            vllm_tp_size=options.vllm_tp_size,
-            bucket_size_bytes=options.bucket_size_bytes,
-            timeout_seconds=options.timeout_seconds,
-            pause_mode=options.pause_mode,
-            reset_prefix_cache=reset_prefix_cache,
-            changed_only=options.changed_only,
-        )

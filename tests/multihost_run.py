@@ -147,7 +147,7 @@ def failed_share(sync: VLLMWeightSync, module, engine: HTTPEngine, trained, rank
     outcome: dict = {}
     taken = None
     if rank == 1:
-        taken = socket.create_server((send_address(sync.updater.master_address), sync.updater.master_port + 1))
+        taken = socket.create_server((send_address(sync.updater.options.address), sync.updater.options.master_port + 1))
     outcome["cannot_listen"], _ = push_in_shares(sync, module, ranks)
     if taken is not None:
         taken.close()

@@ -30,10 +30,10 @@ LAYERS: dict[str, list[str]] = {
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.connection", "core.engine_set", "core.payloads",
-        "core.updater", "torchrl_interface",
+        "core.push", "core.weight_sync",
     ],
     "plans": ["plans", "plans.ranks", "plans.every_rank", "plans.background", "plans.rollouts", "plans.push_points"],
-    "fronts": ["callback"],
+    "fronts": ["callback", "torchrl"],
     "the package": [""],
 }  # fmt: skip
 
@@ -125,3 +125,27 @@ def test_our_own_objects_are_not_probed():
             ):
                 probes.append(f"{module_name(path)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
     assert probes == []
+
+
+def room_graph() -> dict[str, set[str]]:
+    """Which rooms (a top-level module or folder; the package itself is one) each room imports."""
+    room = lambda module: module.split(".")[0]  # noqa: E731
+    rooms: dict[str, set[str]] = {}
+    for module, imports in import_graph().items():
+        rooms.setdefault(room(module), set()).update(room(other) for other in imports if room(other) != room(module))
+    return rooms
+
+
+def test_the_rooms_stand_on_at_most_ten_floors_with_no_arrow_back_up():
+    """A folder is one row of the house: no two rooms import each other, even through others, and the
+    longest chain of rooms standing on each other (the package on top) is at most ``MAX_FLOORS``."""
+    rooms = room_graph()
+    floors: dict[str, int] = {}
+
+    def floor(name: str, path: tuple[str, ...] = ()) -> int:
+        assert name not in path, f"rooms in a circle: {' -> '.join([*path, name])}"
+        if name not in floors:
+            floors[name] = 1 + max((floor(other, (*path, name)) for other in rooms[name]), default=0)
+        return floors[name]
+
+    assert max(floor(name) for name in rooms) <= MAX_FLOORS, sorted(floors.items(), key=lambda item: item[1])

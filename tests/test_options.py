@@ -91,4 +91,4 @@ def test_the_callback_and_the_updater_check_their_arguments_with_it():
     updater = VLLMUpdater(master_port=65535)
     with pytest.raises(ValueError, match="with 2 engines"):
         updater.set_engine([engine, engine])
-    check_updater_options(updater.options(), num_engines=1)
+    check_updater_options(updater.options, num_engines=1)

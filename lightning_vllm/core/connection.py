@@ -19,6 +19,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from typing_extensions import Self
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
 from lightning_vllm._waits import AbandonedClient, BackgroundCall, TimedClient, call_watched, call_with_timeout
@@ -36,7 +37,7 @@ from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
 from lightning_vllm.lora.serving import LoraLimits, adapter_problems
-from lightning_vllm.options import ConnectionSettings
+from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.transports import check_trainer_can_send, trainer_init_info
 from lightning_vllm.transports.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.transports.plugin import GLOO, register_backends
@@ -72,13 +73,13 @@ class EngineConnection:
     after which an adapter push sends the adapter alone.
 
     Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`.
-    Every call to the engine is bounded by the settings' ``timeout_seconds``.
+    Every call to the engine is bounded by the options' ``timeout_seconds``.
     """
 
     def __init__(
         self,
         engine: EngineTarget,
-        settings: ConnectionSettings,
+        options: UpdaterOptions,
         client: TimedClient,
         transfer: TrainerWeightTransferEngine[Any],
         wire: ModelMetadata,
@@ -89,7 +90,7 @@ class EngineConnection:
     ) -> None:
         self.engine = engine
         self.reported_version = reported_version
-        self.settings = settings
+        self.options = options
         self.client = client
         self.transfer = transfer
         self.wire = wire
@@ -106,8 +107,8 @@ class EngineConnection:
         self._lora_facts: tuple[LoraLimits | None, ExpectedWeights | None, list[str]] | None = None
 
     @classmethod
-    def open(cls, engine: EngineTarget, metadata: ModelMetadata, settings: ConnectionSettings) -> EngineConnection:
-        """Check ``engine`` and ``metadata``, then join a group with the engine's workers.
+    def open(cls, engine: EngineTarget, metadata: ModelMetadata, options: UpdaterOptions, index: int = 0) -> Self:
+        """Check ``engine`` (the engine at ``index``) and ``metadata``, then join a group with its workers.
 
         Blocks until every worker has joined, at most ``timeout_seconds``.
 
@@ -118,22 +119,22 @@ class EngineConnection:
         """
 
         def bounded(fn: Callable[..., Any], what: str) -> Any:
-            return call_with_timeout(fn, timeout=settings.timeout_seconds, what=what)
+            return call_with_timeout(fn, timeout=options.timeout_seconds, what=what)
 
         if isinstance(engine, FollowsUpdaterTimeout):  # a server's requests wait as long as the updater does
-            engine.follow_timeout(settings.timeout_seconds)
-        after_failure.wait_for(engine, settings.timeout_seconds)
+            engine.follow_timeout(options.timeout_seconds)
+        after_failure.wait_for(engine, options.timeout_seconds)
 
         configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
-        backend = backend_for_engine(settings.backend, configured, engine.description)
+        backend = backend_for_engine(options.backend, configured, engine.description)
         check_trainer_can_send(backend)
         if backend == "ipc" and isinstance(engine, ChecksIPCHandles):
             if problem := bounded(engine.ipc_handles_problem, f"{engine.description} to describe its RPC"):
                 raise EngineConfigError(problem)
         tp_size = engine.tensor_parallel_size()
-        if settings.vllm_tp_size is not None and settings.vllm_tp_size != tp_size:
+        if options.vllm_tp_size is not None and options.vllm_tp_size != tp_size:
             raise EngineConfigError(
-                f"vllm_tp_size={settings.vllm_tp_size} but the engine runs with tensor_parallel_size={tp_size}; "
+                f"vllm_tp_size={options.vllm_tp_size} but the engine runs with tensor_parallel_size={tp_size}; "
                 f"pass vllm_tp_size={tp_size} or leave it None."
             )
         expected = bounded(engine.expected_weights, "the engine's model facts")
@@ -144,15 +145,15 @@ class EngineConnection:
                 "%s serves weight version %d: the next push counts on from it.", engine.description, reported_version
             )
         register_backends()
-        client = TimedClient(engine, settings.timeout_seconds)
+        client = TimedClient(engine, options.timeout_seconds)
         world_size = 1 + bounded(engine.num_workers, "the engine's world size")
         init_info = trainer_init_info(
             backend,
-            master_address=settings.master_address,
-            master_port=settings.master_port,
+            master_address=options.address,
+            master_port=options.engine_port(index),
             world_size=world_size,
-            bucket_size_bytes=settings.bucket_size_bytes,
-            timeout_seconds=settings.timeout_seconds,
+            bucket_size_bytes=options.bucket_size_bytes,
+            timeout_seconds=options.timeout_seconds,
             largest_tensor_bytes=max((wire_bytes({name: meta}) for name, meta in wire.items()), default=0),
         )
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -170,11 +171,11 @@ class EngineConnection:
             init_info,
             client=client,
             source=DeclaredWeights(wire),
-            timeout=settings.timeout_seconds * _RENDEZVOUS_GRACE,
+            timeout=options.timeout_seconds * _RENDEZVOUS_GRACE,
             what=f"the {backend} group with {engine.description}'s workers to form",
         )
         device = None if backend == GLOO else torch.device("cuda", torch.accelerator.current_device_index())
-        return cls(engine, settings, client, transfer, wire, ties, reported_version, backend, device)
+        return cls(engine, options, client, transfer, wire, ties, reported_version, backend, device)
 
     def adapter_problems(self, module: torch.nn.Module) -> list[str]:
         """Why this engine cannot be sent ``module``'s LoRA adapter alone (empty when it can).
@@ -260,7 +261,7 @@ class EngineConnection:
             wire = adapter_wire(self.wire, source, limits.lora_dtype if limits else None)
         else:
             wire = self.wire
-        stamps = payload.stamps if self.settings.changed_only else None
+        stamps = payload.stamps if self.options.changed_only else None
         unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps)
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
@@ -324,7 +325,7 @@ class EngineConnection:
         # A call to an engine core that died is not woken up: the transfer ends as soon as it is known.
         call_watched(
             send_on_device,
-            timeout=self.settings.timeout_seconds,
+            timeout=self.options.timeout_seconds,
             what=f"the {self.backend} transfer to {self.engine.description}",
             check=lambda: raise_if_dead(self.engine),
             interval=_DEATH_POLL_SECONDS,
@@ -347,7 +348,7 @@ class EngineConnection:
             # adapters was sent merged weights only: see adapter_problems).
             if isinstance(engine, ServesLoraAdapters) and engine.adapter != adapter:
                 self._call(engine.serve_adapter, adapter, what=f"{engine.description} to serve the adapter")
-            if self.settings.reset_prefix_cache:
+            if self.options.reset_prefix_cache:
                 self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
         except BaseException:
             if pause:  # asked without waiting: a frozen engine must not double the wait
@@ -358,7 +359,7 @@ class EngineConnection:
 
     def _pause(self) -> None:
         what = f"{self.engine.description} to pause generation"
-        self._call(self.engine.pause_generation, self.settings.pause_mode, what=what)
+        self._call(self.engine.pause_generation, self.options.pause_mode, what=what)
 
     def _resume(self) -> None:
         self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
@@ -391,7 +392,7 @@ class EngineConnection:
             log.warning("Could not release the weight-transfer engine of %s: %s", self.engine.description, error)
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
-        return call_with_timeout(fn, *args, timeout=self.settings.timeout_seconds, what=what)
+        return call_with_timeout(fn, *args, timeout=self.options.timeout_seconds, what=what)
 
 
 def wire_bytes(wire: ModelMetadata) -> int:

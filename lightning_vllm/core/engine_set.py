@@ -1,15 +1,15 @@
-"""The engines one updater pushes to, by index, and the transfer group formed with each.
+"""The engines one ``WeightSync`` pushes to, by index, and the transfer group formed with each.
 
-An engine's *index* is its position in the ``engine=`` list; TorchRL's interface
-calls it a worker id (``push_weights(worker_ids=...)``, ``all_worker_ids()``), which
-is the only meaning "worker id" has in this package's API. A vLLM *worker* is one of
-an engine's processes (tensor-, pipeline-, data-parallel ranks), which join its group.
+An engine's *index* is its position in the ``engine=`` list; TorchRL's front end calls
+it a worker id (``push_weights(worker_ids=...)``, ``all_worker_ids()``), which is the
+only meaning "worker id" has in this package's API. A vLLM *worker* is one of an
+engine's processes (tensor-, pipeline-, data-parallel ranks), which join its group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -46,17 +46,7 @@ class SyncStats:
     failed_engine_indices: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
-class PreparedPush:
-    """A checked push not sent yet: what it carries, the engines it goes to (by worker id),
-    and the engines it cannot reach (their errors, by worker id)."""
-
-    payload: Payload
-    engine_indices: list[int]
-    unreachable: dict[int, BaseException] = field(default_factory=dict)
-
-
-WorkerIds = int | torch.device | Sequence[int | torch.device] | None
+EngineSelection = int | torch.device | Sequence[int | torch.device] | None
 """Engines named by index or by device type (all of that type), or ``None`` for all."""
 
 
@@ -81,16 +71,16 @@ class EngineSet:
         """Every engine's index."""
         return list(range(len(self.targets)))
 
-    def resolve(self, worker_ids: WorkerIds) -> list[int]:
-        """The indices ``worker_ids`` names, sorted (all when ``None``).
+    def resolve(self, selection: EngineSelection) -> list[int]:
+        """The indices ``selection`` names, sorted (all when ``None``).
 
         Raises:
             ValueError: an unknown index, or a device type no engine has.
         """
         known = self.indices()
-        if worker_ids is None:
+        if selection is None:
             return known
-        requested = [worker_ids] if isinstance(worker_ids, (int, torch.device)) else list(worker_ids)
+        requested = [selection] if isinstance(selection, (int, torch.device)) else list(selection)
         resolved: list[int] = []
         for worker in requested:
             if isinstance(worker, torch.device):
@@ -100,7 +90,7 @@ class EngineSet:
             else:
                 raise ValueError(f"Unknown worker id {worker!r}; this updater's engines are {known}.")
         if not resolved:
-            raise ValueError(f"worker_ids={worker_ids!r} selects no engine; this updater's engines are {known}.")
+            raise ValueError(f"worker_ids={selection!r} selects no engine; this updater's engines are {known}.")
         return sorted(set(resolved))
 
     def connected(self, indices: Sequence[int]) -> tuple[dict[int, EngineConnection], dict[int, BaseException]]:
@@ -125,12 +115,12 @@ class EngineSet:
         return connections, unreachable
 
     def serving(
-        self, worker_ids: WorkerIds, extra_problems: list[str], policy: torch.nn.Module
+        self, selection: EngineSelection, extra_problems: list[str], policy: torch.nn.Module
     ) -> tuple[list[str], bool]:
-        """Why some of the engines ``worker_ids`` names cannot serve ``policy``'s LoRA adapter (with
+        """Why some of the engines ``selection`` names cannot serve ``policy``'s LoRA adapter (with
         ``extra_problems``), and whether every one has the policy's base weights already; connects to
         them if needed (the engines not reached get nothing)."""
-        connections = list(self.connected(self.resolve(worker_ids))[0].values())
+        connections = list(self.connected(self.resolve(selection))[0].values())
         problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(policy)]
         return [*problems, *extra_problems], all(connection.has_policy_base for connection in connections)
 
@@ -153,18 +143,19 @@ class EngineSet:
         """Drop the connection of ``index`` (a failed push closed it); the next push opens a new one."""
         self.connections.pop(index, None)
 
-    def push_each(self, push: PreparedPush, version: int) -> tuple[list[int], dict[int, BaseException], int]:
-        """Send ``push`` to each of its engines and commit ``version`` in each, whatever happened to the
-        others: the engines that took it, those it failed on (with the engines it could not reach) and
-        their errors, and the bytes sent."""
+    def push_each(
+        self, payload: Payload, indices: Sequence[int], version: int
+    ) -> tuple[list[int], dict[int, BaseException], int]:
+        """Send ``payload`` to the engines of ``indices`` and commit ``version`` in each, whatever happened
+        to the others: the engines that took it, those it failed on and their errors, and the bytes sent."""
         committed: list[int] = []
-        failures: dict[int, BaseException] = dict(push.unreachable)
+        failures: dict[int, BaseException] = {}
         num_bytes = 0
-        for position, index in enumerate(push.engine_indices):
+        for position, index in enumerate(indices):
             try:
-                num_bytes += self.push_one(index, push.payload, version)
+                num_bytes += self.push_one(index, payload, version)
             except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
-                failures.update(dict.fromkeys(push.engine_indices[position:], error))
+                failures.update(dict.fromkeys(indices[position:], error))
                 break
             except Exception as error:  # noqa: BLE001  # the other engines still get the push
                 failures[index] = error
@@ -177,12 +168,12 @@ class EngineSet:
         A failed push closed the connection, which is forgotten: the next push opens a new one.
 
         Raises:
-            RuntimeError: the engine is not connected (``VLLMUpdater.init`` first).
+            RuntimeError: the engine is not connected (``WeightSync.connect`` first).
             EngineDeadError: the engine died (it keeps nothing of this push).
         """
         connection = self.connections.get(index)
         if connection is None:
-            raise RuntimeError(f"The updater is not connected to engine {index!r}: call init() first.")
+            raise RuntimeError(f"The updater is not connected to engine {index!r}: call connect() (init()) first.")
         try:
             return connection.push(payload, version)
         except BaseException as error:

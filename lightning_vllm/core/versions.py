@@ -13,14 +13,41 @@ that produced a rollout:
 * ``backlog``: push points missed before the push in flight started (they count until it
   lands, and are missed for good if it fails).
 
-So ``trainer = max(committed, in_flight) + backlog + missed``. Every rank of a trainer
-holds one :class:`WeightVersions`; the ranks that do not push copy global rank 0's at
-each push point (:meth:`WeightVersions.as_ints`, :meth:`WeightVersions.adopt`).
+So ``trainer = max(committed, in_flight) + backlog + missed``.
+
+Versions move only here, through one handle per push point (:meth:`WeightVersions.push_point`):
+a push begins an :class:`InFlight` version, which commits or is abandoned; a push point that
+began nothing is skipped when its handle closes, and a push that neither committed nor was
+handed to another thread is abandoned. Every rank of a trainer holds one
+:class:`WeightVersions`; the ranks that do not push adopt global rank 0's
+(:meth:`PushPoint.adopt`, by name: a :class:`VersionState`).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import astuple, dataclass
+from types import TracebackType
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """What another rank needs to take this rank's versions (see the module docstring)."""
+
+    committed: int
+    in_flight: int | None = None
+    backlog: int = 0
+    missed: int = 0
+
+    def to_ints(self) -> list[int]:
+        """The state as ints, to broadcast between ranks (``in_flight`` ``None`` is ``-1``)."""
+        return [-1 if value is None else value for value in astuple(self)]
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> VersionState:
+        """The state :meth:`to_ints` gave."""
+        committed, in_flight, backlog, missed = values
+        return cls(committed, None if in_flight < 0 else in_flight, backlog, missed)
 
 
 class WeightVersions:
@@ -29,11 +56,13 @@ class WeightVersions:
     Example::
 
         >>> versions = WeightVersions()
-        >>> version = versions.begin()          # a push point starts a push
-        >>> versions.skip()                     # the next push point is skipped meanwhile
+        >>> with versions.push_point() as point:  # a push point starts a push on a thread of its own
+        ...     push = point.begin(hand_off=True)
+        >>> with versions.push_point():           # the next push point is skipped meanwhile
+        ...     pass
         >>> versions.trainer
         2
-        >>> versions.commit(version)            # the push lands: version 1 is one push point behind
+        >>> push.commit()                         # the push lands: version 1 is one push point behind
         >>> versions.committed, versions.trainer, versions.staleness(oldest=1)
         (1, 2, 1)
     """
@@ -78,7 +107,16 @@ class WeightVersions:
         """How many push points a rollout of version ``oldest`` lags the trainer."""
         return self.trainer - oldest
 
-    def begin(self) -> int:
+    @property
+    def next(self) -> int:
+        """The version the next push will commit."""
+        return self._committed + 1
+
+    def push_point(self) -> PushPoint:
+        """The handle of one push point: ``with versions.push_point() as point:``."""
+        return PushPoint(self)
+
+    def _begin(self) -> int:
         """A push of the trainer's current weights starts: the version it will commit.
 
         Raises:
@@ -91,14 +129,14 @@ class WeightVersions:
             self._backlog, self._missed = self._backlog + self._missed, 0
             return self._in_flight
 
-    def commit(self, version: int) -> None:
+    def _commit(self, version: int) -> None:
         """The push of ``version`` landed (in at least one engine)."""
         with self._lock:
             self._committed = max(self._committed, version)
             if self._in_flight == version:
                 self._in_flight, self._backlog = None, 0
 
-    def abandon(self, version: int) -> None:
+    def _abandon(self, version: int) -> None:
         """The push of ``version`` landed nowhere: its push point is missed, as are those before it."""
         with self._lock:
             if self._in_flight == version:
@@ -106,7 +144,7 @@ class WeightVersions:
                 self._missed += self._backlog + 1
                 self._backlog = 0
 
-    def skip(self) -> None:
+    def _skip(self) -> None:
         """A push point sent nothing (a push was still on its way)."""
         with self._lock:
             self._missed += 1
@@ -132,15 +170,79 @@ class WeightVersions:
         with self._lock:
             self._committed = int(version)
 
-    def as_ints(self) -> list[int]:
-        """``[committed, in_flight or -1, backlog, missed]``: what another rank needs to :meth:`adopt`."""
+    def state(self) -> VersionState:
+        """What another rank needs to :meth:`PushPoint.adopt` these versions."""
         with self._lock:
-            in_flight = -1 if self._in_flight is None else self._in_flight
-            return [self._committed, in_flight, self._backlog, self._missed]
+            return VersionState(self._committed, self._in_flight, self._backlog, self._missed)
 
-    def adopt(self, values: list[int]) -> None:
-        """Take another rank's versions, as :meth:`as_ints` gave them."""
-        committed, in_flight, backlog, missed = values
+    def _adopt(self, state: VersionState) -> None:
         with self._lock:
-            self._committed, self._backlog, self._missed = committed, backlog, missed
-            self._in_flight = None if in_flight < 0 else in_flight
+            self._committed, self._in_flight = state.committed, state.in_flight
+            self._backlog, self._missed = state.backlog, state.missed
+
+
+class InFlight:
+    """The version a push on its way will commit: it ends exactly once, committed or abandoned."""
+
+    def __init__(self, versions: WeightVersions, version: int) -> None:
+        self._versions = versions
+        self.version = version
+        self.ended = False
+
+    def commit(self) -> None:
+        """The push landed (in at least one engine)."""
+        if not self.ended:
+            self.ended = True
+            self._versions._commit(self.version)
+
+    def abandon(self) -> None:
+        """The push landed nowhere: its push point is missed, as are those skipped while it was on its way."""
+        if not self.ended:
+            self.ended = True
+            self._versions._abandon(self.version)
+
+
+class PushPoint:
+    """One push point's handle on the versions (:meth:`WeightVersions.push_point`).
+
+    On exit: a push point that began no push and adopted nothing is skipped (its weights reach
+    no engine); a push it began that neither committed nor was handed to another thread is
+    abandoned.
+    """
+
+    def __init__(self, versions: WeightVersions) -> None:
+        self._versions = versions
+        self._push: InFlight | None = None
+        self._handed_off = False
+        self._adopted = False
+
+    def __enter__(self) -> PushPoint:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._push is None and not self._adopted:
+            self._versions._skip()
+        elif self._push is not None and not self._handed_off:
+            self._push.abandon()  # (a no-op once it committed)
+
+    def begin(self, hand_off: bool = False) -> InFlight:
+        """A push of this push point's weights starts: the version it will commit.
+
+        Args:
+            hand_off: the push ends on another thread (a background push), which commits or abandons it.
+
+        Raises:
+            RuntimeError: another push is on its way (one at a time), or this push point began one already.
+        """
+        if self._push is not None:
+            raise RuntimeError("A push point sends one push.")
+        self._push = InFlight(self._versions, self._versions._begin())
+        self._handed_off = hand_off
+        return self._push
+
+    def adopt(self, state: VersionState) -> None:
+        """This rank does not push: it takes the versions of the rank that did (rank 0's)."""
+        self._adopted = True
+        self._versions._adopt(state)

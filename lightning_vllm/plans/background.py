@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +26,8 @@ from lightning_vllm.options import WhenBusy
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.updater import SyncStats, VLLMUpdater
+    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,14 @@ class BackgroundPusher:
 
     Example::
 
-        >>> pusher = BackgroundPusher(VLLMUpdater(engine=llm))  # doctest: +SKIP
+        >>> pusher = BackgroundPusher(WeightSync(engine=llm))  # doctest: +SKIP
         >>> pusher.submit(model)  # returns once the weights are copied  # doctest: +SKIP
         Submitted(started=True, stall_seconds=0.04, version=1, landed=None)
         >>> pusher.wait(timeout=60); pusher.collect()  # doctest: +SKIP
         SyncStats(weight_version=1, seconds=0.41, num_bytes=209715200)
     """
 
-    def __init__(self, updater: VLLMUpdater, when_busy: WhenBusy = "skip") -> None:
+    def __init__(self, updater: WeightSync, when_busy: WhenBusy = "skip") -> None:
         if when_busy not in ("skip", "wait"):
             raise ValueError(f"Invalid value for when_busy={when_busy!r}. Must be 'skip' or 'wait'.")
         self.updater = updater
@@ -107,32 +108,25 @@ class BackgroundPusher:
                     self._push.what,
                     self.num_skipped,
                 )
-                self.updater.versions.skip()
-                return Submitted(False, time.perf_counter() - start)
+                with self.updater.versions.push_point():  # it begins no push: the push point is skipped
+                    return Submitted(False, time.perf_counter() - start)
             self.wait_or_raise("at a push point (when_busy='wait')")  # a push still running stays in flight
-            push, self._push = self._push, None
-            landed = push.result(0)
-        try:
-            prepared = self.updater.prepare_push(weights, worker_ids)
+            waited, self._push = self._push, None
+            landed = waited.result(0)
+        with self.updater.versions.push_point() as point:  # (skipped if the weights cannot even be copied)
+            prepared = self.updater.prepare(weights, worker_ids)
             snapshot = self.memory.take(prepared.payload.weights, prepared.payload.stamps)
-        except BaseException:
-            self.updater.versions.skip()  # these weights reach no engine
-            raise
-        version = self.updater.versions.begin()
-        self._push = BackgroundCall(
-            self.updater.send_prepared,
-            replace(prepared, payload=prepared.payload.with_weights(snapshot)),
-            version,
-            what=f"weight version {version}",
-        )
-        return Submitted(True, time.perf_counter() - start, version, landed)
+            version = point.begin(hand_off=True)  # committed or abandoned by the push's own thread
+        push = prepared.with_payload(prepared.payload.with_weights(snapshot))
+        self._push = BackgroundCall(push.send, version, what=f"weight version {version.version}")
+        return Submitted(True, time.perf_counter() - start, version.version, landed)
 
     def collect(self) -> SyncStats | None:
         """The figures of the push that ended since the last call (``None``: none did).
 
         Raises:
             WeightSyncError: that push failed (the engines kept their previous weights), or
-                ``PartialPushError``: it failed on some engines only (see ``VLLMUpdater.send_prepared``).
+                ``PartialPushError``: it failed on some engines only (see ``Push.send``).
         """
         if self._push is None or not self._push.done():
             return None
@@ -150,22 +144,22 @@ class BackgroundPusher:
             WeightSyncTimeoutError: it is still running (the engine may be frozen); ``when`` says
                 at which point of training.
         """
-        if not self.wait(self.updater.timeout_seconds):
+        if not self.wait(self.updater.options.timeout_seconds):
             assert self._push is not None, "wait() is True when nothing is on its way"
             raise WeightSyncTimeoutError(
                 f"{self._push.what.capitalize()} was still on its way to vLLM {when}, after "
-                f"{self.updater.timeout_seconds:g} s (timeout_seconds): the engine may be frozen. No other push "
-                "starts until it ends."
+                f"{self.updater.options.timeout_seconds:g} s (timeout_seconds): the engine may be frozen. No other "
+                "push starts until it ends."
             )
 
     def close(self) -> None:
         """End the push in flight (waiting at most the updater's ``timeout_seconds``), drop its
         outcome unread, and free the snapshot memory. The updater's groups are left as they are."""
-        if self._push is not None and not self._push.wait(self.updater.timeout_seconds):
+        if self._push is not None and not self._push.wait(self.updater.options.timeout_seconds):
             log.warning(
                 "%s was still on its way after %g s; closing the groups ends it.",
                 self._push.what.capitalize(),
-                self.updater.timeout_seconds,
+                self.updater.options.timeout_seconds,
             )
         self._push = None
         self.memory.release()

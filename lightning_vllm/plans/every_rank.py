@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lightning_vllm.core.versions import PushPoint, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
 from lightning_vllm.plans.ranks import FAILED, PROCEED, SharesPush, TrainerRanks
 from lightning_vllm.transports.gloo.group import listen
@@ -45,7 +46,8 @@ from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.updater import SyncStats, VLLMUpdater
+    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -92,44 +94,38 @@ def agreed_shares(payload: Payload, ranks: TrainerRanks) -> RankShares | None:
     return None
 
 
-def shares_push(updater: VLLMUpdater, ranks: TrainerRanks) -> SharesPush:
+def shares_push(updater: WeightSync, ranks: TrainerRanks) -> SharesPush:
     """What ``ranks.push_from_every_rank`` takes to send a push in shares when every rank can."""
 
-    def decide(payload: Payload) -> Callable[[], SyncStats | None] | None:
+    def decide(payload: Payload, point: PushPoint) -> Callable[[], SyncStats | None] | None:
         shares = agreed_shares(payload, ranks)
-        return None if shares is None else functools.partial(push_in_shares, updater, payload, shares, ranks)
+        return None if shares is None else functools.partial(push_in_shares, updater, payload, shares, ranks, point)
 
     return decide
 
 
-def push_in_shares(updater: VLLMUpdater, payload: Payload, shares: RankShares, ranks: TrainerRanks) -> SyncStats | None:
-    """Push with every rank sending ``shares``; on every rank at the same point. Returns the figures on
-    rank 0. Every rank's ``updater.versions`` ends on the version rank 0 committed, or one more missed
-    push point when the push failed.
+def push_in_shares(
+    updater: WeightSync, payload: Payload, shares: RankShares, ranks: TrainerRanks, point: PushPoint
+) -> SyncStats | None:
+    """Push with every rank sending ``shares``; on every rank at the same point, inside the push point
+    ``point``. Returns the figures on rank 0. Every rank's ``updater.versions`` ends on the version
+    rank 0 committed, or one more missed push point when the push failed (``point`` skips it).
 
     Raises:
         WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
     """
     if ranks.rank == 0:
-        return _lead(updater, payload, shares, ranks)
-    try:
-        version = _follow(updater, shares, ranks)
-    except BaseException:
-        updater.versions.skip()  # the push point's weights reached no engine
-        raise
-    updater.versions.adopt([version, -1, 0, 0])  # rank 0's, after its commit
+        return _lead(updater, payload, shares, ranks, point)
+    point.adopt(VersionState(committed=_follow(updater, shares, ranks)))  # rank 0's, after its commit
     return None
 
 
-def _lead(updater: VLLMUpdater, payload: Payload, shares: RankShares, ranks: TrainerRanks) -> SyncStats:
+def _lead(
+    updater: WeightSync, payload: Payload, shares: RankShares, ranks: TrainerRanks, point: PushPoint
+) -> SyncStats:
+    every = _StatusGroupSend(ranks, shares, _senders(ranks))
     try:
-        senders = _senders(ranks)
-    except BaseException:
-        updater.versions.skip()  # the push point's weights reached no engine
-        raise
-    every = _StatusGroupSend(ranks, shares, senders)
-    try:
-        stats = updater.push_weights(replace(payload.with_weights(shares), every_rank=every))
+        stats = updater.push(replace(payload.with_weights(shares), every_rank=every), point=point)
     except PartialPushError as error:
         if not every.aborted:
             _tell(ranks, done=cast("SyncStats", error.stats).weight_version)
@@ -158,7 +154,7 @@ def _tell(ranks: TrainerRanks, **word: Any) -> None:
     ranks.broadcast_bytes(json.dumps(word).encode())
 
 
-def _follow(updater: VLLMUpdater, shares: RankShares, ranks: TrainerRanks) -> int:
+def _follow(updater: WeightSync, shares: RankShares, ranks: TrainerRanks) -> int:
     """A rank other than 0: send this rank's shares for each pass rank 0 announces; rank 0's version."""
     try:
         listener = _listener(updater, ranks)
@@ -183,8 +179,8 @@ def _follow(updater: VLLMUpdater, shares: RankShares, ranks: TrainerRanks) -> in
                 word["group"],
                 int(word["workers"]),
                 _pieces(shares, wire),
-                updater.bucket_size_bytes,
-                updater.timeout_seconds,
+                updater.options.bucket_size_bytes,
+                updater.options.timeout_seconds,
             )
         except Exception as caught:  # noqa: BLE001  # told to every rank, then raised
             error = caught
@@ -216,11 +212,12 @@ def _pieces(shares: RankShares, wire: Sequence[tuple[str, torch.dtype]]) -> Iter
             raise ValueError(f"Rank {shares.rank} has no tensor {name!r} to send; its policy differs from rank 0's.")
 
 
-def _listener(updater: VLLMUpdater, ranks: TrainerRanks) -> socket.socket:
+def _listener(updater: WeightSync, ranks: TrainerRanks) -> socket.socket:
     """This rank's listener for the workers, made at its first push and kept (closed with ``ranks``)."""
     if ranks.listener is None:
-        port = updater.master_port + max(len(updater.engines), 1) - 1 + ranks.rank if updater.master_port else 0
-        ranks.listener = listen(send_address(updater.master_address), port)
+        options = updater.options
+        port = options.master_port + max(len(updater.engines), 1) - 1 + ranks.rank if options.master_port else 0
+        ranks.listener = listen(send_address(options.address), port)
     return ranks.listener
 
 

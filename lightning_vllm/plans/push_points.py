@@ -17,7 +17,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_vllm.core.engine_set import SyncStats
-from lightning_vllm.core.updater import VLLMUpdater
+from lightning_vllm.core.versions import VersionState
+from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.errors import (
     EngineConfigError,
     PartialPushError,
@@ -46,7 +47,7 @@ class PushPoints:
 
     def __init__(
         self,
-        updater: VLLMUpdater,
+        updater: WeightSync,
         blocking: bool,
         when_busy: WhenBusy,
         on_sync_error: str,
@@ -64,7 +65,7 @@ class PushPoints:
     def join_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generate_timeout: float) -> TrainerRanks:
         """Every rank: a status group of the trainer's ranks, and whether all take part in pushes (a sharded
         policy). A collective of every rank, when fitting starts."""
-        self.ranks = TrainerRanks(self.updater.timeout_seconds, generate_timeout)
+        self.ranks = TrainerRanks(self.updater.options.timeout_seconds, generate_timeout)
         self.sharded = is_sharded(trainer.strategy.model or pl_module)
         if self.sharded and self.pusher is not None:
             rank_zero_warn(
@@ -135,7 +136,7 @@ class PushPoints:
             self.pusher.wait_or_raise("before a blocking push")
             self.collect(trainer)
         try:
-            stats = self.updater.push_weights(pl_module)
+            stats = self.updater.push(pl_module)
         except PartialPushError as error:
             self.unsent = 0
             self._log(trainer, cast(SyncStats, error.stats), stall_seconds=time.perf_counter() - start)
@@ -149,10 +150,11 @@ class PushPoints:
         of every rank at each push point. Sharded pushes share them themselves."""
         if self.ranks is None or self.sharded:
             return
-        values = [*self.updater.versions.as_ints(), self.unsent]
+        values = [*self.updater.versions.state().to_ints(), self.unsent]
         shared = self.ranks.broadcast_ints(values)
         if self.ranks.rank != 0:
-            self.updater.versions.adopt(shared[:-1])
+            with self.updater.versions.push_point() as point:
+                point.adopt(VersionState.from_ints(shared[:-1]))
             self.unsent = shared[-1]
 
     def _submit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
+from lightning_vllm.core.versions import PushPoint, VersionState
 from lightning_vllm.errors import PushAborted, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.fsdp import holds_fsdp_units
@@ -42,7 +43,8 @@ from lightning_vllm.weights.payload import Payload, PushView
 from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.updater import SyncStats, VLLMUpdater
+    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.weight_sync import WeightSync
 
 PROCEED, DONE, FAILED = 0, 1, 2
 
@@ -244,13 +246,14 @@ class LockstepWeights(Weights):
         self.ranks.shared_error(f"{type(error).__name__}: {error}")
 
 
-SharesPush = Callable[[Payload], Callable[[], "SyncStats | None"] | None]
-"""Given the agreed payload, the push that every rank sends its own share of (``every_rank.py``),
-or ``None`` to gather it and let rank 0 send; a collective, so every rank decides alike."""
+SharesPush = Callable[[Payload, PushPoint], Callable[[], "SyncStats | None"] | None]
+"""Given the agreed payload and the push point's handle on the versions, the push that every rank
+sends its own share of (``every_rank.py``), or ``None`` to gather it and let rank 0 send; a
+collective, so every rank decides alike."""
 
 
 def push_from_every_rank(
-    updater: VLLMUpdater, module: torch.nn.Module, ranks: TrainerRanks, in_shares: SharesPush | None = None
+    updater: WeightSync, module: torch.nn.Module, ranks: TrainerRanks, in_shares: SharesPush | None = None
 ) -> SyncStats | None:
     """Push ``module``'s weights with every rank taking part; returns the figures on rank 0.
 
@@ -264,7 +267,7 @@ def push_from_every_rank(
         WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
     """
     weights: LockstepWeights | None = None
-    agreed = counted = sent_in_shares = False  # agreed on the payload; its push point counted; pushed in shares
+    agreed = sent_in_shares = False  # agreed on the payload; pushed in shares
 
     def agree(decide: Callable[[], PushView]) -> PushView:
         nonlocal agreed
@@ -272,34 +275,32 @@ def push_from_every_rank(
         agreed = True
         return view
 
-    try:
-        # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
-        payload = replace(updater.choose_payload(module, agree=agree), stamps=None)
-        weights = LockstepWeights(payload.weights, ranks)
-        weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
-        if in_shares is not None and (push := in_shares(payload)) is not None:
-            counted = sent_in_shares = True  # (which counts, or skips, its push point and shares its errors)
-            return push()
-        if ranks.rank == 0:
-            counted = True
-            stats = updater.push_weights(payload.with_weights(weights))
-            weights.check_in(DONE, stats.weight_version)
-            return stats
-        updater.versions.adopt([weights.follow(), -1, 0, 0])  # rank 0's, after its commit
-        return None
-    except BaseException as error:
-        if not counted:
-            updater.versions.skip()  # the push point's weights reached no engine
-        if not agreed or sent_in_shares or isinstance(error, PushAborted):
-            raise  # (every rank raises alike at the agreement, before any check-in)
-        if weights is None:  # this rank never got its weights: it fails at the first check-in
-            weights = LockstepWeights(_NoWeights(), ranks)
-        weights.fail(error)
-        raise
+    with updater.versions.push_point() as point:  # (a push point that sends nothing is skipped)
+        try:
+            # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
+            payload = replace(updater.choose_payload(module, agree=agree), stamps=None)
+            weights = LockstepWeights(payload.weights, ranks)
+            weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
+            if in_shares is not None and (push := in_shares(payload, point)) is not None:
+                sent_in_shares = True  # (which shares its errors itself)
+                return push()
+            if ranks.rank == 0:
+                stats = updater.push(payload.with_weights(weights), point=point)
+                weights.check_in(DONE, stats.weight_version)
+                return stats
+            point.adopt(VersionState(committed=weights.follow()))  # rank 0's, after its commit
+            return None
+        except BaseException as error:
+            if not agreed or sent_in_shares or isinstance(error, PushAborted):
+                raise  # (every rank raises alike at the agreement, before any check-in)
+            if weights is None:  # this rank never got its weights: it fails at the first check-in
+                weights = LockstepWeights(_NoWeights(), ranks)
+            weights.fail(error)
+            raise
 
 
 def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:
-    """How this push sends the policy (``VLLMUpdater.choose_payload``), decided on rank 0 for every rank.
+    """How this push sends the policy (``WeightSync.choose_payload``), decided on rank 0 for every rank.
 
     The ranks must iterate the same tensors (merged, adapter alone, or base then adapter)
     to stay in step in their gathers; whether an engine can serve the adapter, or still

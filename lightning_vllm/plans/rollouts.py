@@ -35,7 +35,7 @@ from lightning_vllm.prompts import PromptLimits, checked_prompts
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.updater import VLLMUpdater
+    from lightning_vllm.core.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class RolloutSampler:
 
     def __init__(
         self,
-        updater: VLLMUpdater,
+        updater: WeightSync,
         max_staleness: int | None = None,
         timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
     ) -> None:

@@ -9,21 +9,12 @@ import torch
 from helpers import FakeEngine, tiny_qwen2
 
 from lightning_vllm import EngineConfigError, WeightsMismatchError
-from lightning_vllm.core.connection import ConnectionSettings, EngineConnection
+from lightning_vllm.core.connection import EngineConnection
+from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
 
-SETTINGS = ConnectionSettings(
-    backend="auto",
-    master_address="127.0.0.1",
-    master_port=None,
-    vllm_tp_size=None,
-    bucket_size_bytes=1 << 20,
-    timeout_seconds=10.0,
-    pause_mode="keep",
-    reset_prefix_cache=True,
-    changed_only=True,
-)
+SETTINGS = UpdaterOptions(bucket_size_bytes=1 << 20, timeout_seconds=10.0)
 
 
 class MisconfiguredEngine(FakeEngine):

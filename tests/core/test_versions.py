@@ -6,22 +6,25 @@ import pickle
 
 import pytest
 
-from lightning_vllm.core.versions import WeightVersions
+from lightning_vllm.core.versions import VersionState, WeightVersions
 
 
 def play(events: str) -> WeightVersions:
-    """``b``: a push begins, ``c``: it commits, ``a``: it lands nowhere, ``s``: a push point is skipped."""
+    """``b``: a push begins (its own thread ends it), ``c``: it commits, ``a``: it lands nowhere,
+    ``s``: a push point is skipped."""
     versions = WeightVersions()
-    version = 0
+    push = None
     for event in events:
         if event == "b":
-            version = versions.begin()
+            with versions.push_point() as point:
+                push = point.begin(hand_off=True)
         elif event == "c":
-            versions.commit(version)
+            push.commit()
         elif event == "a":
-            versions.abandon(version)
+            push.abandon()
         elif event == "s":
-            versions.skip()
+            with versions.push_point():
+                pass
     return versions
 
 
@@ -50,21 +53,45 @@ def test_the_trainer_counts_every_push_point(events, committed, in_flight, train
 
 def test_one_push_at_a_time():
     versions = play("b")
-    with pytest.raises(RuntimeError, match="Weight version 1 is still on its way"):
-        versions.begin()
+    with pytest.raises(RuntimeError, match="Weight version 1 is still on its way"), versions.push_point() as point:
+        point.begin()
 
 
-def test_another_rank_adopts_rank_zeros_versions_and_a_spawned_copy_works():
+def test_a_push_point_skips_abandons_or_leaves_what_it_handed_off_on_exit():
+    versions = WeightVersions()
+    with pytest.raises(ValueError), versions.push_point():
+        raise ValueError("the weights could not be read")  # nothing began: skipped
+    assert (versions.committed, versions.missed) == (0, 1)
+    with pytest.raises(ValueError), versions.push_point() as point:
+        point.begin()
+        raise ValueError("the send failed")  # began, never committed: abandoned
+    assert (versions.committed, versions.in_flight, versions.missed) == (0, None, 2)
+    with versions.push_point() as point:
+        point.begin().commit()
+    assert (versions.committed, versions.missed, versions.trainer) == (1, 0, 1)
+    with versions.push_point() as point:
+        push = point.begin(hand_off=True)  # a background push ends it on its own thread
+    assert versions.in_flight == 2
+    push.commit()
+    push.abandon()  # a push ends once
+    assert (versions.committed, versions.in_flight, versions.missed) == (2, None, 0)
+
+
+def test_another_rank_adopts_rank_zeros_versions_by_name_and_a_spawned_copy_works():
     rank_zero, other = play("bcbsa"), WeightVersions()
-    other.adopt(rank_zero.as_ints())
+    with other.push_point() as point:
+        point.adopt(VersionState.from_ints(rank_zero.state().to_ints()))
     assert (other.committed, other.in_flight, other.missed, other.trainer) == (1, None, 2, 3)
+    with other.push_point() as point:
+        point.adopt(VersionState(committed=4))
+    assert (other.committed, other.missed, other.trainer) == (4, 0, 4)
     copy = pickle.loads(pickle.dumps(rank_zero))
-    assert copy.as_ints() == rank_zero.as_ints() and copy.begin() == 2
+    assert copy.state() == rank_zero.state() and copy.next == 2
 
 
 def test_an_engine_further_on_moves_the_count_and_a_negative_version_is_refused():
     versions = play("bc")
     versions.follow(7)
-    assert versions.begin() == 8
+    assert versions.next == 8
     with pytest.raises(ValueError, match="weight_version=-1"):
         WeightVersions().set_committed(-1)

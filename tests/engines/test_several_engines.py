@@ -50,7 +50,7 @@ def test_training_keeps_two_engines_in_sync(llm, second_llm, tmp_path):
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
     assert_serves(llm, module.hf)
     assert_serves(second_llm, module.hf)
-    assert sync.updater.all_worker_ids() == [0, 1]
+    assert sync.updater.engine_indices() == [0, 1]
     # Both go on from the larger version either served: fit start and step 2.
     assert sync.updater.engine_versions() == {0: str(served_before + 2), 1: str(served_before + 2)}
 

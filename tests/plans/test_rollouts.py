@@ -45,7 +45,7 @@ class RolloutModule(TinyCausalLM):
     def training_step(self, batch, batch_idx):
         updater = sampler_of(self).updater
         for _ in range(self.versions_ahead):
-            updater.increment_version()  # the trainer counts versions vLLM never got
+            updater.versions.count_one()  # the trainer counts versions vLLM never got
         rollouts = generate(self, [[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=3, logprobs=0, seed=0))
         self.rollouts.append(rollouts)
         self.seen.append((self.global_step, rollouts[0].weight_version, updater.weight_version))
@@ -250,7 +250,9 @@ def test_pushes_that_failed_count_as_versions_the_engine_missed():
     versions = sampler.updater.versions
     versions.set_committed(3)
     sampler.record([2])  # one behind: allowed
-    versions.skip(), versions.skip()  # two push points sent nothing since version 3 landed
+    for _ in range(2):  # two push points sent nothing since version 3 landed
+        with versions.push_point():
+            pass
     assert versions.trainer == 5 and sampler.take_staleness() == 3
     with pytest.raises(StaleRolloutsError, match="3 versions behind.*2 push point\\(s\\) since sent no weights"):
         sampler.record([2])

@@ -29,7 +29,7 @@ def test_vllms_plugin_loader_registers_gloo_and_loads_the_transport_not_lightnin
         "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as W, "
         "WeightTransferTrainerFactory as T; print('gloo' in W._registry and 'gloo' in T._registry); "
         "print(sorted(name for name in sys.modules if name.split('.')[0] in ('lightning', 'pytorch_lightning') "
-        "or name in ('lightning_vllm.callback', 'lightning_vllm.core.updater')))"
+        "or name in ('lightning_vllm.callback', 'lightning_vllm.core.weight_sync')))"
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.stdout.strip().splitlines()[-2:] == ["True", "[]"], completed.stderr[-2000:]

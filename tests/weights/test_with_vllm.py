@@ -74,7 +74,7 @@ def test_lora_policy_sends_merged_weights_and_leaves_the_module_untouched(llm, t
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
     before = {name: param.detach().clone() for name, param in policy.named_parameters()}
 
-    sync.updater.push_weights(module)
+    sync.updater.push(module)
 
     for name, param in policy.named_parameters():
         assert torch.equal(param, before[name]), name  # bit-identical: nothing merged into the live module
@@ -100,7 +100,7 @@ def test_tied_embeddings(tied_llm, tmp_path):
     cpu_trainer(tmp_path, [sync], max_steps=2).fit(TinyCausalLM(model), token_batches(num_batches=2))
     assert_serves(tied_llm, model)
     # A state dict lists the tied output embedding too; it is not sent twice.
-    stats = sync.updater.push_weights(model.state_dict())
+    stats = sync.updater.push(model.state_dict())
     assert stats.num_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert_serves(tied_llm, model)
     sync.updater.close()

@@ -1,9 +1,12 @@
-"""TorchRL's surface of the updater, and nothing else: the names TorchRL's collectors and
-``WeightUpdaterBase`` call (construction from a policy, the registered collector, TorchRL's
-version counting, ``__call__`` and the private ``_get_server_weights`` / ``_maybe_map_weights``
-/ ``_sync_weights_with_worker``), each delegating to the updater's own machinery; and the
-updater's place among TorchRL's updaters. Versions, hooks and engines are the updater's
-(``updater.py``, ``versions.py``, ``engine_set.py``). See ``docs/torchrl.md``.
+"""TorchRL's front end: ``VLLMUpdater``, the core (``core/weight_sync.py``) under TorchRL's names.
+
+The names TorchRL's collectors and ``WeightUpdaterBase`` call (the constructor's
+``master_address``/``master_port``/``model_metadata``/``vllm_tp_size``, ``init``,
+``push_weights`` with worker ids, construction from a policy, the registered collector,
+TorchRL's version counting, ``__call__`` and the private ``_get_server_weights`` /
+``_maybe_map_weights`` / ``_sync_weights_with_worker`` / ``_skip_update``), each one a push or
+a question of the core; and the updater's place among TorchRL's updaters. The Lightning
+callback is the other front end, beside this one. See ``docs/torchrl.md``.
 """
 
 from __future__ import annotations
@@ -13,21 +16,21 @@ import importlib.util
 import logging
 import threading
 import weakref
-from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
 from typing_extensions import Self
 
-from lightning_vllm.core.engine_set import EngineSet, SyncStats, WorkerIds
-from lightning_vllm.core.versions import WeightVersions
+from lightning_vllm.core.engine_set import EngineSelection, SyncStats
+from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights import source_metadata, weights_from
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata
-from lightning_vllm.weights.payload import Payload
 
 log = logging.getLogger(__name__)
 
@@ -114,30 +117,129 @@ class CollectorVersion:
         return update_policy_weights_
 
 
-class TorchRLInterface(ABC):
-    """TorchRL's surface of :class:`~lightning_vllm.VLLMUpdater`: construction from a policy, the
-    registered collector (its policy version moves with each push) and TorchRL's version counting.
-    Versions, post hooks and engines are the updater's own; this class only reaches them."""
+class VLLMUpdater(WeightSync):
+    """TorchRL's front end on :class:`~lightning_vllm.core.weight_sync.WeightSync`: the same pushes, under
+    the names of TorchRL's ``torchrl.collectors.llm.vLLMUpdater`` (its constructor, ``init``,
+    ``push_weights``, worker ids, collectors, version counting), so code written for TorchRL finds
+    the names it knows. Registered as TorchRL's ``WeightUpdaterBase`` (docs/torchrl.md).
 
-    versions: WeightVersions
-    model_attribute: str | None
-    _collector_ref: weakref.ref[Any] | None
-    _engine_set: EngineSet
+    For each engine the updater joins one collective group with its workers, checks before any
+    byte moves that the engine and the weights fit, and after each successful push commits a new
+    weight version in the engine and resets its prefix cache (see ``WeightSync``).
 
-    # The updater's own machinery, which TorchRL's names delegate to (``VLLMUpdater`` implements it).
-    @abstractmethod
-    def register_post_hook(self, hook: Callable[[], Any]) -> None: ...
+    Args:
+        master_address: address the trainer listens on for the rendezvous; the engine's
+            workers must reach it there. Defaults to ``127.0.0.1`` (loopback).
+        master_port: port for the rendezvous; ``None`` picks a free one. With several engines,
+            engine ``i`` (its worker id) listens on ``master_port + i``.
+        model_metadata: ``{name: (dtype, shape)}`` of the weights to send, dtypes being
+            the engine's serving dtypes; taken from the first pushed model when ``None``.
+        vllm_tp_size: vLLM's tensor-parallel size; checked against the engine when given.
+        engine: the vLLM engine(s) to update: a ``vllm.LLM``, an ``AsyncLLM``, a server URL
+            (``"http://host:port"``), a Ray actor handle of ``VLLMActor``, any
+            ``EngineTarget``, or a list mixing them (worker ids are list positions).
+        backend: ``"auto"`` (the backend of each engine's ``weight_transfer_config``), ``"gloo"``,
+            ``"nccl"`` or ``"ipc"``; must match the engine's ``weight_transfer_config``.
+        bucket_size_bytes: largest packed bucket on the wire, which bounds the trainer's
+            extra memory during a push.
+        timeout_seconds: the longest any single wait (rendezvous, transfer, control call) may take;
+            with ``nccl`` and ``ipc``, whose waits are NCCL's and CUDA's, the whole transfer of a push.
+        model_attribute: attribute of a LightningModule that holds the Hugging Face model;
+            found automatically when ``None``.
+        reset_prefix_cache: reset vLLM's prefix cache after each push.
+        pause_mode: how engines that serve while training (``AsyncLLM``, servers) treat
+            requests in flight during a push: ``"keep"`` freezes and resumes them (nothing
+            lost), ``"wait"`` finishes them first, ``"abort"`` drops them.
+        lora: how a PEFT LoRA policy is pushed: ``"adapter"`` sends the adapter alone (the
+            first push of each connection also sends the base weights once) and the engines
+            generate through it; ``"merged"`` sends merged full weights; ``"auto"`` sends the
+            adapter when every engine can serve it (``enable_lora=True``, gloo) and merged
+            weights otherwise. See ``docs/lora.md``.
+        changed_only: send only the layer groups with a tensor written since this updater's last
+            push to the engine (PyTorch counts in-place writes; writes through ``.data`` are not
+            counted); the engine keeps the others. See ``docs/concepts.md``.
 
-    @abstractmethod
-    def push_weights(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None) -> SyncStats: ...
+    Example::
 
-    @abstractmethod
-    def choose_payload(self, weights: Any) -> Payload: ...
+        >>> from vllm import LLM  # doctest: +SKIP
+        >>> llm = LLM(model=path, dtype="float32", weight_transfer_config={"backend": "gloo"})  # doctest: +SKIP
+        >>> updater = VLLMUpdater(engine=llm)  # doctest: +SKIP
+        >>> updater.init(VLLMUpdater.get_model_metadata(hf_model))  # doctest: +SKIP
+        >>> updater.push_weights(hf_model)  # doctest: +SKIP
+        >>> updater.weight_version, llm.get_weight_version()  # doctest: +SKIP
+        (1, '1')
+    """
+
+    def __init__(
+        self,
+        master_address: str | None = None,
+        master_port: int | None = None,
+        model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None,
+        vllm_tp_size: int | None = None,
+        *,
+        engine: Any = None,
+        backend: str = "auto",
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        model_attribute: str | None = None,
+        reset_prefix_cache: bool = True,
+        pause_mode: PauseMode = "keep",
+        lora: LoraMode = "auto",
+        changed_only: bool = True,
+    ) -> None:
+        options = UpdaterOptions.among(locals())
+        super().__init__(engine, options=options, model_metadata=model_metadata)
+        self._collector_ref: weakref.ref[Any] | None = None
+        register_with_torchrl(type(self))  # TorchRL's collectors then take it (docs/torchrl.md)
+
+    @property
+    def master_address(self) -> str:
+        """The address the trainer listens on for the rendezvous (loopback unless given)."""
+        return self.options.address
+
+    @property
+    def master_port(self) -> int | None:
+        """The rendezvous port (engine ``i`` listens on ``master_port + i``); ``None``: a free one."""
+        return self.options.master_port
+
+    @property
+    def vllm_tp_size(self) -> int | None:
+        """vLLM's tensor-parallel size, checked against each engine when given."""
+        return self.options.vllm_tp_size
+
+    def init(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:
+        """TorchRL's name of :meth:`~lightning_vllm.core.weight_sync.WeightSync.connect`: check the metadata
+        against each engine's model and join a group with each engine's workers."""
+        self.connect(model_metadata)
+
+    def all_worker_ids(self) -> list[int]:
+        """Ids of the engines this updater can push to: their positions in ``engine`` (TorchRL's name)."""
+        return self.engine_indices()
+
+    def push_weights(self, policy_or_weights: Any = None, worker_ids: EngineSelection = None) -> SyncStats:
+        """Send weights to vLLM and commit them as a new version (TorchRL's name of ``WeightSync.push``).
+
+        Args:
+            policy_or_weights: a Hugging Face or PEFT model, a LightningModule holding one,
+                a dict of tensors or a TensorDict (nested keys joined with ``"."``).
+            worker_ids: engines to update, by id (see :meth:`all_worker_ids`) or by device
+                (the engines on that device type); all when ``None``.
+
+        Returns:
+            The version pushed, the seconds it took and the bytes sent.
+
+        Raises:
+            WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.
+            PartialPushError: some engines took the push, some did not.
+            WeightSyncError: no engine took it; every engine keeps its previous version.
+        """
+        weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
+        return self.push(weights, worker_ids)
 
     def __call__(
         self,
         policy_or_weights: Any = None,
-        worker_ids: WorkerIds = None,
+        worker_ids: EngineSelection = None,
     ) -> SyncStats:
         """Same as :meth:`push_weights`: TorchRL's collectors call their updater with these keywords."""
         return self.push_weights(policy_or_weights, worker_ids)
@@ -161,7 +263,7 @@ class TorchRLInterface(ABC):
 
     def _maybe_map_weights(self, server_weights: Any) -> Weights:
         """Turn a model, a dict or a TensorDict into the named, streamed source the transport reads."""
-        return weights_from(server_weights, self.model_attribute)
+        return weights_from(server_weights, self.options.model_attribute)
 
     def _sync_weights_with_worker(
         self, *, worker_id: int | torch.device | None = None, server_weights: Any = None, version: int | None = None
@@ -170,9 +272,9 @@ class TorchRLInterface(ABC):
         per-worker step of ``WeightUpdaterBase.push_weights``: the same push as :meth:`push_weights`, with
         its checks, its commit and its post hooks. The version is the updater's next; ``version``, if
         given, must be that one (a version names one set of weights)."""
-        if version is not None and version != self.versions.committed + 1:
+        if version is not None and version != self.versions.next:
             raise ValueError(
-                f"version={version} cannot be committed: the next weight version is {self.versions.committed + 1} "
+                f"version={version} cannot be committed: the next weight version is {self.versions.next} "
                 "(versions only move one push at a time). Leave version=None, or set updater.weight_version first."
             )
         self.push_weights(server_weights, worker_id)
@@ -182,7 +284,7 @@ class TorchRLInterface(ABC):
         push goes to every engine it names; one that fails joins again at the next push)."""
         return False
 
-    def _engines_of_collector(self) -> list[EngineTarget]:
+    def find_engines(self) -> list[EngineTarget]:
         """The engine of the registered collector's policy (a TorchRL ``vLLMWrapper`` keeps it as
         ``policy.model``), as TorchRL's own vLLMUpdater finds it; none without a collector."""
         engine = getattr(getattr(self.collector, "policy", None), "model", None)
@@ -209,8 +311,7 @@ class TorchRLInterface(ABC):
             metadata = source_metadata(weights_from(policy))
         except (TypeError, ValueError):
             return None
-        updater: Self = cast(Any, cls)(model_metadata=metadata)  # VLLMUpdater's constructor
-        return updater
+        return cls(model_metadata=metadata)
 
     def increment_version(self) -> None:
         """Count one more version without pushing: this updater's weight version and, as
@@ -261,7 +362,7 @@ class TorchRLInterface(ABC):
         """The registered collector in a list (TorchRL's spelling), or ``None`` before one registers."""
         return None if self._collector_ref is None else [self._collector_ref()]
 
-    def _collector_lora_problems(self) -> list[str]:
+    def adapter_consumer_problems(self) -> list[str]:
         """Why the registered collector cannot sample from a pushed LoRA adapter: its policy (a
         TorchRL ``vLLMWrapper``, say) calls vLLM itself, without the adapter's ``LoRARequest``."""
         policy = getattr(self.collector, "policy", None)
@@ -271,3 +372,7 @@ class TorchRLInterface(ABC):
             f"the registered collector's policy ({type(policy).__name__}) generates without the adapter's "
             "LoRA request, so it would sample from the base weights"
         ]
+
+
+vLLMUpdater = VLLMUpdater
+"""TorchRL's spelling of the same class."""

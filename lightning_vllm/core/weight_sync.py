@@ -1,0 +1,287 @@
+"""The core: the engines, the versions, the options and the post hooks of one trainer's pushes.
+
+:class:`WeightSync` knows no framework. The Lightning callback (``callback.py``) and TorchRL's
+``VLLMUpdater`` (``torchrl.py``) are two front ends on top of it, side by side; the plans
+(``plans/``: several ranks, background pushes, rollouts) drive it. A push is prepared
+(:meth:`WeightSync.prepare`: what to send, to which engines, every check), then sent and
+committed (:meth:`Push.send <lightning_vllm.core.push.Push.send>`), inside one push point's
+handle on the versions (``versions.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightSource
+
+from lightning_vllm._waits import call_with_timeout
+from lightning_vllm.core.connection import EngineConnection
+from lightning_vllm.core.engine_set import EngineSelection, EngineSet, SyncStats
+from lightning_vllm.core.payloads import choose_payload
+from lightning_vllm.core.push import Push
+from lightning_vllm.core.versions import PushPoint, WeightVersions
+from lightning_vllm.engines import EngineTarget, as_engine_targets
+from lightning_vllm.engines.base import ServesLoraAdapters
+from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.options import UpdaterOptions, check_updater_options
+from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
+from lightning_vllm.weights.model import as_metadata
+from lightning_vllm.weights.payload import Payload, PushView
+
+NO_WEIGHTS = (
+    "A push needs the weights: pass the policy (a Hugging Face model or a LightningModule holding one), "
+    "a dict of tensors or a TensorDict. This updater does not fetch weights by itself."
+)
+
+
+class WeightSync:
+    """Pushes a policy's weights into vLLM engines over vLLM's weight-transfer protocol, and counts versions.
+
+    For each engine it joins one collective group with its workers (trainer rank 0, then
+    every worker; one group per engine, so engines fail and are updated independently),
+    checks before any byte moves that the engine is set up for the chosen backend and that
+    the weights fit the engine's model (names, shapes, dtypes, read from the checkpoint the
+    engine loaded), converts them to the engine's serving dtype on the way, and after each
+    successful push commits a new weight version in the engine and resets its prefix cache,
+    so no rollout reuses KV computed with old weights.
+
+    Args:
+        engine: the vLLM engine(s) to update: a ``vllm.LLM``, an ``AsyncLLM``, a server URL
+            (``"http://host:port"``), a Ray actor handle of ``VLLMActor``, any ``EngineTarget``,
+            or a list mixing them (their indices are list positions).
+        options: how it connects and sends (``UpdaterOptions``; ``VLLMUpdater`` documents each).
+        model_metadata: ``{name: (dtype, shape)}`` of the weights to send, dtypes being the
+            engine's serving dtypes; taken from the first pushed weights when ``None``.
+
+    Example::
+
+        >>> from vllm import LLM  # doctest: +SKIP
+        >>> llm = LLM(model=path, dtype="float32", weight_transfer_config={"backend": "gloo"})  # doctest: +SKIP
+        >>> sync = WeightSync(engine=llm)  # doctest: +SKIP
+        >>> sync.push(hf_model).weight_version, llm.get_weight_version()  # doctest: +SKIP
+        (1, '1')
+    """
+
+    def __init__(
+        self,
+        engine: Any = None,
+        *,
+        options: UpdaterOptions | None = None,
+        model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None,
+    ) -> None:
+        self._options = options or UpdaterOptions()
+        targets = as_engine_targets(engine) if engine is not None else []
+        check_updater_options(self._options, num_engines=len(targets))  # before anything is used
+        self._engine_set = EngineSet(targets, self._connect)
+        self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
+        self.versions = WeightVersions()
+        self._post_hooks: list[Callable[[], Any]] = []
+        self.last_sync: SyncStats | None = None
+
+    @property
+    def options(self) -> UpdaterOptions:
+        """The settings this pushes with, stored here only."""
+        return self._options
+
+    # -- where a front end may know more than the core ---------------------------
+
+    def find_engines(self) -> list[EngineTarget]:
+        """The engines to push to when none was given: none. A front end may know where they are
+        (TorchRL's, the engine of its collector's policy)."""
+        return []
+
+    def adapter_consumer_problems(self) -> list[str]:
+        """Why something that samples from the engines outside this package could not sample from a
+        pushed LoRA adapter (a front end's consumers): nothing here."""
+        return []
+
+    # -- engines and groups -----------------------------------------------------
+
+    @property
+    def engine(self) -> EngineTarget | None:
+        """The target of the first engine (the only one, usually)."""
+        return self._engine_set.targets[0] if self._engine_set.targets else None
+
+    @property
+    def engines(self) -> list[EngineTarget]:
+        """The targets of every engine, in index order."""
+        return list(self._engine_set.targets)
+
+    def set_engine(self, engine: Any) -> None:
+        """Replace the engine(s) this pushes to (leaving any group formed with the old ones)."""
+        targets = as_engine_targets(engine) if engine is not None else []
+        check_updater_options(self._options, num_engines=len(targets))
+        self.close()
+        self._engine_set = EngineSet(targets, self._connect)
+
+    @property
+    def initialized(self) -> bool:
+        """Whether a group is formed with every engine."""
+        return bool(self._engine_set) and len(self._engine_set.connections) == len(self._engine_set)
+
+    def engine_indices(self) -> list[int]:
+        """The indices of the engines this can push to: their positions in ``engine``."""
+        return self._engine_set.indices()
+
+    def engine_versions(self) -> dict[int, str | None]:
+        """The weight version each engine reports, by index."""
+        return {
+            index: call_with_timeout(
+                engine.get_weight_version, timeout=self._options.timeout_seconds, what="the engine's version"
+            )
+            for index, engine in enumerate(self._engine_set.targets)
+        }
+
+    def connect(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:
+        """Check the metadata against each engine's model and join a group with each engine's workers.
+
+        Blocks until every worker has joined, at most ``timeout_seconds`` per engine.
+
+        Args:
+            model_metadata: ``{name: (dtype, shape)}`` of the weights to send; replaces the
+                constructor's value when given.
+
+        Raises:
+            EngineConfigError: no engine, an engine without a weight-transfer config, a
+                different backend, or a tensor-parallel size that does not match.
+            WeightsMismatchError: the metadata does not fit an engine's model.
+            WeightSyncTimeoutError: the workers did not join in time.
+        """
+        if model_metadata is not None:
+            self.model_metadata = as_metadata(model_metadata)
+        if self.model_metadata is None:
+            raise ValueError(
+                "Connecting needs the model metadata: pass init(VLLMUpdater.get_model_metadata(model)) or "
+                "model_metadata=... to the constructor."
+            )
+        self._require_engines()
+        self.close()
+        for index in self._engine_set.indices():
+            self._engine_set.open(index)
+
+    def _require_engines(self) -> None:
+        if not self._engine_set.targets:
+            self._engine_set = EngineSet(self.find_engines(), self._connect)
+        if not self._engine_set.targets:
+            raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
+
+    def _connect(self, index: int) -> EngineConnection:
+        assert self.model_metadata is not None, "set by connect or by the first push"
+        connection = EngineConnection.open(self._engine_set.targets[index], self.model_metadata, self._options, index)
+        # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.
+        self.versions.follow(connection.reported_version)
+        return connection
+
+    def close(self) -> None:
+        """Leave every group and release the engines' side of them; the engines keep serving."""
+        self._engine_set.close()
+
+    # -- versions and hooks ------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights last pushed (0 before the first push); see ``versions``."""
+        return self.versions.committed
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        self.versions.set_committed(value)
+
+    def register_post_hook(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook()`` after every push that commits a version, in registration order; never after one
+        that no engine took."""
+        if not callable(hook):
+            raise TypeError(f"A post hook must be callable, got {type(hook).__name__}.")
+        self._post_hooks.append(hook)
+
+    @property
+    def post_hooks(self) -> list[Callable[[], Any]]:
+        """The hooks run after each push that commits a version."""
+        return list(self._post_hooks)
+
+    def _landed(self, stats: SyncStats) -> None:
+        self.last_sync = stats
+        for hook in self._post_hooks:
+            hook()
+
+    # -- pushing ----------------------------------------------------------------
+
+    def push(self, weights: Any, engines: EngineSelection = None, point: PushPoint | None = None) -> SyncStats:
+        """Send ``weights`` to vLLM and commit them as a new version.
+
+        Joins the groups first if :meth:`connect` has not run (metadata then comes from the
+        weights). Every engine is tried; an engine whose push fails is disconnected and joined
+        again at the next push, so an engine that restarted is picked up. The version is
+        committed once any engine has it (see :meth:`Push.send <lightning_vllm.core.push.Push.send>`).
+
+        Args:
+            weights: a Hugging Face or PEFT model, a LightningModule holding one, a dict of tensors
+                or a TensorDict (nested keys joined with ``"."``), or a payload already chosen.
+            engines: engines to update, by index or by device (the engines on that device type);
+                all when ``None``.
+            point: the push point's handle on the versions, when the caller opened it (a push
+                every trainer rank takes part in); one of its own otherwise.
+
+        Raises:
+            WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.
+            PartialPushError: some engines took the push, some did not.
+            WeightSyncError: no engine took it; every engine keeps its previous version.
+        """
+        if point is None:
+            with self.versions.push_point() as point:
+                return self.push(weights, engines, point)
+        return self.prepare(weights, engines).send(point.begin())
+
+    def prepare(self, weights: Any, engines: EngineSelection = None) -> Push:
+        """Everything of :meth:`push` before the first byte moves: what to send, to which engines
+        (joining their groups if needed), and every check. ``Push.send`` sends it.
+
+        Raises:
+            WeightsMismatchError, EngineConfigError: as :meth:`push`; nothing was sent.
+        """
+        if weights is None:
+            raise ValueError(NO_WEIGHTS)
+        self._require_engines()
+        targets = self._engine_set.resolve(engines)
+        payload = self.choose_payload(weights, targets)
+        offered = source_metadata(payload.weights)
+        if self.model_metadata is None:  # (an adapter view set it from the merged weights)
+            self.model_metadata = offered
+        connections, unreachable = self._engine_set.connected(targets)
+        for connection in connections.values():  # every check before the first byte moves
+            connection.check(payload, offered)
+        return Push(payload, list(connections), unreachable, self._engine_set, self._landed)
+
+    # -- what a push carries ------------------------------------------------------
+
+    def choose_payload(
+        self,
+        weights: Any,
+        engines: EngineSelection = None,
+        agree: Callable[[Callable[[], PushView]], PushView] | None = None,
+    ) -> Payload:
+        """What a push of ``weights`` carries (see ``lightning_vllm.core.payloads``): its tensors, its LoRA
+        adapter and its stamps, chosen once; asking whether the engines can serve an adapter connects
+        to them. ``agree`` lets the trainer's ranks decide together.
+
+        Raises:
+            EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
+            ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy sent from a
+                plain, DDP or FSDP2 module.
+        """
+        if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
+            return weights
+        if self.model_metadata is None and not isinstance(weights, WeightSource):  # (to connect, if asked)
+            self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
+        serving = functools.partial(self._engine_set.serving, engines, self.adapter_consumer_problems())
+        return choose_payload(weights, self._options, serving, agree)
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` to pass to ``llm.generate`` to sample from the policy's adapter
+        (``None`` before an adapter push, and when merged weights are pushed)."""
+        engine = self.engine
+        return engine.lora_request() if isinstance(engine, ServesLoraAdapters) else None
