@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_vllm.backends import check_requested
 from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
@@ -150,6 +151,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
                 push_from=push_from,
             )
         )
+        check_requested(backend, every_rank=push_from == "every_rank")
         for note in ignored:
             rank_zero_warn(note)
         self.schedule = PushSchedule(every_n_train_steps or 0, every_n_epochs or 0)

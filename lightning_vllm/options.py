@@ -40,9 +40,6 @@ PushFrom = Literal["rank0", "every_rank"]
 sends it (no port beyond the sync's one); ``"every_rank"`` has each rank send its own FSDP2
 shard, with no gather, from a port of its own (``every_rank.py``, ``docs/multinode.md``)."""
 
-BACKENDS = ("auto", "gloo", "nccl", "ipc")
-"""Weight-transfer backends: ``gloo`` is ours (CPUs), ``nccl`` and ``ipc`` are vLLM's (GPUs)."""
-
 _MAX_PORT = 65535
 
 
@@ -109,12 +106,6 @@ class SyncOptions:
     push_from: str = "rank0"
 
 
-def check_backend_name(backend: str) -> None:
-    """Raise ``ValueError`` for a backend name that is not one of ``BACKENDS``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"Invalid value for backend={backend!r}. Must be one of {', '.join(map(repr, BACKENDS))}.")
-
-
 def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None:
     """Raise ``ValueError`` for a ``VLLMUpdater`` setting out of range or in conflict with another.
 
@@ -139,7 +130,6 @@ def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None
         raise ValueError(f"Invalid value for vllm_tp_size={options.vllm_tp_size}. Must be >= 1.")
     validate_timeout(options.timeout_seconds)
     validate_bucket_size(options.bucket_size_bytes)
-    check_backend_name(options.backend)
     if options.pause_mode not in ("keep", "wait", "abort"):
         raise ValueError(f"Invalid value for pause_mode={options.pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
     if options.lora not in ("auto", "adapter", "merged"):
@@ -179,11 +169,6 @@ def check_options(options: SyncOptions) -> list[str]:
         raise ValueError(f"Invalid value for when_busy={options.when_busy!r}. Must be 'skip' or 'wait'.")
     if options.push_from not in ("rank0", "every_rank"):
         raise ValueError(f"Invalid value for push_from={options.push_from!r}. Must be 'rank0' or 'every_rank'.")
-    if options.push_from == "every_rank" and options.updater.backend not in ("auto", "gloo"):
-        raise ValueError(
-            f"push_from='every_rank' sends over the gloo backend, not backend={options.updater.backend!r}. "
-            "Pass push_from='rank0', or backend='gloo'."
-        )
     if not options.blocking and options.max_staleness == 0:
         raise ValueError(
             "blocking=False cannot hold max_staleness=0: rollouts sampled while a background push is on its way "

@@ -18,8 +18,8 @@ LAYERS: dict[str, list[str]] = {
         "lora", "lora.adapter", "lora.serving", "lora.worker", "lora.cpu_ops",
     ],
     "how bytes move": [
-        "transports", "transports.buckets", "transports.busy_wait", "transports.staging", "transports.select",
-        "transports.plugin", "transports.gloo", "transports.gloo.tied_embedding_fix", "transports.gloo.messages",
+        "transports", "transports.buckets", "transports.busy_wait", "transports.staging", "transports.plugin",
+        "transports.gloo", "transports.gloo.tied_embedding_fix", "transports.gloo.messages",
         "transports.gloo.group", "transports.gloo.shares", "transports.gloo.receiver", "transports.gloo.trainer",
         "transports.gloo.worker",
     ],
@@ -27,6 +27,10 @@ LAYERS: dict[str, list[str]] = {
         "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.base",
         "engines.config_facts", "engines.local", "engines.async_local", "engines.http", "engines.ray",
         "engines.failures", "server",
+    ],
+    "backends": [
+        "backends", "backends.base", "backends.registry", "backends.gloo", "backends.vllm_engines", "backends.nccl",
+        "backends.ipc",
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.connection", "core.engine_set", "core.payloads",
@@ -149,3 +153,26 @@ def test_the_rooms_stand_on_at_most_ten_floors_with_no_arrow_back_up():
         return floors[name]
 
     assert max(floor(name) for name in rooms) <= MAX_FLOORS, sorted(floors.items(), key=lambda item: item[1])
+
+
+BACKEND_NAMES = {"gloo", "nccl", "ipc", "sparse_nccl", "nccl_m2n"}
+"""The backends' names (vLLM's and ours): compared nowhere outside the backends' own modules."""
+
+
+def test_no_module_outside_the_backends_compares_backend_names():
+    """Code asks a backend for its traits instead (``backends/base.py``); the backends, and the gloo
+    backend's own wire and plugin (``transports/``), may name themselves."""
+
+    def names_a_backend(node: ast.AST) -> bool:
+        constants = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(c, ast.Constant) and c.value in BACKEND_NAMES for c in constants)
+
+    comparisons = []
+    for path in PACKAGE.rglob("*.py"):
+        module = module_name(path)
+        if module.split(".")[0] in ("backends", "transports"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(map(names_a_backend, [node.left, *node.comparators])):
+                comparisons.append(f"{module}:{node.lineno}")
+    assert comparisons == []

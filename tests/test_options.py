@@ -37,16 +37,10 @@ from lightning_vllm.options import SyncOptions, UpdaterOptions, check_options, c
         (SyncOptions(on_sync_error="ignore"), "on_sync_error='ignore'"),
         (SyncOptions(updater=UpdaterOptions(timeout_seconds=-1)), "timeout_seconds=-1"),
         (SyncOptions(updater=UpdaterOptions(bucket_size_bytes=10)), "bucket_size_bytes=10"),
-        (SyncOptions(updater=UpdaterOptions(backend="mpi")), "backend='mpi'"),
         (SyncOptions(updater=UpdaterOptions(pause_mode="drop")), "pause_mode='drop'"),  # type: ignore[arg-type]
         (SyncOptions(updater=UpdaterOptions(lora="both")), "lora='both'"),  # type: ignore[arg-type]
         (SyncOptions(updater=UpdaterOptions(vllm_tp_size=0)), "vllm_tp_size=0"),
         (SyncOptions(push_from="rank1"), "push_from='rank1'"),
-        # Every rank's share goes over our gloo transport; vLLM's NCCL engine sends from one rank.
-        (
-            SyncOptions(push_from="every_rank", updater=UpdaterOptions(backend="nccl")),
-            "push_from='every_rank' sends over the gloo backend, not backend='nccl'",
-        ),
     ],
 )
 def test_conflicting_or_out_of_range_options_are_refused_with_both_named(options, message):

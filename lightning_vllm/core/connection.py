@@ -15,35 +15,25 @@ import logging
 import math
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from typing_extensions import Self
-from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
-from lightning_vllm._waits import AbandonedClient, BackgroundCall, TimedClient, call_watched, call_with_timeout
+from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
+from lightning_vllm.backends import Backend, GroupPlan, Outgoing, Sender, backend_for_engine
+from lightning_vllm.backends.registry import carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.engines import EngineTarget
-from lightning_vllm.engines.base import (
-    ChecksIPCHandles,
-    FollowsUpdaterTimeout,
-    PolicyAdapter,
-    ServesLoraAdapters,
-    version_number,
-)
+from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
 from lightning_vllm.lora.serving import LoraLimits, adapter_problems
 from lightning_vllm.options import UpdaterOptions
-from lightning_vllm.transports import check_trainer_can_send, trainer_init_info
-from lightning_vllm.transports.gloo.trainer import GlooTrainerWeightTransferEngine
-from lightning_vllm.transports.plugin import GLOO, register_backends
-from lightning_vllm.transports.select import backend_for_engine
-from lightning_vllm.weights import DeclaredWeights, ModelMetadata, WireWeights, check_weights
-from lightning_vllm.weights.base import Weights
+from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
 from lightning_vllm.weights.changes import SentStamps
 from lightning_vllm.weights.checks import (
     ExpectedWeights,
@@ -52,15 +42,12 @@ from lightning_vllm.weights.checks import (
     wire_for_engine,
 )
 from lightning_vllm.weights.payload import Payload
-from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
 # How many timeout_seconds forming a group may take at most: the workers' side is bounded by one,
 # after which vLLM raises the trainer side's error; more than that is NCCL's init stuck.
 _RENDEZVOUS_GRACE = 1.5
-
-_DEATH_POLL_SECONDS = 0.1  # how often a transfer over vLLM's engines asks whether the engine died (free)
 
 
 class EngineConnection:
@@ -81,23 +68,21 @@ class EngineConnection:
         engine: EngineTarget,
         options: UpdaterOptions,
         client: TimedClient,
-        transfer: TrainerWeightTransferEngine[Any],
+        backend: Backend,
+        sender: Sender,
         wire: ModelMetadata,
         ties_word_embeddings: bool,
         reported_version: int = 0,
-        backend: str = GLOO,
-        device: torch.device | None = None,
     ) -> None:
         self.engine = engine
         self.reported_version = reported_version
         self.options = options
         self.client = client
-        self.transfer = transfer
+        self.backend = backend
+        self.sender = sender
         self.wire = wire
         self.ties_word_embeddings = ties_word_embeddings
-        self.backend = backend
-        # The GPU vLLM's engines send from (their communicator's), for pushes from any thread; None with gloo.
-        self.device = device
+        self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
         self.has_policy_base = False
         self.last_num_bytes = 0
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
@@ -127,10 +112,8 @@ class EngineConnection:
 
         configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
         backend = backend_for_engine(options.backend, configured, engine.description)
-        check_trainer_can_send(backend)
-        if backend == "ipc" and isinstance(engine, ChecksIPCHandles):
-            if problem := bounded(engine.ipc_handles_problem, f"{engine.description} to describe its RPC"):
-                raise EngineConfigError(problem)
+        backend.check_trainer()
+        backend.check_engine(engine, bounded)
         tp_size = engine.tensor_parallel_size()
         if options.vllm_tp_size is not None and options.vllm_tp_size != tp_size:
             raise EngineConfigError(
@@ -144,11 +127,9 @@ class EngineConnection:
             log.info(
                 "%s serves weight version %d: the next push counts on from it.", engine.description, reported_version
             )
-        register_backends()
         client = TimedClient(engine, options.timeout_seconds)
         world_size = 1 + bounded(engine.num_workers, "the engine's world size")
-        init_info = trainer_init_info(
-            backend,
+        plan = GroupPlan(
             master_address=options.address,
             master_port=options.engine_port(index),
             world_size=world_size,
@@ -156,26 +137,21 @@ class EngineConnection:
             timeout_seconds=options.timeout_seconds,
             largest_tensor_bytes=max((wire_bytes({name: meta}) for name, meta in wire.items()), default=0),
         )
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
         # A trainer killed inside an earlier push's commit window (between pause and
         # resume) left the engine paused; a new connection is where that ends.
         bounded(engine.resume_generation, f"{engine.description} to resume generation")
-        log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend)
-        # vLLM's NCCL and IPC engines take the weights they will replay at trainer_init (and 0.33's check
-        # them there); what they get is what every push sends, declared: the engine's wire. Each push then
-        # hands its own weights (``push``). The worker's side of the rendezvous is bounded by the client;
-        # the outer bound catches a trainer endpoint stuck in NCCL's own init, which has no timeout.
-        transfer = call_with_timeout(
-            WeightTransferTrainerFactory.trainer_init,
-            init_info,
-            client=client,
-            source=DeclaredWeights(wire),
+        log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend.name)
+        # The worker's side of the rendezvous is bounded by the client; the outer bound catches a
+        # trainer endpoint stuck in NCCL's own init, which has no timeout.
+        sender = call_with_timeout(
+            backend.join,
+            plan,
+            client,
+            wire,
             timeout=options.timeout_seconds * _RENDEZVOUS_GRACE,
-            what=f"the {backend} group with {engine.description}'s workers to form",
+            what=f"the {backend.name} group with {engine.description}'s workers to form",
         )
-        device = None if backend == GLOO else torch.device("cuda", torch.accelerator.current_device_index())
-        return cls(engine, options, client, transfer, wire, ties, reported_version, backend, device)
+        return cls(engine, options, client, backend, sender, wire, ties, reported_version)
 
     def adapter_problems(self, module: torch.nn.Module) -> list[str]:
         """Why this engine cannot be sent ``module``'s LoRA adapter alone (empty when it can).
@@ -193,9 +169,10 @@ class EngineConnection:
             return self._lora_facts
         engine, problems = self.engine, []
         limits = expected = None
-        if self.backend != GLOO:
+        if not self.backend.traits.carries_adapters:
             problems.append(
-                f"adapter pushes need the gloo backend; the {engine.description} engine uses {self.backend!r}"
+                f"adapter pushes need the {' or '.join(carrying('carries_adapters'))} backend; the "
+                f"{engine.description} engine uses {self.backend.name!r}"
             )
         elif not isinstance(engine, ServesLoraAdapters):
             problems.append(f"the {engine.description} engine target does not declare ServesLoraAdapters")
@@ -218,12 +195,13 @@ class EngineConnection:
 
         Raises:
             WeightsMismatchError: names, shapes, dtypes or tied embeddings do not fit.
-            EngineConfigError: every trainer rank is to send a share, which only the gloo backend takes.
+            EngineConfigError: every trainer rank is to send a share, which this backend cannot carry.
         """
-        if payload.every_rank is not None and self.backend != GLOO:
+        if payload.every_rank is not None and not self.backend.traits.carries_shares:
             raise EngineConfigError(
-                f"push_from='every_rank' sends each trainer rank's share over the gloo backend, but the "
-                f"{self.engine.description} engine uses {self.backend!r}. Pass push_from='rank0' for it."
+                f"push_from='every_rank' sends each trainer rank's share over the "
+                f"{' or '.join(carrying('carries_shares'))} backend, but the {self.engine.description} engine uses "
+                f"{self.backend.name!r}. Pass push_from='rank0' for it."
             )
         base = {name: meta for name, meta in offered.items() if not name.startswith(ADAPTER_PREFIX)}
         if payload.carries_adapter and not base:
@@ -249,9 +227,9 @@ class EngineConnection:
         A payload that carries a LoRA adapter: the workers stage it for vLLM's LoRA
         loader, and from the commit on the engine generates through it.
         """
-        # Our gloo workers receive the whole update while vLLM serves and load it inside
-        # finish_weight_update: generation needs pausing around that call only.
-        pause_for_transfer = self.backend != GLOO
+        # Workers that receive the whole update while vLLM serves and load it inside
+        # finish_weight_update need generation paused around that call only.
+        pause_for_transfer = self.backend.traits.loads_while_receiving
         if pause_for_transfer:
             self._pause()
         source = payload.weights
@@ -271,8 +249,16 @@ class EngineConnection:
             str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
         )
         adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
+        outgoing = Outgoing(
+            sent,
+            client,
+            adapter_message,
+            payload.every_rank,
+            what=f"the {self.backend.name} transfer to {self.engine.description}",
+            check_alive=lambda: raise_if_dead(self.engine),
+        )
         try:
-            self._send(sent, client, adapter_message, payload.every_rank)
+            self.sender.send(outgoing)
         except BaseException:
             # The engine may be frozen or gone: release its side without waiting, so the error reaches the caller
             # within timeout_seconds. vLLM's engines may be left inside the update (after_failure.py).
@@ -287,51 +273,6 @@ class EngineConnection:
         self.sent.landed(wire, stamps)
         self.last_num_bytes = wire_bytes(wire)
         return self.last_num_bytes
-
-    def _send(
-        self, source: Weights, client: TimedClient, adapter: dict[str, Any] | None, every: EveryRankSend | None
-    ) -> None:
-        """Send ``source`` through the trainer engine, ending with ``client.finish_weight_update()``
-        (which commits the version); every wait bounded.
-
-        Ours (gloo) is handed them and bounds each of its waits by ``timeout_seconds``. vLLM's engines
-        read ``self.source`` and ``self.client`` in ``send_weights`` (set for this push only) and wait on
-        NCCL and CUDA, which have no timeouts: their whole transfer is bounded by ``timeout_seconds``
-        (and ends when the engine is known to have died); on failure the caller closes the connection.
-        """
-        if isinstance(self.transfer, GlooTrainerWeightTransferEngine):
-            self.transfer.send_push(source, client, adapter, every)
-            return
-        self.transfer.source, self.transfer.client = source, client
-        try:
-            self._send_vllm()
-        except BaseException:  # its transfer thread may go on: it must not reach the engine
-            self.transfer.client = AbandonedClient(f"A push to {self.engine.description}")
-            raise
-        self.transfer.source, self.transfer.client = None, self.client
-
-    def _send_vllm(self) -> None:
-        device = self.device
-        if device is not None and device.index is not None:
-            # vLLM's producers read the tensors on streams of their own, which do not wait for the work this
-            # thread queued on its stream (the optimizer step that wrote them). Seen on H200s: an FSDP2 push
-            # gathered an embedding shard before AdamW had written it, and the engine got stale rows.
-            torch.cuda.current_stream(device).synchronize()
-
-        def send_on_device() -> None:  # on a thread of its own, whose current device is not the trainer's
-            with torch.cuda.device(device) if device is not None and device.index is not None else nullcontext():
-                self.transfer.send_weights()
-
-        # A call to an engine core that died is not woken up: the transfer ends as soon as it is known.
-        call_watched(
-            send_on_device,
-            timeout=self.options.timeout_seconds,
-            what=f"the {self.backend} transfer to {self.engine.description}",
-            check=lambda: raise_if_dead(self.engine),
-            interval=_DEATH_POLL_SECONDS,
-            hint="The engine may have stopped mid-push; the version was not committed. With nccl and ipc, "
-            "timeout_seconds bounds a whole push: raise it if pushes of this model take longer.",
-        )
 
     @contextmanager
     def _commit_window(self, pause: bool, adapter: PolicyAdapter | None = None) -> Iterator[None]:
@@ -373,7 +314,7 @@ class EngineConnection:
             update_open: a failed push over ``nccl``/``ipc`` may have left the engine inside the update,
                 paused: it is closed, then generation resumes, then the engine's side is released.
         """
-        self.transfer.shutdown()
+        self.sender.shutdown()
 
         def release() -> None:
             if update_open:

@@ -18,6 +18,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm._waits import call_with_timeout
+from lightning_vllm.backends import check_requested
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.core.engine_set import EngineSelection, EngineSet, SyncStats
 from lightning_vllm.core.payloads import choose_payload
@@ -75,6 +76,7 @@ class WeightSync:
         self._options = options or UpdaterOptions()
         targets = as_engine_targets(engine) if engine is not None else []
         check_updater_options(self._options, num_engines=len(targets))  # before anything is used
+        check_requested(self._options.backend)
         self._engine_set = EngineSet(targets, self._connect)
         self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
         self.versions = WeightVersions()

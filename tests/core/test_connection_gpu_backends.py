@@ -20,6 +20,8 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransf
 
 from lightning_vllm import EngineConfigError, EngineDeadError, WeightSyncTimeoutError
 from lightning_vllm._waits import BackgroundCall, TimedClient
+from lightning_vllm.backends import backend_named
+from lightning_vllm.backends.vllm_engines import ReplayedClient, ReplayedWeights, VLLMEngineSender
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
@@ -113,8 +115,8 @@ def test_vllms_trainer_engine_gets_the_wire_as_its_source_when_the_group_forms(b
     # vLLM 0.32's engines refused here with "requires a WeightSource"; now the first thing missing is the GPU.
     with pytest.raises(RuntimeError, match="accelerator device"):
         EngineConnection.open(engine, metadata, replace(SETTINGS, backend="auto"))
-    source = handed["source"]
-    assert isinstance(source, DeclaredWeights)
+    source = handed["source"]  # kept by vLLM's engine: each push loads its own weights into it
+    assert isinstance(source, ReplayedWeights) and isinstance(source.weights, DeclaredWeights)
     assert source_metadata(source) == metadata  # what every push sends, names, serving dtypes and shapes
     if hasattr(source, "implements_iter_full"):  # vLLM 0.33 checked it before anything else
         assert source.implements_iter_full() and source.owned_names(0) == list(metadata)
@@ -128,17 +130,20 @@ def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=CUDA):
     (``device=None``: the weights stay where they are, so that ``broadcast`` may read them here)."""
     wire = source_metadata(ModuleWeights(model))
     client = TimedClient(engine, timeout_seconds)
-    transfer = NCCLTrainerWeightTransferEngine(client=client, source=DeclaredWeights(wire))
+    source, replayed = ReplayedWeights(DeclaredWeights(wire)), ReplayedClient(client)
+    transfer = NCCLTrainerWeightTransferEngine(client=replayed, source=source)
     transfer._broadcast = broadcast  # type: ignore[method-assign]
-    settings = replace(SETTINGS, backend="nccl", timeout_seconds=timeout_seconds)
-    return EngineConnection(engine, settings, client, transfer, wire, False, backend="nccl", device=device)
+    sender = VLLMEngineSender(transfer, source, replayed, device, timeout_seconds)
+    options = replace(SETTINGS, backend="nccl", timeout_seconds=timeout_seconds)
+    return EngineConnection(engine, options, client, backend_named("nccl"), sender, wire, False)
 
 
 def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_wire_dtypes_and_commits_the_version():
     model = tiny_qwen2()
     engine = GPUEngine(model, "nccl")
     broadcasts = []
-    connection = nccl_connection(engine, model, lambda source, meta: broadcasts.append((source, list(meta))))
+    # vLLM's engine broadcasts the source it kept from trainer_init, into which the push loaded its weights.
+    connection = nccl_connection(engine, model, lambda source, meta: broadcasts.append((source.weights, list(meta))))
 
     connection.push(Payload(ModuleWeights(model)), version=1)
 

@@ -1,0 +1,140 @@
+"""What every backend is: a name, its traits, its checks, its init info, and the group it joins."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo
+
+from lightning_vllm.engines import EngineTarget
+from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.weights.base import Weights
+from lightning_vllm.weights.model import ModelMetadata
+from lightning_vllm.weights.shares import EveryRankSend
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the rest of the package asks of a backend, instead of its name.
+
+    Attributes:
+        loads_while_receiving: the workers load each layer as it arrives (vLLM's layer-wise
+            reload), so generation is paused around the whole transfer, and a failed transfer may
+            leave the engine inside the update (``core/after_failure.py``); ``False``: the workers
+            receive the whole update while vLLM serves and load it at the commit.
+        carries_adapters: a LoRA adapter can be sent alone, staged for vLLM's LoRA loader.
+        carries_shares: every trainer rank can send its own share of a push (``push_from="every_rank"``).
+        needs_cuda: the trainer sends from a CUDA device.
+    """
+
+    loads_while_receiving: bool
+    carries_adapters: bool
+    carries_shares: bool
+    needs_cuda: bool
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What a backend's init info is made of, for one engine's group (the trainer is rank 0)."""
+
+    master_address: str
+    master_port: int | None
+    world_size: int
+    bucket_size_bytes: int
+    timeout_seconds: float
+    largest_tensor_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One push as a sender sends it.
+
+    Attributes:
+        weights: the tensors, on the wire's names and dtypes.
+        client: the engine's control plane for this push; its ``finish_weight_update`` commits the version.
+        adapter: the LoRA adapter among the tensors, as the workers are told (``carries_adapters``).
+        every_rank: the other trainer ranks sending their shares at the same time (``carries_shares``).
+        what: the transfer, as errors name it.
+        check_alive: raises once the engine is known to have died (a sender whose waits cannot see it
+            asks this while it waits).
+    """
+
+    weights: Weights
+    client: Any
+    adapter: dict[str, Any] | None = None
+    every_rank: EveryRankSend | None = None
+    what: str = "the transfer"
+    check_alive: Callable[[], None] = lambda: None
+
+
+class Sender(ABC):
+    """A joined group: sends pushes until it is shut down.
+
+    Attributes:
+        device: the device it sends from, where a push's tensors go first (``None``: where they are;
+            the wire converts them on the way).
+    """
+
+    device: torch.device | None = None
+
+    @abstractmethod
+    def send(self, push: Outgoing) -> None:
+        """Send ``push`` and commit it (``push.client.finish_weight_update``); every wait bounded."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Leave the group (the engine's side is released through the client)."""
+
+
+class Backend(ABC):
+    """One weight-transfer backend, as vLLM's ``weight_transfer_config={"backend": name}`` names it.
+
+    Subclasses set ``name`` and ``traits`` and build their init info and their group; the
+    checks have defaults that follow the traits.
+    """
+
+    name: ClassVar[str]
+    traits: ClassVar[Traits]
+
+    def check_trainer(self) -> None:
+        """Raise unless this trainer process can send over this backend.
+
+        Raises:
+            EngineConfigError: it cannot (the message says why and what to use).
+        """
+        if self.traits.needs_cuda and not torch.cuda.is_available():
+            raise EngineConfigError(
+                f"backend={self.name!r} sends from the trainer's GPU, but this process has no CUDA device. Train on a "
+                "GPU, or build the engine with weight_transfer_config={'backend': 'gloo'} to push from CPUs."
+            )
+
+    def check_engine(self, engine: EngineTarget, ask: Callable[[Callable[[], Any], str], Any]) -> None:
+        """Raise if ``engine`` was built without what this backend needs; ``ask(fn, what)`` calls the
+        engine within the timeout. Nothing by default.
+
+        Raises:
+            EngineConfigError: the engine cannot take this backend's pushes (says how to build it).
+        """
+        return None
+
+    def sender_device(self) -> torch.device | None:
+        """The device the trainer sends from (``None``: the tensors' own, converted on the way)."""
+        return torch.device("cuda", torch.accelerator.current_device_index()) if self.traits.needs_cuda else None
+
+    @abstractmethod
+    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+        """The trainer-side init info vLLM's ``WeightTransferTrainerFactory`` builds this backend from."""
+
+    @abstractmethod
+    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+        """Form the group with the engine's workers (every wait bounded); its sender.
+
+        Args:
+            plan: the group's settings.
+            client: the engine's control plane (bounded calls).
+            wire: what every push will send at most: the engine's names and serving dtypes.
+        """

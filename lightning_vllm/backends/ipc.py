@@ -1,0 +1,52 @@
+"""``ipc``: vLLM's CUDA-IPC engine, for an engine on the trainer's own GPU (colocated)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import TrainerInitInfo
+
+from lightning_vllm.backends.base import GroupPlan, Traits
+from lightning_vllm.backends.vllm_engines import VLLMEngineBackend
+from lightning_vllm.engines import EngineTarget
+from lightning_vllm.engines.base import ChecksIPCHandles
+from lightning_vllm.errors import EngineConfigError
+
+
+class IPCBackend(VLLMEngineBackend):
+    """vLLM's packed IPC producer: CUDA IPC handles of buffers on the trainer's GPU, opened by the worker."""
+
+    name: ClassVar[str] = "ipc"
+    traits: ClassVar[Traits] = Traits(
+        loads_while_receiving=True, carries_adapters=False, carries_shares=False, needs_cuda=True
+    )
+
+    def check_trainer(self) -> None:
+        """Also: one trainer process. vLLM's IPC engine all-gathers CUDA handles over the default process
+        group whenever it has several ranks (one trainer rank per colocated worker), while pushes here go
+        from rank 0 alone: with several trainer processes it would wait for ranks that never send."""
+        super().check_trainer()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise EngineConfigError(
+                f"backend='ipc' with {dist.get_world_size()} trainer processes: vLLM's IPC engine gathers CUDA "
+                "handles from every trainer rank, each beside a worker of its own, but lightning-vllm pushes from "
+                "rank 0 alone. Build the engine with weight_transfer_config={'backend': 'nccl'} to push from several "
+                "trainer ranks."
+            )
+
+    def check_engine(self, engine: EngineTarget, ask: Callable[[Callable[[], Any], str], Any]) -> None:
+        """The engine must carry vLLM's CUDA IPC handles (``engines/serialization.py``)."""
+        if isinstance(engine, ChecksIPCHandles):
+            if problem := ask(engine.ipc_handles_problem, f"{engine.description} to describe its RPC"):
+                raise EngineConfigError(problem)
+
+    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+        """vLLM's packed IPC producer refuses a tensor larger than its buffer (a large vocabulary's
+        embedding is ~0.5 GB), so the buffer grows to the largest tensor when that is larger than
+        ``bucket_size_bytes``."""
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        buffer_size = max(plan.bucket_size_bytes, plan.largest_tensor_bytes)
+        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=buffer_size, rank=0)

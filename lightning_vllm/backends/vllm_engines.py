@@ -1,0 +1,138 @@
+"""The one adapter over vLLM's trainer engines (``NCCLTrainerWeightTransferEngine``,
+``IPCTrainerWeightTransferEngine``): where vLLM's API churn lands.
+
+vLLM's design fixes a trainer engine's source and client at ``trainer_init`` and replays them in
+each ``send_weights``. We keep to it: the engine gets a :class:`ReplayedWeights` and a
+:class:`ReplayedClient` once, and each push loads its own weights and its own committing client
+into them, never into vLLM's object. A transfer waits on NCCL and CUDA, which have no timeouts:
+it runs on a thread of its own, bounded by ``timeout_seconds``, and ends as soon as the engine
+is known to have died. A transfer thread that outlives its push cannot reach the engine: its
+client is then an :class:`~lightning_vllm._waits.AbandonedClient`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine
+
+from lightning_vllm._waits import AbandonedClient, call_watched
+from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender
+from lightning_vllm.weights import DeclaredWeights
+from lightning_vllm.weights.base import Weights
+from lightning_vllm.weights.model import ModelMetadata
+
+_DEATH_POLL_SECONDS = 0.1  # how often a transfer asks whether the engine died (free)
+
+
+class ReplayedWeights(Weights):
+    """The source vLLM's trainer engine keeps from ``trainer_init``: each push loads its own weights."""
+
+    def __init__(self, weights: Weights) -> None:
+        self.weights = weights
+
+    def load(self, weights: Weights) -> None:
+        """Replay ``weights`` at the next ``send_weights`` (their metadata is read anew)."""
+        self.weights = weights
+        self.__dict__.pop("metadata", None)  # (a cached property)
+
+    def declare(self) -> list[ParamMeta]:
+        return list(self.weights.metadata)
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.weights.iter_full()
+
+
+class ReplayedClient:
+    """The control-plane client vLLM's trainer engine keeps from ``trainer_init``: each push loads its
+    own (whose ``finish_weight_update`` commits its version)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def free_port(address: str) -> int:
+    """A free port on ``address``, for vLLM's NCCL engine, which binds the port itself: there is a
+    short window in which another process could take it (the gloo backend holds its socket instead)."""
+    with socket.create_server((address, 0)) as probe:
+        return int(probe.getsockname()[1])
+
+
+class VLLMEngineBackend(Backend):
+    """A backend whose trainer side is one of vLLM's engines, joined through vLLM's factory."""
+
+    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        # vLLM 0.33's engines check at trainer_init the weights they will replay: what every push sends,
+        # declared (the engine's wire).
+        source, replayed_client = ReplayedWeights(DeclaredWeights(wire)), ReplayedClient(client)
+        engine = WeightTransferTrainerFactory.trainer_init(self.init_info(plan), client=replayed_client, source=source)
+        return VLLMEngineSender(engine, source, replayed_client, self.sender_device(), plan.timeout_seconds)
+
+
+class VLLMEngineSender(Sender):
+    """Sends each push through a vLLM trainer engine, replaying what the push loads.
+
+    Args:
+        engine: vLLM's trainer engine, built with ``source`` and ``client``.
+        device: the GPU the engine's communicator sends from (pushes may come from any thread).
+        timeout_seconds: the longest a whole transfer may take.
+    """
+
+    def __init__(
+        self,
+        engine: TrainerWeightTransferEngine[Any],
+        source: ReplayedWeights,
+        client: ReplayedClient,
+        device: torch.device | None,
+        timeout_seconds: float,
+    ) -> None:
+        self.engine, self.source, self.client = engine, source, client
+        self.device = device
+        self.timeout_seconds = timeout_seconds
+
+    def send(self, push: Outgoing) -> None:
+        declared, between_pushes = self.source.weights, self.client.client
+        self.source.load(push.weights)
+        self.client.client = push.client
+        try:
+            self._transfer(push.what, push.check_alive)
+        except BaseException:  # its transfer thread may go on: it must not reach the engine
+            self.client.client = AbandonedClient(push.what[0].upper() + push.what[1:])
+            raise
+        self.source.load(declared)
+        self.client.client = between_pushes
+
+    def _transfer(self, what: str, check_alive: Callable[[], None]) -> None:
+        device = self.device
+        if device is not None and device.index is not None:
+            # vLLM's producers read the tensors on streams of their own, which do not wait for the work this
+            # thread queued on its stream (the optimizer step that wrote them). Seen on H200s: an FSDP2 push
+            # gathered an embedding shard before AdamW had written it, and the engine got stale rows.
+            torch.cuda.current_stream(device).synchronize()
+
+        def send_on_device() -> None:  # on a thread of its own, whose current device is not the trainer's
+            with torch.cuda.device(device) if device is not None and device.index is not None else nullcontext():
+                self.engine.send_weights()
+
+        # A call to an engine core that died is not woken up: the transfer ends as soon as it is known.
+        call_watched(
+            send_on_device,
+            timeout=self.timeout_seconds,
+            what=what,
+            check=check_alive,
+            interval=_DEATH_POLL_SECONDS,
+            hint="The engine may have stopped mid-push; the version was not committed. With nccl and ipc, "
+            "timeout_seconds bounds a whole push: raise it if pushes of this model take longer.",
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

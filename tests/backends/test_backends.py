@@ -1,0 +1,113 @@
+"""The backends as objects: choosing one for an engine, their traits and checks, and the trainer-side
+settings handed to vLLM's own engines (NCCL, IPC)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+from lightning_vllm import VLLMUpdater, VLLMWeightSync
+from lightning_vllm.backends import GroupPlan, backend_for_engine, backend_named, check_requested
+from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.transports.gloo import GlooTrainerInitInfo
+
+
+def test_auto_follows_the_engines_weight_transfer_config():
+    # Not the trainer's hardware: the engine's config is what both sides must agree on.
+    for engine_backend in ("gloo", "nccl", "ipc"):
+        assert backend_for_engine("auto", engine_backend, "the test").name == engine_backend
+
+
+def test_explicit_backends_must_match_the_engine_and_unknown_ones_are_named():
+    assert backend_for_engine("ipc", "ipc", "the test").name == "ipc"
+    with pytest.raises(EngineConfigError, match="expects weight-transfer backend 'nccl' but this updater uses 'ipc'"):
+        backend_for_engine("ipc", "nccl", "the test")
+    for refused in (lambda: check_requested("mpi"), lambda: VLLMUpdater(backend="mpi")):
+        with pytest.raises(ValueError, match="backend='mpi'. Must be one of 'auto', 'gloo', 'nccl', 'ipc'"):
+            refused()
+    with pytest.raises(EngineConfigError, match="backend 'sparse_nccl', which lightning-vllm does not send over"):
+        backend_for_engine("auto", "sparse_nccl", "the test")
+
+
+def test_every_ranks_shares_need_a_backend_that_carries_them():
+    # vLLM's NCCL engine sends from one rank; our gloo backend takes every rank's share.
+    for refused in (
+        lambda: check_requested("nccl", every_rank=True),
+        lambda: VLLMWeightSync(backend="nccl", push_from="every_rank"),
+    ):
+        with pytest.raises(ValueError, match="push_from='every_rank'.*backend='nccl' cannot carry.*backend='gloo'"):
+            refused()
+    check_requested("gloo", every_rank=True)
+    check_requested("auto", every_rank=True)  # (the connection checks the engine's own)
+
+
+def test_the_traits_say_what_the_package_asks_of_a_backend():
+    gloo, nccl, ipc = (backend_named(name).traits for name in ("gloo", "nccl", "ipc"))
+    assert (gloo.loads_while_receiving, gloo.carries_adapters, gloo.carries_shares, gloo.needs_cuda) == (
+        False,
+        True,
+        True,
+        False,
+    )
+    for vllms in (nccl, ipc):
+        assert (vllms.loads_while_receiving, vllms.carries_adapters, vllms.carries_shares, vllms.needs_cuda) == (
+            True,
+            False,
+            False,
+            True,
+        )
+
+
+def test_vllms_gpu_engines_need_cuda_in_the_trainer(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    backend_named("gloo").check_trainer()
+    for backend in ("nccl", "ipc"):
+        with pytest.raises(EngineConfigError, match=f"backend='{backend}' sends from the trainer's GPU.*'gloo'"):
+            backend_named(backend).check_trainer()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    backend_named("nccl").check_trainer()
+
+
+SETTINGS = dict(master_address="127.0.0.1", world_size=3, bucket_size_bytes=1 << 20, timeout_seconds=5.0)
+
+
+def trainer_init_info(backend: str, **plan):
+    return backend_named(backend).init_info(GroupPlan(**{**SETTINGS, **plan}))
+
+
+def test_gloo_settings_keep_port_zero_for_the_transport_to_pick():
+    info = trainer_init_info("gloo", master_port=None)
+    assert isinstance(info, GlooTrainerInitInfo) and info.backend == "gloo"
+    assert (info.master_port, info.world_size, info.bucket_size_bytes, info.is_sender) == (0, 3, 1 << 20, True)
+
+
+def test_nccl_uses_vllms_packed_engine_with_our_bucket_size():
+    info = trainer_init_info("nccl", master_port=None)
+    assert isinstance(info, NCCLTrainerInitInfo)
+    assert info.packed and info.packed_buffer_size_bytes == 1 << 20
+    assert info.world_size == 3 and 0 < info.master_port < 65536
+    assert trainer_init_info("nccl", master_port=29555).master_port == 29555
+
+
+def test_ipc_uses_vllms_packed_engine():
+    info = trainer_init_info("ipc", master_port=None)
+    assert isinstance(info, IPCTrainerInitInfo) and info.packed and info.packed_buffer_size_bytes == 1 << 20
+
+
+def test_ipc_is_refused_with_several_trainer_processes(monkeypatch):
+    # vLLM's IPC engine would wait in an all-gather for ranks that never send (we push from rank 0).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(EngineConfigError, match="backend='ipc' with 2 trainer processes.*'nccl'"):
+        backend_named("ipc").check_trainer()
+    backend_named("nccl").check_trainer()
+
+
+def test_ipc_buffers_grow_to_hold_the_largest_tensor():
+    # vLLM's packed IPC producer refuses a tensor larger than its buffer (seen on an H200: a 0.47 GB embedding).
+    info = trainer_init_info("ipc", master_port=None, largest_tensor_bytes=3 << 20)
+    assert info.packed_buffer_size_bytes == 3 << 20
+    assert trainer_init_info("ipc", master_port=None, largest_tensor_bytes=1).packed_buffer_size_bytes == 1 << 20
