@@ -11,7 +11,7 @@ busy-waits for a second for the next one. Without rollouts, only the push wakes
 it, and its spinning then slows the next training step; with rollouts it spins
 after every step either way, and what remains is the push itself. The extra time
 per step should be the push itself and nothing more, so the report sets the
-difference against the time spent inside ``push_weights``.
+difference against the time spent inside ``push`` (``push_weights``).
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ class TimedUpdater(VLLMUpdater):
         super().__init__(*args, **kwargs)
         self.push_seconds: list[float] = []
 
-    def push_weights(self, *args: Any, **kwargs: Any) -> Any:
+    def push(self, *args: Any, **kwargs: Any) -> Any:  # (what the callback calls)
         start = time.perf_counter()
         try:
-            return super().push_weights(*args, **kwargs)
+            return super().push(*args, **kwargs)
         finally:
             self.push_seconds.append(time.perf_counter() - start)
 

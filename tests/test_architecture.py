@@ -33,8 +33,8 @@ LAYERS: dict[str, list[str]] = {
         "backends.ipc",
     ],
     "core": [
-        "core", "core.versions", "core.after_failure", "core.connection", "core.engine_set", "core.payloads",
-        "core.push", "core.weight_sync",
+        "core", "core.versions", "core.after_failure", "core.facts", "core.connection", "core.engine_set",
+        "core.payloads", "core.push", "core.weight_sync",
     ],
     "plans": ["plans", "plans.ranks", "plans.every_rank", "plans.background", "plans.rollouts", "plans.push_points"],
     "fronts": ["callback", "torchrl"],

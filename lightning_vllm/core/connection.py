@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from typing_extensions import Self
 
 from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
@@ -26,12 +25,13 @@ from lightning_vllm.backends import Backend, GroupPlan, Outgoing, Sender, backen
 from lightning_vllm.backends.registry import carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
+from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
-from lightning_vllm.lora.serving import LoraLimits, adapter_problems
+from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
 from lightning_vllm.weights.changes import SentStamps
@@ -153,16 +153,13 @@ class EngineConnection:
         )
         return cls(engine, options, client, backend, sender, wire, ties, reported_version)
 
-    def adapter_problems(self, module: torch.nn.Module) -> list[str]:
-        """Why this engine cannot be sent ``module``'s LoRA adapter alone (empty when it can).
-
-        The engine's side (backend, LoRA settings, a server's middleware) is asked once per
-        connection; the module's side is checked at each push.
-        """
-        limits, expected, engine_problems = self._engine_lora_facts()
-        if engine_problems:
-            return engine_problems
-        return adapter_problems(module, limits, expected, self.engine.description)
+    def facts(self) -> EngineFacts:
+        """What a push's choice needs of this engine (``core/payloads.py``). Its LoRA side (backend,
+        LoRA settings, a server's middleware) is asked once per connection."""
+        limits, expected, problems = self._engine_lora_facts()
+        return EngineFacts(
+            self.engine.description, self.backend.traits, limits, expected, tuple(problems), self.has_policy_base
+        )
 
     def _engine_lora_facts(self) -> tuple[LoraLimits | None, ExpectedWeights | None, list[str]]:
         if self._lora_facts is not None:

@@ -114,16 +114,6 @@ class EngineSet:
             raise next(iter(unreachable.values()))
         return connections, unreachable
 
-    def serving(
-        self, selection: EngineSelection, extra_problems: list[str], policy: torch.nn.Module
-    ) -> tuple[list[str], bool]:
-        """Why some of the engines ``selection`` names cannot serve ``policy``'s LoRA adapter (with
-        ``extra_problems``), and whether every one has the policy's base weights already; connects to
-        them if needed (the engines not reached get nothing)."""
-        connections = list(self.connected(self.resolve(selection))[0].values())
-        problems = [f"{c.engine.description}: {problem}" for c in connections for problem in c.adapter_problems(policy)]
-        return [*problems, *extra_problems], all(connection.has_policy_base for connection in connections)
-
     def open(self, index: int) -> EngineConnection:
         """Open (again) the connection of the engine at ``index``.
 

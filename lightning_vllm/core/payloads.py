@@ -1,33 +1,81 @@
 """What a push sends, chosen once: the policy's full (or merged) weights, its LoRA adapter alone, or
 its base weights with the adapter; and the stamps a changed-only push compares.
 
-:func:`choose_payload` is the only place this is decided. The updater calls it (and the
-trainer's ranks, through the updater, agree on its decision); everything after it, the
-connection, a background snapshot, a sharded walk, handles the :class:`Payload` it returns.
+:func:`choose_payload` is the only place this is decided, a pure function of the weights, the
+options and the engines' facts (``core/facts.py``, read when connecting). The trainer's ranks may
+agree on rank 0's decision (:func:`choose_view`, then :func:`payload_for` on every rank);
+everything after it, the connection, a background snapshot, a sharded walk, handles the
+:class:`Payload` it returns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 from vllm.distributed.weight_transfer.base import WeightSource
 
+from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.lora.adapter import NOT_A_LORA_POLICY, adapter_source, lora_policy
-from lightning_vllm.lora.serving import choose_view
+from lightning_vllm.lora.serving import adapter_problems, choose_view_of_problems
 from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import weights_from
 from lightning_vllm.weights.payload import Payload, PushView
 
 
+def needs_facts(weights: Any, options: UpdaterOptions) -> bool:
+    """Whether choosing a payload for ``weights`` reads the engines' facts: a LoRA policy that may go
+    as an adapter. Anything else is chosen without asking an engine."""
+    return (
+        options.lora != "merged"
+        and not isinstance(weights, WeightSource)
+        and lora_policy(weights, options.model_attribute) is not None
+    )
+
+
+def choose_view(
+    weights: Any, options: UpdaterOptions, facts: Sequence[EngineFacts], extra_problems: Sequence[str] = ()
+) -> PushView:
+    """How a push of ``weights`` sends the policy (see :data:`PushView`), under ``options``, given the
+    facts of every engine it goes to (read only for a LoRA policy: :func:`needs_facts`) and
+    ``extra_problems``, why something else that samples from the engines could not use an adapter.
+
+    Raises:
+        EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
+        ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy.
+    """
+    if options.lora == "merged" or isinstance(weights, WeightSource):
+        return "merged"
+    policy = lora_policy(weights, options.model_attribute)
+    if policy is None:
+        if options.lora == "adapter":
+            raise ValueError(NOT_A_LORA_POLICY)
+        return "merged"
+    problems = [
+        f"{engine.description}: {problem}"
+        for engine in facts
+        for problem in engine.lora_problems
+        or adapter_problems(policy, engine.lora_limits, engine.expected, engine.description)
+    ]
+    engines_have_base = all(engine.has_policy_base for engine in facts)
+    return choose_view_of_problems(options.lora, [*problems, *extra_problems], engines_have_base)
+
+
+def payload_for(weights: Any, view: PushView, options: UpdaterOptions) -> Payload:
+    """The payload of ``weights`` sent as ``view``: its tensors, its LoRA adapter's config and its stamps."""
+    if view == "merged":
+        source = weights_from(weights, options.model_attribute)
+        return Payload(source, view, stamps=source.stamps() if options.changed_only else None)
+    policy = lora_policy(weights, options.model_attribute)
+    assert policy is not None, "an adapter view is chosen for a LoRA policy only"
+    source, config = adapter_source(policy, with_base=view == "base_and_adapter")
+    return Payload(source, view, adapter_config=config)
+
+
 def choose_payload(
-    weights: Any,
-    options: UpdaterOptions,
-    engines_serving: Callable[[torch.nn.Module], tuple[list[str], bool]],
-    agree: Callable[[Callable[[], PushView]], PushView] | None = None,
+    weights: Any, options: UpdaterOptions, facts: Sequence[EngineFacts], extra_problems: Sequence[str] = ()
 ) -> Payload:
-    """What a push of ``weights`` carries, under the updater's ``options``.
+    """What a push of ``weights`` carries, under ``options``, given the engines' ``facts``.
 
     A ready ``WeightSource``, and any policy when ``lora="merged"``, is sent as it is (a
     LoRA policy merged). A PEFT LoRA policy otherwise sends its adapter alone when every
@@ -37,31 +85,11 @@ def choose_payload(
         weights: a Hugging Face or PEFT model, a LightningModule holding one, a dict, a
             TensorDict or a ``WeightSource``.
         options: the updater's ``lora``, ``model_attribute`` and ``changed_only``.
-        engines_serving: for a LoRA policy, why some engine cannot serve its adapter (a list
-            of reasons) and whether every engine already has its base weights.
-        agree: given the decision, returns the one every trainer rank takes (``None``: this
-            process decides alone).
+        facts: the facts of every engine the push goes to (:func:`needs_facts` says whether they are read).
+        extra_problems: why something else that samples from the engines could not use an adapter.
 
     Raises:
         EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
         ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy.
     """
-    policy = None if isinstance(weights, WeightSource) else lora_policy(weights, options.model_attribute)
-
-    def decide() -> PushView:
-        if options.lora == "merged" or isinstance(weights, WeightSource):
-            return "merged"
-        if policy is None:
-            if options.lora == "adapter":
-                raise ValueError(NOT_A_LORA_POLICY)
-            return "merged"
-        problems, engines_have_base = engines_serving(policy)
-        return choose_view(options.lora, problems, engines_have_base)
-
-    view = decide() if agree is None else agree(decide)
-    if view == "merged":
-        source = weights_from(weights, options.model_attribute)
-        return Payload(source, view, stamps=source.stamps() if options.changed_only else None)
-    assert policy is not None, "an adapter view is chosen for a LoRA policy only"
-    source, config = adapter_source(policy, with_base=view == "base_and_adapter")
-    return Payload(source, view, adapter_config=config)
+    return payload_for(weights, choose_view(weights, options, facts, extra_problems), options)

@@ -10,18 +10,17 @@ handle on the versions (``versions.py``).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.backends import check_requested
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.core.engine_set import EngineSelection, EngineSet, SyncStats
-from lightning_vllm.core.payloads import choose_payload
+from lightning_vllm.core.facts import EngineFacts
+from lightning_vllm.core.payloads import choose_view, needs_facts, payload_for
 from lightning_vllm.core.push import Push
 from lightning_vllm.core.versions import PushPoint, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
@@ -259,15 +258,28 @@ class WeightSync:
 
     # -- what a push carries ------------------------------------------------------
 
+    def engine_facts(self, engines: EngineSelection = None) -> dict[int, EngineFacts]:
+        """Connect, as an explicit step: join the groups of the engines ``engines`` names that are not
+        formed yet, and return what each connected one tells a push's choice (``core/facts.py``), by
+        index. The engines not reached now are left out (a push still goes to the others).
+
+        Raises:
+            EngineConfigError, WeightsMismatchError: an engine is misconfigured (no retry fixes that).
+            WeightSyncError: no engine can be reached.
+        """
+        self._require_engines()
+        connections, _ = self._engine_set.connected(self._engine_set.resolve(engines))
+        return {index: connection.facts() for index, connection in connections.items()}
+
     def choose_payload(
         self,
         weights: Any,
         engines: EngineSelection = None,
         agree: Callable[[Callable[[], PushView]], PushView] | None = None,
     ) -> Payload:
-        """What a push of ``weights`` carries (see ``lightning_vllm.core.payloads``): its tensors, its LoRA
-        adapter and its stamps, chosen once; asking whether the engines can serve an adapter connects
-        to them. ``agree`` lets the trainer's ranks decide together.
+        """What a push of ``weights`` carries (``core/payloads.py``): its tensors, its LoRA adapter and its
+        stamps, chosen once. A LoRA policy's choice reads the engines' facts, connecting to them first
+        (:meth:`engine_facts`); ``agree`` lets the trainer's ranks take one rank's decision.
 
         Raises:
             EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
@@ -276,10 +288,16 @@ class WeightSync:
         """
         if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
             return weights
-        if self.model_metadata is None and not isinstance(weights, WeightSource):  # (to connect, if asked)
-            self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
-        serving = functools.partial(self._engine_set.serving, engines, self.adapter_consumer_problems())
-        return choose_payload(weights, self._options, serving, agree)
+
+        def decide() -> PushView:
+            facts: list[EngineFacts] = []
+            if needs_facts(weights, self._options):
+                if self.model_metadata is None:  # what the groups are formed for
+                    self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
+                facts = list(self.engine_facts(engines).values())
+            return choose_view(weights, self._options, facts, self.adapter_consumer_problems())
+
+        return payload_for(weights, decide() if agree is None else agree(decide), self._options)
 
     @property
     def lora_request(self) -> Any:

@@ -1,10 +1,10 @@
-"""LoRA policies, in one package: what is sent and how an engine serves it.
+"""LoRA policies, in one package: what is sent and how an engine serves it (a policy sent as merged
+full weights, never merging the live model, is ``weights/lora_merge.py``).
 
-- ``merge.py``: a PEFT LoRA policy sent as merged full weights (never merging the live model);
-- ``adapter.py``: the adapter sent alone (``AdapterWeights``, the first push's ``WithAdapter``),
-  whether an engine can serve it, and the choice between the two (``choose_view``);
-- ``serving.py``: an engine's LoRA settings (``LoraLimits``) and the adapter it generates
-  through (``PolicyAdapter``);
+- ``adapter.py``: the adapter sent alone (``AdapterWeights``, the first push's ``WithAdapter``);
+- ``serving.py``: an engine's LoRA settings (``LoraLimits``), whether it can serve a policy's
+  adapter (``adapter_problems``), the choice between adapter and merged weights that follows
+  (``choose_view_of_problems``), and the adapter it generates through (``PolicyAdapter``);
 - ``worker.py``: inside a vLLM worker, a received adapter checked and staged for vLLM's loader;
 - ``cpu_ops.py``: grouped LoRA ops for vLLM's CPU build (``LIGHTNING_VLLM_CPU_LORA_OPS=grouped``).
 

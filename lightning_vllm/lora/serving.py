@@ -135,7 +135,7 @@ def adapter_problems(
     return problems
 
 
-def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) -> PushView:
+def choose_view_of_problems(lora: LoraMode, problems: list[str], engines_have_base: bool) -> PushView:
     """How a LoRA policy is sent: ``"merged"``, ``"adapter"`` or ``"base_and_adapter"``.
 
     Args:
@@ -148,7 +148,7 @@ def choose_view(lora: LoraMode, problems: list[str], engines_have_base: bool) ->
 
     Example::
 
-        >>> choose_view("auto", ["no LoRA"], engines_have_base=False)
+        >>> choose_view_of_problems("auto", ["no LoRA"], engines_have_base=False)
         'merged'
     """
     if problems:

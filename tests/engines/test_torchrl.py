@@ -206,9 +206,11 @@ class CollectingPolicy(TinyCausalLM):
 
 
 def test_a_lightning_run_collects_with_torchrl_from_the_weights_it_trains(llm, tmp_path):
-    """The callback pushes; the collector built on the callback's updater counts the versions."""
-    sync = VLLMWeightSync(engine=llm, every_n_train_steps=1)
-    collector = llm_collector(llm, sync.updater)
+    """The callback pushes through TorchRL's updater, the other front end on the same core; the collector
+    built on that updater counts the versions."""
+    updater = vLLMUpdater(engine=llm)
+    sync = VLLMWeightSync(updater=updater, every_n_train_steps=1)
+    collector = llm_collector(llm, updater)
     module = CollectingPolicy(tiny_qwen2(seed=2), collector)
     try:
         cpu_trainer(tmp_path, [sync], max_steps=3).fit(module, token_batches(3))
