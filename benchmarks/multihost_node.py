@@ -36,8 +36,8 @@ from helpers import PROMPTS, engine_prompt_logprobs, hf_prompt_logprobs, max_abs
 from models import SIZES, build_model  # noqa: E402
 
 from lightning_vllm import HTTPEngine, VLLMUpdater  # noqa: E402
-from lightning_vllm.plans.every_rank import shares_push  # noqa: E402
-from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.every_rank import EveryRankShares  # noqa: E402
+from lightning_vllm.plans.ranks import LockstepGathers, TrainerRanks  # noqa: E402
 
 NUM_RANKS = 2
 MODES = ("rank0", "every_rank")
@@ -79,14 +79,14 @@ class Pushes:
 
     def __init__(self, updater: VLLMUpdater, model: torch.nn.Module, ranks: TrainerRanks) -> None:
         self.updater, self.model, self.ranks = updater, model, ranks
-        self.in_shares = {"rank0": None, "every_rank": shares_push(updater, ranks)}
+        self.plans = {"rank0": LockstepGathers(ranks), "every_rank": EveryRankShares(ranks)}
 
     def push(self, mode: str) -> dict:
         """One push in ``mode`` on every rank; its wall seconds on rank 0, and each host's bytes sent."""
         dist.barrier()  # both ranks start together, so rank 0's clock covers the whole push
         before = sent_bytes()
         start = time.perf_counter()
-        stats = push_from_every_rank(self.updater, self.model, self.ranks, self.in_shares[mode])
+        stats = self.plans[mode].push(self.updater, self.model)
         seconds = time.perf_counter() - start
         sent = [0] * NUM_RANKS
         dist.all_gather_object(sent, sent_bytes() - before)

@@ -32,7 +32,7 @@ from models import SIZES, build_model, save  # noqa: E402
 from vllm.distributed.weight_transfer.base import layerwise_groups  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
-from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.ranks import LockstepGathers, TrainerRanks  # noqa: E402
 
 NUM_RANKS = 2
 
@@ -70,10 +70,10 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
     gc.collect()
     ranks = TrainerRanks(timeout_seconds=600)
     updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=600)
-    push_from_every_rank(updater, model, ranks)  # connects, and touches the staging buffer
+    LockstepGathers(ranks).push(updater, model)  # connects, and touches the staging buffer
     dist.barrier()
     gc.collect()
-    peak = peak_extra_rss_bytes(lambda: push_from_every_rank(updater, model, ranks))
+    peak = peak_extra_rss_bytes(lambda: LockstepGathers(ranks).push(updater, model))
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     print(
         json.dumps(

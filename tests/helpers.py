@@ -587,13 +587,13 @@ def expected_rollouts(rank: int, versions: list[int], staleness: int = 0) -> lis
     ]
 
 
-def push_from_every_rank_and_record(result: dict, key: str, updater, ranks, sharded, reference, llm) -> None:
+def push_in_lockstep_and_record(result: dict, key: str, updater, ranks, sharded, reference, llm) -> None:
     """Push ``sharded`` with every rank taking part; record the version and, on rank 0 (which holds
     ``llm``), how close vLLM comes to the unsharded ``reference`` and the bytes sent."""
-    from lightning_vllm.plans.ranks import is_sharded, push_from_every_rank
+    from lightning_vllm.plans.ranks import LockstepGathers, is_sharded
 
     assert is_sharded(sharded)
-    stats = push_from_every_rank(updater, sharded, ranks)
+    stats = LockstepGathers(ranks).push(updater, sharded)
     result[f"{key} version"] = updater.weight_version
     if llm is not None:
         result[f"{key} max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(reference))

@@ -42,8 +42,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from sharded_run import ShardedCausalLM, full_model  # noqa: E402
 
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.plans.every_rank import send_address, shares_push  # noqa: E402
-from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.every_rank import EveryRankShares, send_address  # noqa: E402
+from lightning_vllm.plans.ranks import TrainerRanks  # noqa: E402
 from lightning_vllm.weights.shares import RankShares  # noqa: E402
 
 STEPS = 3
@@ -176,7 +176,7 @@ def push_in_shares(sync: VLLMWeightSync, module, ranks: TrainerRanks) -> tuple[s
     """One push with every rank sending its shares: its error (``None`` if it went through) and its seconds."""
     start = time.monotonic()
     try:
-        push_from_every_rank(sync.updater, module, ranks, shares_push(sync.updater, ranks))
+        EveryRankShares(ranks).push(sync.updater, module)
     except Exception as error:  # noqa: BLE001
         return f"{type(error).__name__}: {error}", time.monotonic() - start
     return None, time.monotonic() - start

@@ -38,7 +38,7 @@ from helpers import (  # noqa: E402
     cpu_trainer,
     hf_prompt_logprobs,
     max_abs_diff,
-    push_from_every_rank_and_record,
+    push_in_lockstep_and_record,
     shutdown,
     tensorboard_scalars,
     tiny_qwen2,
@@ -48,7 +48,7 @@ from helpers import (  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.plans.ranks import TrainerRanks, push_from_every_rank  # noqa: E402
+from lightning_vllm.plans.ranks import LockstepGathers, TrainerRanks  # noqa: E402
 
 
 class ShardedCausalLM(RolloutCausalLM):
@@ -124,7 +124,7 @@ def lora_run(out_dir: Path, llm, rank: int) -> dict:
     trainer_for(out_dir / "lora", sync, max_steps=4).fit(module, token_batches(num_batches=8))
     before = {name: param.to_local().clone() for name, param in module.model.named_parameters()}
     ranks = TrainerRanks(timeout_seconds=20)
-    push_from_every_rank(sync.updater, module, ranks)
+    LockstepGathers(ranks).push(sync.updater, module)
     ranks.close()
     result = {
         "live_module_untouched": all(
@@ -184,7 +184,7 @@ def fsdp1_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) ->
             use_orig_params=use_orig_params,
         )
         case = "LightningModule" if in_lightning_module else f"use_orig_params={use_orig_params}"
-        push_from_every_rank_and_record(result, f"FSDP1 {case}", updater, ranks, model, reference, llm)
+        push_in_lockstep_and_record(result, f"FSDP1 {case}", updater, ranks, model, reference, llm)
 
 
 def zero3_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) -> None:
@@ -197,7 +197,7 @@ def zero3_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) ->
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ZERO3_CONFIG)
         case = "LightningModule" if in_lightning_module else "model"
-        push_from_every_rank_and_record(result, f"ZeRO-3 {case}", updater, ranks, engine, reference, llm)
+        push_in_lockstep_and_record(result, f"ZeRO-3 {case}", updater, ranks, engine, reference, llm)
 
 
 def engine_gone_run(out_dir: Path, llm, rank: int) -> dict:

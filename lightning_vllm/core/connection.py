@@ -42,6 +42,7 @@ from lightning_vllm.weights.checks import (
     wire_for_engine,
 )
 from lightning_vllm.weights.payload import Payload
+from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class EngineConnection:
         self._lora_facts = (limits, expected, problems)
         return self._lora_facts
 
-    def check(self, payload: Payload, offered: ModelMetadata) -> None:
+    def check(self, payload: Payload, offered: ModelMetadata, peers: EveryRankSend | None = None) -> None:
         """Check that ``payload`` (whose weights' metadata is ``offered``) fits this engine; nothing is sent.
 
         An adapter push is checked on its base weights, if it carries them; the adapter
@@ -194,7 +195,7 @@ class EngineConnection:
             WeightsMismatchError: names, shapes, dtypes or tied embeddings do not fit.
             EngineConfigError: every trainer rank is to send a share, which this backend cannot carry.
         """
-        if payload.every_rank is not None and not self.backend.traits.carries_shares:
+        if peers is not None and not self.backend.traits.carries_shares:
             raise EngineConfigError(
                 f"push_from='every_rank' sends each trainer rank's share over the "
                 f"{' or '.join(carrying('carries_shares'))} backend, but the {self.engine.description} engine uses "
@@ -208,8 +209,9 @@ class EngineConnection:
         if self.ties_word_embeddings:
             check_tied_output_embedding(payload.weights, offered)
 
-    def push(self, payload: Payload, version: int) -> int:
-        """Send ``payload`` and commit it as ``version``; returns the bytes sent.
+    def push(self, payload: Payload, version: int, peers: EveryRankSend | None = None) -> int:
+        """Send ``payload`` and commit it as ``version``; returns the bytes sent. With ``peers``, the
+        other trainer ranks send their shares of each tensor at the same time (``weights/shares.py``).
 
         With the gloo backend the workers receive the whole update while the engine
         keeps generating with its current weights, and generation is paused only
@@ -250,7 +252,7 @@ class EngineConnection:
             sent,
             client,
             adapter_message,
-            payload.every_rank,
+            peers,
             what=f"the {self.backend.name} transfer to {self.engine.description}",
             check_alive=lambda: raise_if_dead(self.engine),
         )

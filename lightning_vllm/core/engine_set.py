@@ -24,6 +24,7 @@ from lightning_vllm.errors import (
     WeightSyncError,
 )
 from lightning_vllm.weights.payload import Payload
+from lightning_vllm.weights.shares import EveryRankSend
 
 
 @dataclass(frozen=True)
@@ -134,16 +135,17 @@ class EngineSet:
         self.connections.pop(index, None)
 
     def push_each(
-        self, payload: Payload, indices: Sequence[int], version: int
+        self, payload: Payload, indices: Sequence[int], version: int, peers: EveryRankSend | None = None
     ) -> tuple[list[int], dict[int, BaseException], int]:
         """Send ``payload`` to the engines of ``indices`` and commit ``version`` in each, whatever happened
-        to the others: the engines that took it, those it failed on and their errors, and the bytes sent."""
+        to the others: the engines that took it, those it failed on and their errors, and the bytes sent.
+        ``peers``: the other trainer ranks, sending their shares alongside."""
         committed: list[int] = []
         failures: dict[int, BaseException] = {}
         num_bytes = 0
         for position, index in enumerate(indices):
             try:
-                num_bytes += self.push_one(index, payload, version)
+                num_bytes += self.push_one(index, payload, version, peers)
             except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
                 failures.update(dict.fromkeys(indices[position:], error))
                 break
@@ -153,7 +155,7 @@ class EngineSet:
             committed.append(index)
         return committed, failures, num_bytes
 
-    def push_one(self, index: int, payload: Payload, version: int) -> int:
+    def push_one(self, index: int, payload: Payload, version: int, peers: EveryRankSend | None = None) -> int:
         """Send ``payload`` to the connected engine at ``index`` and commit ``version``; the bytes sent.
         A failed push closed the connection, which is forgotten: the next push opens a new one.
 
@@ -165,7 +167,7 @@ class EngineSet:
         if connection is None:
             raise RuntimeError(f"The updater is not connected to engine {index!r}: call connect() (init()) first.")
         try:
-            return connection.push(payload, version)
+            return connection.push(payload, version, peers)
         except BaseException as error:
             self.forget(index)
             if dead := engine_death(error, self.targets[index], "during a push"):

@@ -17,6 +17,7 @@ from typing import Any
 from lightning_vllm.core.engine_set import EngineSet, SyncStats
 from lightning_vllm.core.versions import InFlight
 from lightning_vllm.weights.payload import Payload
+from lightning_vllm.weights.shares import EveryRankSend
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,13 @@ class Push:
         payload: what it carries.
         engine_indices: the engines it goes to (connected, checked).
         unreachable: the engines it cannot reach now, with their errors (they count as failed).
+        peers: the other trainer ranks, when each sends its own share of every tensor.
     """
 
     payload: Payload
     engine_indices: list[int]
     unreachable: dict[int, BaseException] = field(default_factory=dict)
+    peers: EveryRankSend | None = None
     engines: EngineSet | None = field(default=None, repr=False, compare=False)
     landed: Callable[[SyncStats], Any] = field(default=lambda stats: None, repr=False, compare=False)
 
@@ -57,7 +60,9 @@ class Push:
         start = time.perf_counter()
         committed: list[int] = []
         try:
-            committed, failures, num_bytes = self.engines.push_each(self.payload, self.engine_indices, version.version)
+            committed, failures, num_bytes = self.engines.push_each(
+                self.payload, self.engine_indices, version.version, self.peers
+            )
         finally:
             if committed:
                 version.commit()

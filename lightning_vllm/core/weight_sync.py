@@ -30,6 +30,7 @@ from lightning_vllm.options import UpdaterOptions, check_updater_options
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
 from lightning_vllm.weights.payload import Payload, PushView
+from lightning_vllm.weights.shares import EveryRankSend
 
 NO_WEIGHTS = (
     "A push needs the weights: pass the policy (a Hugging Face model or a LightningModule holding one), "
@@ -210,7 +211,13 @@ class WeightSync:
 
     # -- pushing ----------------------------------------------------------------
 
-    def push(self, weights: Any, engines: EngineSelection = None, point: PushPoint | None = None) -> SyncStats:
+    def push(
+        self,
+        weights: Any,
+        engines: EngineSelection = None,
+        point: PushPoint | None = None,
+        peers: EveryRankSend | None = None,
+    ) -> SyncStats:
         """Send ``weights`` to vLLM and commit them as a new version.
 
         Joins the groups first if :meth:`connect` has not run (metadata then comes from the
@@ -225,6 +232,8 @@ class WeightSync:
                 all when ``None``.
             point: the push point's handle on the versions, when the caller opened it (a push
                 every trainer rank takes part in); one of its own otherwise.
+            peers: the other trainer ranks, when each sends its own share of every tensor
+                (``weights`` then yields this rank's shares; ``plans/every_rank.py``).
 
         Raises:
             WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.
@@ -233,10 +242,10 @@ class WeightSync:
         """
         if point is None:
             with self.versions.push_point() as point:
-                return self.push(weights, engines, point)
-        return self.prepare(weights, engines).send(point.begin())
+                return self.push(weights, engines, point, peers)
+        return self.prepare(weights, engines, peers).send(point.begin())
 
-    def prepare(self, weights: Any, engines: EngineSelection = None) -> Push:
+    def prepare(self, weights: Any, engines: EngineSelection = None, peers: EveryRankSend | None = None) -> Push:
         """Everything of :meth:`push` before the first byte moves: what to send, to which engines
         (joining their groups if needed), and every check. ``Push.send`` sends it.
 
@@ -253,8 +262,8 @@ class WeightSync:
             self.model_metadata = offered
         connections, unreachable = self._engine_set.connected(targets)
         for connection in connections.values():  # every check before the first byte moves
-            connection.check(payload, offered)
-        return Push(payload, list(connections), unreachable, self._engine_set, self._landed)
+            connection.check(payload, offered, peers)
+        return Push(payload, list(connections), unreachable, peers, self._engine_set, self._landed)
 
     # -- what a push carries ------------------------------------------------------
 

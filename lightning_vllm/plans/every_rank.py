@@ -24,21 +24,19 @@ a rank waits ``RANK_WAIT_FACTOR`` times ``timeout_seconds`` for rank 0's next wo
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import json
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lightning_vllm.core.versions import PushPoint, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
-from lightning_vllm.plans.ranks import FAILED, PROCEED, SharesPush, TrainerRanks
+from lightning_vllm.plans.ranks import FAILED, PROCEED, LockstepGathers, TrainerRanks
 from lightning_vllm.transports.gloo.group import listen
 from lightning_vllm.transports.gloo.messages import dtype_from_name, dtype_name
 from lightning_vllm.transports.gloo.shares import piece_bytes, send_share
@@ -94,14 +92,15 @@ def agreed_shares(payload: Payload, ranks: TrainerRanks) -> RankShares | None:
     return None
 
 
-def shares_push(updater: WeightSync, ranks: TrainerRanks) -> SharesPush:
-    """What ``ranks.push_from_every_rank`` takes to send a push in shares when every rank can."""
+class EveryRankShares(LockstepGathers):
+    """``push_from="every_rank"``: each rank sends its own share of every tensor when every rank holds
+    one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy)."""
 
-    def decide(payload: Payload, point: PushPoint) -> Callable[[], SyncStats | None] | None:
-        shares = agreed_shares(payload, ranks)
-        return None if shares is None else functools.partial(push_in_shares, updater, payload, shares, ranks, point)
-
-    return decide
+    def send_in_shares(self, sync: WeightSync, payload: Payload, point: PushPoint) -> tuple[bool, SyncStats | None]:
+        shares = agreed_shares(payload, self.ranks)
+        if shares is None:
+            return False, None
+        return True, push_in_shares(sync, payload, shares, self.ranks, point)
 
 
 def push_in_shares(
@@ -125,7 +124,7 @@ def _lead(
 ) -> SyncStats:
     every = _StatusGroupSend(ranks, shares, _senders(ranks))
     try:
-        stats = updater.push(replace(payload.with_weights(shares), every_rank=every), point=point)
+        stats = updater.push(payload.with_weights(shares), point=point, peers=every)
     except PartialPushError as error:
         if not every.aborted:
             _tell(ranks, done=cast("SyncStats", error.stats).weight_version)

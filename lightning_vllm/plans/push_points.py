@@ -1,7 +1,8 @@
 """What happens at a push point, once the callback has decided one is due (``schedule.py``).
 
-A push point pushes blocking, or in the background (``background.py``); from global
-rank 0 alone, or from every rank when the policy is sharded (``ranks.py``). Under DDP
+A push point pushes blocking, or in the background (``background.py``); with the trainer's
+ranks as the plan chosen at fit start says (``ranks.RankPlan``: rank 0 alone, lockstep
+gathers of a sharded policy, or every rank's own share). Under DDP
 the ranks that do not push then receive rank 0's versions. A failed push is raised or,
 with ``on_sync_error="warn"``, counted and warned about. Every push's figures go to the
 Lightning loggers. The callback (``callback.py``) only calls in at its hooks.
@@ -28,8 +29,8 @@ from lightning_vllm.errors import (
 )
 from lightning_vllm.options import PushFrom, WhenBusy
 from lightning_vllm.plans.background import BackgroundPusher
-from lightning_vllm.plans.every_rank import shares_push
-from lightning_vllm.plans.ranks import TrainerRanks, is_sharded, push_from_every_rank
+from lightning_vllm.plans.every_rank import EveryRankShares
+from lightning_vllm.plans.ranks import LockstepGathers, RankPlan, RankZeroAlone, TrainerRanks, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +61,14 @@ class PushPoints:
         self.sync_failures = 0
         self.unsent = 0  # push points skipped since the last push that started
         self.ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
-        self.sharded = False
+        self.plan: RankPlan = RankZeroAlone()  # which ranks take part (chosen again at fit start)
 
     def join_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generate_timeout: float) -> TrainerRanks:
         """Every rank: a status group of the trainer's ranks, and whether all take part in pushes (a sharded
         policy). A collective of every rank, when fitting starts."""
         self.ranks = TrainerRanks(self.updater.options.timeout_seconds, generate_timeout)
-        self.sharded = is_sharded(trainer.strategy.model or pl_module)
-        if self.sharded and self.pusher is not None:
+        self.plan = choose_rank_plan(self.ranks, is_sharded(trainer.strategy.model or pl_module), self.push_from)
+        if self.plan.every_rank_walks and self.pusher is not None:
             rank_zero_warn(
                 "VLLMWeightSync(blocking=False) pushes a sharded policy blocking: its gathers are collectives "
                 "of every rank and run in the training loop's thread."
@@ -79,7 +80,9 @@ class PushPoints:
         if trainer.sanity_checking:
             return
         try:
-            self._push_now(trainer, pl_module, background and self.pusher is not None and not self.sharded)
+            self._push_now(
+                trainer, pl_module, background and self.pusher is not None and not self.plan.every_rank_walks
+            )
         except WeightSyncError as error:
             self.failed(trainer, error)
 
@@ -108,14 +111,14 @@ class PushPoints:
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
+        self.plan = RankZeroAlone()
 
     def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
-        if self.ranks is not None and self.sharded:  # every rank gathers, rank 0 sends
+        if self.plan.every_rank_walks:  # a sharded policy: every rank takes part
             # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
             # the parameters no sub-module unit does.
             start = time.perf_counter()
-            in_shares = shares_push(self.updater, self.ranks) if self.push_from == "every_rank" else None
-            stats = push_from_every_rank(self.updater, trainer.strategy.model or pl_module, self.ranks, in_shares)
+            stats = self.plan.push(self.updater, trainer.strategy.model or pl_module)
             self.unsent = 0
             if stats is not None:
                 self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
@@ -136,7 +139,8 @@ class PushPoints:
             self.pusher.wait_or_raise("before a blocking push")
             self.collect(trainer)
         try:
-            stats = self.updater.push(pl_module)
+            stats = self.plan.push(self.updater, pl_module)
+            assert stats is not None, "rank 0 sends"
         except PartialPushError as error:
             self.unsent = 0
             self._log(trainer, cast(SyncStats, error.stats), stall_seconds=time.perf_counter() - start)
@@ -148,7 +152,7 @@ class PushPoints:
     def share_versions(self) -> None:
         """Under DDP, global rank 0's versions (and skipped push points) on every rank; a collective
         of every rank at each push point. Sharded pushes share them themselves."""
-        if self.ranks is None or self.sharded:
+        if self.ranks is None or self.plan.every_rank_walks:
             return
         values = [*self.updater.versions.state().to_ints(), self.unsent]
         shared = self.ranks.broadcast_ints(values)
@@ -208,3 +212,11 @@ class PushPoints:
             metrics["vllm/sync_stall_seconds"] = stall_seconds
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def choose_rank_plan(ranks: TrainerRanks, sharded: bool, push_from: PushFrom) -> RankPlan:
+    """The plan of every push of a fit: rank 0 alone unless the policy is sharded; then lockstep
+    gathers, or every rank's own share with ``push_from="every_rank"``."""
+    if not sharded:
+        return RankZeroAlone(ranks)
+    return EveryRankShares(ranks) if push_from == "every_rank" else LockstepGathers(ranks)

@@ -1,4 +1,5 @@
-"""Pushes every trainer rank takes part in: policies sharded across ranks (FSDP2, FSDP, ZeRO-3).
+"""Which trainer ranks take part in a push (:class:`RankPlan`), and the pushes every rank takes part in:
+policies sharded across ranks (FSDP2, FSDP, ZeRO-3).
 
 A sharded parameter is gathered with a collective, so every rank must walk the
 weights in the same order at the same time; only global rank 0 sends to vLLM.
@@ -27,9 +28,10 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -246,57 +248,102 @@ class LockstepWeights(Weights):
         self.ranks.shared_error(f"{type(error).__name__}: {error}")
 
 
-SharesPush = Callable[[Payload, PushPoint], Callable[[], "SyncStats | None"] | None]
-"""Given the agreed payload and the push point's handle on the versions, the push that every rank
-sends its own share of (``every_rank.py``), or ``None`` to gather it and let rank 0 send; a
-collective, so every rank decides alike."""
+class RankPlan(ABC):
+    """Which trainer ranks take part in a push, and how; chosen once when fitting starts
+    (``PushPoints.join_ranks``). Three plans, one protocol:
 
-
-def push_from_every_rank(
-    updater: WeightSync, module: torch.nn.Module, ranks: TrainerRanks, in_shares: SharesPush | None = None
-) -> SyncStats | None:
-    """Push ``module``'s weights with every rank taking part; returns the figures on rank 0.
-
-    Must be called on every rank at the same point. By default every rank gathers in
-    lockstep and rank 0 sends through ``updater`` (which holds the engines); with
-    ``in_shares`` every rank may send its own shard instead (``every_rank.py``). Every
-    rank's ``updater.versions`` ends the same: the version rank 0 committed, or one more
-    missed push point when the push failed.
-
-    Raises:
-        WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
+    * :class:`RankZeroAlone`: every rank holds the full weights (one process, DDP); rank 0 pushes
+      (blocking or in the background) and the others take its versions;
+    * :class:`LockstepGathers`: a sharded policy (FSDP2, FSDP, ZeRO-3); every rank gathers in
+      lockstep, rank 0 sends;
+    * ``every_rank.EveryRankShares``: a sharded policy whose every rank sends its own share
+      (``push_from="every_rank"``).
     """
-    weights: LockstepWeights | None = None
-    agreed = sent_in_shares = False  # agreed on the payload; pushed in shares
 
-    def agree(decide: Callable[[], PushView]) -> PushView:
-        nonlocal agreed
-        view = _decided_on_rank_zero(decide, ranks)
-        agreed = True
-        return view
+    every_rank_walks: ClassVar[bool]
+    """Every rank walks the policy at each push (a collective): no background push."""
 
-    with updater.versions.push_point() as point:  # (a push point that sends nothing is skipped)
-        try:
-            # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
-            payload = replace(updater.choose_payload(module, agree=agree), stamps=None)
-            weights = LockstepWeights(payload.weights, ranks)
-            weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
-            if in_shares is not None and (push := in_shares(payload, point)) is not None:
-                sent_in_shares = True  # (which shares its errors itself)
-                return push()
-            if ranks.rank == 0:
-                stats = updater.push(payload.with_weights(weights), point=point)
-                weights.check_in(DONE, stats.weight_version)
-                return stats
-            point.adopt(VersionState(committed=weights.follow()))  # rank 0's, after its commit
-            return None
-        except BaseException as error:
-            if not agreed or sent_in_shares or isinstance(error, PushAborted):
-                raise  # (every rank raises alike at the agreement, before any check-in)
-            if weights is None:  # this rank never got its weights: it fails at the first check-in
-                weights = LockstepWeights(_NoWeights(), ranks)
-            weights.fail(error)
-            raise
+    @abstractmethod
+    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
+        """Push ``module``'s weights now, blocking; on every rank taking part, at the same point. Returns
+        the figures on the rank that sent (``None`` elsewhere).
+
+        Raises:
+            WeightSyncError: the push failed (on some rank: every rank raises with its message).
+        """
+
+
+class RankZeroAlone(RankPlan):
+    """One process, or every rank holding the full weights: rank 0 sends; no other rank takes part in
+    the push itself (they take rank 0's versions at each push point: ``PushPoints.share_versions``)."""
+
+    every_rank_walks: ClassVar[bool] = False
+
+    def __init__(self, ranks: TrainerRanks | None = None) -> None:
+        self.ranks = ranks
+
+    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
+        return sync.push(module) if self.ranks is None or self.ranks.rank == 0 else None
+
+
+class LockstepGathers(RankPlan):
+    """A sharded policy: every rank gathers in lockstep (checking in before each layer group), rank 0 sends.
+
+    Args:
+        ranks: the trainer's ranks.
+    """
+
+    every_rank_walks: ClassVar[bool] = True
+
+    def __init__(self, ranks: TrainerRanks) -> None:
+        self.ranks = ranks
+
+    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
+        """Push ``module``'s weights with every rank taking part; returns the figures on rank 0.
+
+        Must be called on every rank at the same point. Every rank's ``sync.versions`` ends the
+        same: the version rank 0 committed, or one more missed push point when the push failed.
+
+        Raises:
+            WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
+        """
+        ranks = self.ranks
+        weights: LockstepWeights | None = None
+        agreed = sent_in_shares = False  # agreed on the payload; pushed in shares
+
+        def agree(decide: Callable[[], PushView]) -> PushView:
+            nonlocal agreed
+            view = _decided_on_rank_zero(decide, ranks)
+            agreed = True
+            return view
+
+        with sync.versions.push_point() as point:  # (a push point that sends nothing is skipped)
+            try:
+                # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
+                payload = replace(sync.choose_payload(module, agree=agree), stamps=None)
+                weights = LockstepWeights(payload.weights, ranks)
+                weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
+                sent_in_shares, stats = self.send_in_shares(sync, payload, point)
+                if sent_in_shares:  # (which shares its errors itself)
+                    return stats
+                if ranks.rank == 0:
+                    stats = sync.push(payload.with_weights(weights), point=point)
+                    weights.check_in(DONE, stats.weight_version)
+                    return stats
+                point.adopt(VersionState(committed=weights.follow()))  # rank 0's, after its commit
+                return None
+            except BaseException as error:
+                if not agreed or sent_in_shares or isinstance(error, PushAborted):
+                    raise  # (every rank raises alike at the agreement, before any check-in)
+                if weights is None:  # this rank never got its weights: it fails at the first check-in
+                    weights = LockstepWeights(_NoWeights(), ranks)
+                weights.fail(error)
+                raise
+
+    def send_in_shares(self, sync: WeightSync, payload: Payload, point: PushPoint) -> tuple[bool, SyncStats | None]:
+        """Whether every rank sent its own share of ``payload`` instead of gathering it (and the figures):
+        never here (``every_rank.EveryRankShares`` does). A collective: every rank decides alike."""
+        return False, None
 
 
 def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:

@@ -1,9 +1,9 @@
 """What one push carries: the tensors, and what travels beside them.
 
-A push is chosen once (``VLLMUpdater.payload_for``) and then handed down unchanged:
+A push is chosen once (``core/payloads.py``) and then handed down unchanged:
 the connection checks it against each engine, a background push copies its tensors
 (``weights/snapshot.py``) and a sharded push walks them in lockstep
-(``ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the
+(``plans/ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the
 engine needs (the LoRA adapter's config, what each tensor was computed from) stays
 in the :class:`Payload`, so no wrapper of the weights must remember to forward it.
 """
@@ -11,13 +11,10 @@ in the :class:`Payload`, so no wrapper of the weights must remember to forward i
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.changes import Stamp
-
-if TYPE_CHECKING:
-    from lightning_vllm.weights.shares import EveryRankSend
 
 PushView = Literal["merged", "adapter", "base_and_adapter"]
 """What a push of a policy sends: its full weights (a LoRA policy's merged), its LoRA adapter
@@ -35,8 +32,6 @@ class Payload:
             ``"base_and_adapter"`` views); vLLM's loader needs rank, alpha and target modules.
         stamps: what each tensor was computed from when the push was prepared
             (``weights/changes.py``), for changed-only pushes; ``None``: every tensor counts as changed.
-        every_rank: set when every trainer rank sends a share of each tensor (``weights/shares.py``):
-            ``weights`` then yields rank 0's shares, and this tells the other ranks what to send.
 
     Example::
 
@@ -51,7 +46,6 @@ class Payload:
     view: PushView = "merged"
     adapter_config: dict[str, Any] | None = None
     stamps: dict[str, Stamp] | None = None
-    every_rank: EveryRankSend | None = None
 
     @property
     def carries_adapter(self) -> bool:

@@ -84,7 +84,7 @@ def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_
     assert gone0["failure_seconds"] < 4 * 20 + 15
 
 
-def test_fsdp1_and_deepspeed_zero3_driven_by_hand_push_from_every_rank(ranks_seen):
+def test_fsdp1_and_deepspeed_zero3_driven_by_hand_push_in_lockstep(ranks_seen):
     """Lightning's FSDPStrategy and DeepSpeedStrategy need a GPU; FSDP1 and ZeRO-3 themselves run on CPU."""
     rank0, rank1 = (seen["by_hand"] for seen in ranks_seen)
     cases = ("FSDP1 use_orig_params=True", "FSDP1 use_orig_params=False", "FSDP1 LightningModule")
