@@ -1,14 +1,17 @@
 """The core: one push, end to end, and what it commits.
 
-- ``versions.py``: ``WeightVersions``, the one owner of the trainer's versions, and the handles a
+- ``weight_sync.py``: ``WeightSync``, which owns the engines, the versions, the options and the
+  post hooks, and knows no framework;
+- ``push.py``: one push as an object: prepared, then sent, which alone ends its version;
+- ``versions.py``: ``WeightVersions``, the one owner of the trainer's versions, and the handle a
   push point moves them through;
+- ``payloads.py``: what a push carries, chosen once by a pure function of the weights, the
+  options and the engines' facts (``facts.py``);
 - ``connection.py``: one engine's connection: the checks before any byte moves, the transfer
   group, a push;
+- ``engine_set.py``: the engines by index, and a push sent to each;
 - ``after_failure.py``: what a failed ``nccl``/``ipc`` push leaves open on an engine, ended before
-  the next connection;
-- ``engine_set.py``: the engines of one updater by index, and a push sent to each;
-- ``payloads.py``: what a push carries, chosen once;
-- ``updater.py``: the updater that ties them.
+  the next connection.
 
 Nothing here imports the plans (ranks, background pushes, rollouts) or the front ends (the
 Lightning callback, TorchRL's surface), which are built on it.

@@ -1,12 +1,12 @@
 """One engine's connection: the checks before any byte moves, the transfer group, and a push.
 
-The updater holds one :class:`EngineConnection` per engine. Opening it checks the
-engine (weight-transfer backend, tensor-parallel size) and the metadata against
-the engine's model, fixes what goes on the wire (the engine's names and serving
-dtypes), then joins a collective group with the engine's workers through vLLM's
-trainer-side factory. A push sends the weights, commits the version in the same
-call that finishes the update and resets the prefix cache; generation is paused
-only as long as the engine needs (see :meth:`EngineConnection.push`).
+``WeightSync`` holds one :class:`EngineConnection` per engine. Opening it finds the engine's
+backend (``backends/``) and lets it check the trainer and the engine, checks the
+tensor-parallel size and the metadata against the engine's model, fixes what goes on the
+wire (the engine's names and serving dtypes), then has the backend join a group with the
+engine's workers. A push sends the weights through the backend's sender, commits the version
+in the same call that finishes the update and resets the prefix cache; generation is paused
+only as long as the backend's traits need (see :meth:`EngineConnection.push`).
 """
 
 from __future__ import annotations
