@@ -261,7 +261,7 @@ def run(model_dir: Path, out_dir: Path) -> None:
         result["engine_version"] = llm.get_weight_version()
     # A second run whose push fails on rank 1: it cannot read its weights (building the payload's source fails).
     failing = VLLMWeightSync(engine=llm, every_n_train_steps=1, timeout_seconds=20)
-    import lightning_vllm.core.payloads as payloads
+    import lightning_vllm.core.payload_choice as payloads
 
     readable = payloads.weights_from
     if rank == 1:

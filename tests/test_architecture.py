@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).parents[1] / "lightning_vllm"
 
 # Lowest first; a module may import from its own layer or from those below. docs/index.md draws them.
 LAYERS: dict[str, list[str]] = {
-    "base": ["settings", "errors", "options", "_waits", "prompts", "schedule"],
+    "base": ["settings", "errors", "options", "_waits", "engine_client", "prompts", "schedule"],
     "what is sent": [
         "weights", "weights.base", "weights.model", "weights.changes", "weights.lora_merge", "weights.fsdp",
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
@@ -34,7 +34,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.facts", "core.connection", "core.engine_set",
-        "core.payloads", "core.push", "core.weight_sync",
+        "core.payload_choice", "core.push", "core.weight_sync",
     ],
     "plans": ["plans", "plans.ranks", "plans.every_rank", "plans.background", "plans.rollouts", "plans.push_points"],
     "fronts": ["callback", "torchrl"],

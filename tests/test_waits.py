@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from lightning_vllm._waits import TimedClient, call_with_timeout, wait_polling
+from lightning_vllm._waits import call_with_timeout, wait_polling
+from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.errors import WeightSyncTimeoutError
 
 

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine
 
-from lightning_vllm._waits import AbandonedClient, call_watched
+from lightning_vllm._waits import call_watched
 from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender
+from lightning_vllm.engine_client import AbandonedClient
 from lightning_vllm.weights import DeclaredWeights
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata

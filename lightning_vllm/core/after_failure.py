@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from lightning_vllm._waits import BackgroundCall, TimedClient
+from lightning_vllm._waits import BackgroundCall
+from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines.base import EngineTarget
 from lightning_vllm.errors import WeightSyncTimeoutError
 

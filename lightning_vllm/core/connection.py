@@ -20,12 +20,13 @@ from typing import Any
 
 from typing_extensions import Self
 
-from lightning_vllm._waits import BackgroundCall, TimedClient, call_with_timeout
+from lightning_vllm._waits import BackgroundCall, call_with_timeout
 from lightning_vllm.backends import Backend, GroupPlan, Outgoing, Sender, backend_for_engine
 from lightning_vllm.backends.registry import carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts
+from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.engines.failures import raise_if_dead
@@ -155,7 +156,7 @@ class EngineConnection:
         return cls(engine, options, client, backend, sender, wire, ties, reported_version)
 
     def facts(self) -> EngineFacts:
-        """What a push's choice needs of this engine (``core/payloads.py``). Its LoRA side (backend,
+        """What a push's choice needs of this engine (``core/payload_choice.py``). Its LoRA side (backend,
         LoRA settings, a server's middleware) is asked once per connection."""
         limits, expected, problems = self._engine_lora_facts()
         return EngineFacts(

@@ -20,7 +20,7 @@ from lightning_vllm.backends import check_requested
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.core.engine_set import EngineSelection, EngineSet, SyncStats
 from lightning_vllm.core.facts import EngineFacts
-from lightning_vllm.core.payloads import choose_view, needs_facts, payload_for
+from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for
 from lightning_vllm.core.push import Push
 from lightning_vllm.core.versions import PushPoint, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
@@ -286,7 +286,7 @@ class WeightSync:
         engines: EngineSelection = None,
         agree: Callable[[Callable[[], PushView]], PushView] | None = None,
     ) -> Payload:
-        """What a push of ``weights`` carries (``core/payloads.py``): its tensors, its LoRA adapter and its
+        """What a push of ``weights`` carries (``core/payload_choice.py``): its tensors, its LoRA adapter and its
         stamps, chosen once. A LoRA policy's choice reads the engines' facts, connecting to them first
         (:meth:`engine_facts`); ``agree`` lets the trainer's ranks take one rank's decision.
 

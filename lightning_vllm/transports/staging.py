@@ -1,4 +1,5 @@
-"""The trainer's staging memory: one buffer of one bucket, handed out as a ring.
+"""The trainer's staging memory: one buffer of one bucket, handed out as a ring, and what each
+segment of a sync sends from it (``segment_payloads``).
 
 Packing small tensors and converting dtypes need a copy; the copy must live until
 the asynchronous broadcast reading it has finished. Regions are taken in order
@@ -11,10 +12,12 @@ buffer's capacity.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from lightning_vllm.transports.buckets import TensorSpec
 
 
 class StagingRing:
@@ -70,3 +73,41 @@ class StagingRing:
     def _drop_finished(self) -> None:
         while self._held and self._held[0][2].is_completed():
             self._held.popleft()
+
+
+def segment_payloads(
+    specs: Sequence[TensorSpec],
+    tensors: Sequence[torch.Tensor],
+    ring: StagingRing,
+    bucket_size_bytes: int,
+    make_room: Callable[[], None],
+) -> Iterator[tuple[torch.Tensor, tuple[int, int] | None]]:
+    """The ``uint8`` tensors to send for one segment, with the ring region each one uses (if any).
+
+    A lone tensor already in the wire dtype is sent from its own memory; a lone tensor to convert
+    goes slice by slice, so a huge one needs one bucket at most; several are packed into one region.
+    """
+    if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]):
+        data = tensors[0].reshape(-1).view(torch.uint8)  # sent from the source's memory, no copy
+        for begin in range(0, data.numel(), bucket_size_bytes):
+            yield data[begin : begin + bucket_size_bytes], None
+        return
+    if len(tensors) == 1:
+        spec, flat = specs[0], tensors[0].reshape(-1)
+        per_slice = bucket_size_bytes // spec.dtype.itemsize
+        for begin in range(0, flat.numel(), per_slice):
+            part = flat[begin : begin + per_slice]
+            region, staging = ring.take(part.numel() * spec.dtype.itemsize, make_room)
+            staging.view(spec.dtype).copy_(part)  # converts to the wire dtype on the way
+            yield staging, region
+        return
+    region, staging = ring.take(sum(spec.num_bytes for spec in specs), make_room)
+    offset = 0
+    for spec, tensor in zip(specs, tensors):
+        staging[offset : offset + spec.num_bytes].view(spec.dtype).view(spec.shape).copy_(tensor)
+        offset += spec.num_bytes
+    yield staging, region
+
+
+def _is_wire_ready(tensor: torch.Tensor, spec: TensorSpec) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == spec.dtype and tensor.is_contiguous()

@@ -1,6 +1,6 @@
 """What one push carries: the tensors, and what travels beside them.
 
-A push is chosen once (``core/payloads.py``) and then handed down unchanged:
+A push is chosen once (``core/payload_choice.py``) and then handed down unchanged:
 the connection checks it against each engine, a background push copies its tensors
 (``weights/snapshot.py``) and a sharded push walks them in lockstep
 (``plans/ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the

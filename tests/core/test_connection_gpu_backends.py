@@ -19,11 +19,12 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
 from lightning_vllm import EngineConfigError, EngineDeadError, WeightSyncTimeoutError
-from lightning_vllm._waits import BackgroundCall, TimedClient
+from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends import backend_named
 from lightning_vllm.backends.vllm_engines import ReplayedClient, ReplayedWeights, VLLMEngineSender
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.connection import EngineConnection
+from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -13,7 +13,8 @@ import torch
 from typing_extensions import Self, override
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
-from lightning_vllm._waits import BackgroundCall, TimedClient, wait_polling
+from lightning_vllm._waits import BackgroundCall, wait_polling
+from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.transports.buckets import DEFAULT_COALESCE_BYTES, Segment, TensorSpec, plan_buckets, plan_segments
@@ -24,7 +25,7 @@ from lightning_vllm.transports.gloo.messages import (
     GlooWeightTransferUpdateInfo,
 )
 from lightning_vllm.transports.gloo.shares import send_in_shares
-from lightning_vllm.transports.staging import StagingRing
+from lightning_vllm.transports.staging import StagingRing, segment_payloads
 from lightning_vllm.weights.base import ForeignWeights, Weights
 from lightning_vllm.weights.shares import EveryRankSend
 
@@ -296,7 +297,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     segment_tensors = [next(tensors) for _ in segment_specs]
                     for spec, tensor in zip(segment_specs, segment_tensors):
                         _check_shape(spec, tensor)
-                    for payload, region in self._segment_payloads(segment_specs, segment_tensors, ring, wait_oldest):
+                    for payload, region in segment_payloads(
+                        segment_specs, segment_tensors, ring, self.bucket_size_bytes, wait_oldest
+                    ):
                         if receive.done():
                             receive.result(0)  # the workers failed: say why instead of sending on
                         while in_flight and in_flight_bytes + payload.numel() > self.bucket_size_bytes:
@@ -337,38 +340,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 "stopped; re-initialise the updater (init) once it is back."
             ) from error
 
-    def _segment_payloads(
-        self,
-        specs: Sequence[TensorSpec],
-        tensors: Sequence[torch.Tensor],
-        ring: StagingRing,
-        make_room: Callable[[], None],
-    ) -> Iterator[tuple[torch.Tensor, tuple[int, int] | None]]:
-        """The uint8 tensors to send for one segment, with the ring region each one uses (if any).
-
-        A lone tensor already in the wire dtype is sent from its own memory.
-        """
-        if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]):
-            data = tensors[0].reshape(-1).view(torch.uint8)  # sent from the source's memory, no copy
-            for begin in range(0, data.numel(), self.bucket_size_bytes):
-                yield data[begin : begin + self.bucket_size_bytes], None
-            return
-        if len(tensors) == 1:  # converted slice by slice, so a huge tensor needs one bucket at most
-            spec, flat = specs[0], tensors[0].reshape(-1)
-            per_slice = self.bucket_size_bytes // spec.dtype.itemsize
-            for begin in range(0, flat.numel(), per_slice):
-                part = flat[begin : begin + per_slice]
-                region, staging = ring.take(part.numel() * spec.dtype.itemsize, make_room)
-                staging.view(spec.dtype).copy_(part)  # converts to the wire dtype on the way
-                yield staging, region
-            return
-        region, staging = ring.take(sum(spec.num_bytes for spec in specs), make_room)
-        offset = 0
-        for spec, tensor in zip(specs, tensors):
-            staging[offset : offset + spec.num_bytes].view(spec.dtype).view(spec.shape).copy_(tensor)
-            offset += spec.num_bytes
-        yield staging, region
-
     @override
     def shutdown(self) -> None:
         """Close the connections and the listener; the workers' side is released by the
@@ -386,10 +357,6 @@ def _close_if_joined(trainer: BackgroundCall[Wire]) -> None:
     except Exception:  # noqa: BLE001  # accepting failed too: nothing to close
         return
     wire.close()
-
-
-def _is_wire_ready(tensor: torch.Tensor, spec: TensorSpec) -> bool:
-    return tensor.device.type == "cpu" and tensor.dtype == spec.dtype and tensor.is_contiguous()
 
 
 def _check_shape(spec: TensorSpec, tensor: torch.Tensor) -> None:
