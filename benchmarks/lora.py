@@ -85,7 +85,7 @@ def measure_lora(
             return pushed - start, time.perf_counter() - start
 
         for method in METHODS:
-            updater.lora = method  # type: ignore[assignment]
+            updater.set_options(lora=method)
             run(method)  # warm-up; the adapter's first push also sends the base weights
             run(method)
             for _ in range(num_runs):

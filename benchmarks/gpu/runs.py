@@ -461,7 +461,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "backend": backend,
         "model": profile.large,
         "bytes": stats.num_bytes,
-        "bucket_size_bytes": updater.bucket_size_bytes,
+        "bucket_size_bytes": updater.options.bucket_size_bytes,
         "init_seconds": round(init_seconds, 3),
         "push_seconds": round(ours, 4),
         "push_gbps": gbps(stats.num_bytes, ours),

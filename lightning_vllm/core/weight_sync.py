@@ -11,6 +11,7 @@ handle on the versions (``versions.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
 from lightning_vllm.weights.payload import Payload, PushView
 from lightning_vllm.weights.shares import EveryRankSend
+
+_OPTION_NAMES = frozenset(field.name for field in fields(UpdaterOptions))
 
 NO_WEIGHTS = (
     "A push needs the weights: pass the policy (a Hugging Face model or a LightningModule holding one), "
@@ -85,8 +88,29 @@ class WeightSync:
 
     @property
     def options(self) -> UpdaterOptions:
-        """The settings this pushes with, stored here only."""
+        """The settings this pushes with, stored here only (change them with :meth:`set_options`)."""
         return self._options
+
+    def set_options(self, **changes: Any) -> None:
+        """Push with ``changes`` to the options from now on (``set_options(lora="merged")``), checked as
+        the constructor checks them. The groups formed are left (the next push joins again with them).
+
+        Raises:
+            ValueError: an option out of range, or a name that is not an option.
+        """
+        options = replace(self._options, **changes)
+        check_updater_options(options, num_engines=len(self._engine_set))
+        check_requested(options.backend)
+        self.close()
+        self._options = options
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OPTION_NAMES:  # (it would be a stray attribute no push reads)
+            raise AttributeError(
+                f"{name} is one of the options, stored once in {type(self).__name__}.options: "
+                f"call set_options({name}=...) to change it."
+            )
+        super().__setattr__(name, value)
 
     # -- where a front end may know more than the core ---------------------------
 
