@@ -22,7 +22,7 @@ pytestmark = pytest.mark.engine
 def ranks_seen(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     """What each rank of one ``sharded_run.py`` saw (``rank0.json``, ``rank1.json``)."""
     out_dir = tmp_path_factory.mktemp("sharded_run")
-    script = Path(__file__).with_name("sharded_run.py")
+    script = Path(__file__).parents[1] / "sharded_run.py"  # (tests/: it imports the helpers)
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     completed = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(out_dir)],
