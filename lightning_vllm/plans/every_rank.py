@@ -44,7 +44,7 @@ from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.stats import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,11 @@ class EveryRankShares(LockstepGathers):
     """``push_from="every_rank"``: each rank sends its own share of every tensor when every rank holds
     one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy)."""
 
-    def send_in_shares(self, sync: WeightSync, payload: Payload, point: PushPoint) -> tuple[bool, SyncStats | None]:
-        shares = agreed_shares(payload, self.ranks)
-        if shares is None:
-            return False, None
-        return True, push_in_shares(sync, payload, shares, self.ranks, point)
+    def shares_of(self, payload: Payload) -> RankShares | None:
+        return agreed_shares(payload, self.ranks)
+
+    def push_shares(self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPoint) -> SyncStats | None:
+        return push_in_shares(sync, payload, shares, self.ranks, point)
 
 
 def push_in_shares(

@@ -42,10 +42,11 @@ from lightning_vllm.errors import PushAborted, WeightSyncError, WeightSyncTimeou
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.fsdp import holds_fsdp_units
 from lightning_vllm.weights.payload import Payload, PushView
+from lightning_vllm.weights.shares import RankShares
 from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.stats import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
 
 PROCEED, DONE, FAILED = 0, 1, 2
@@ -323,9 +324,10 @@ class LockstepGathers(RankPlan):
                 payload = replace(sync.choose_payload(module, agree=agree), stamps=None)
                 weights = LockstepWeights(payload.weights, ranks)
                 weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
-                sent_in_shares, stats = self.send_in_shares(sync, payload, point)
-                if sent_in_shares:  # (which shares its errors itself)
-                    return stats
+                shares = self.shares_of(payload)  # (a collective: every rank decides alike)
+                if shares is not None:
+                    sent_in_shares = True  # (a push in shares shares its errors itself)
+                    return self.push_shares(sync, payload, shares, point)
                 if ranks.rank == 0:
                     stats = sync.push(payload.with_weights(weights), point=point)
                     weights.check_in(DONE, stats.weight_version)
@@ -340,10 +342,15 @@ class LockstepGathers(RankPlan):
                 weights.fail(error)
                 raise
 
-    def send_in_shares(self, sync: WeightSync, payload: Payload, point: PushPoint) -> tuple[bool, SyncStats | None]:
-        """Whether every rank sent its own share of ``payload`` instead of gathering it (and the figures):
-        never here (``every_rank.EveryRankShares`` does). A collective: every rank decides alike."""
-        return False, None
+    def shares_of(self, payload: Payload) -> RankShares | None:
+        """This rank's own shares of ``payload`` when every rank is to send its own instead of gathering it
+        (a collective: every rank decides alike); never here (``every_rank.EveryRankShares`` does)."""
+        return None
+
+    def push_shares(self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPoint) -> SyncStats | None:
+        """Push with every rank sending ``shares`` (the figures on rank 0), for a plan whose :meth:`shares_of`
+        gives them."""
+        raise NotImplementedError(f"{type(self).__name__} gathers every push; it has no shares to send.")
 
 
 def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:
