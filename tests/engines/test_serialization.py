@@ -1,9 +1,12 @@
 """Whether an engine will carry vLLM's CUDA IPC handles, read before an ``ipc`` push: from this
-process's environment and from the environment a real spawned engine-core process started with."""
+process's environment and from the environment a real engine-core process started with."""
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -17,25 +20,21 @@ from lightning_vllm.engines.serialization import (
 )
 
 
-def _wait_forever(ready) -> None:  # the stand-in for an engine core: a spawned process that waits
-    ready.set()
-    import time
-
-    time.sleep(60)
-
-
-@pytest.fixture
-def spawned_without_the_variable(monkeypatch):
-    """A real process started by multiprocessing's spawn, whose environment lacks the variable."""
-    monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
-    context = multiprocessing.get_context("spawn")
-    ready = context.Event()
-    process = context.Process(target=_wait_forever, args=(ready,), daemon=True)
-    process.start()
-    assert ready.wait(30)
-    yield process
-    process.kill()
-    process.join(5)
+@contextmanager
+def waiting_process(**environment: str | None):
+    """A real process that waits (the stand-in for an engine core), started with this process's
+    environment changed by ``environment`` (``None``: left out); a bare interpreter, so it starts at once.
+    Yielded as vLLM's engine manager holds a spawned engine core: its pid and its start method."""
+    env = {key: value for key, value in os.environ.items() if key not in environment}
+    env.update({key: value for key, value in environment.items() if value is not None})
+    code = "import sys, time; print('ready', flush=True); time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        yield SimpleNamespace(pid=process.pid, _start_method="spawn")
+    finally:
+        process.kill()
+        process.wait(5)
 
 
 def engine_core_client(*processes):
@@ -65,29 +64,20 @@ def test_without_the_variable_in_this_process_the_error_names_it_and_the_fix(mon
     assert "CUDA IPC handles" in problem and "docs/security.md" in problem
 
 
-def test_an_engine_core_started_without_the_variable_is_found_out_though_this_process_has_it(
-    spawned_without_the_variable, monkeypatch
-):
-    monkeypatch.setenv(INSECURE_SERIALIZATION, "1")  # set after the engine core started: too late for it
-    assert process_environment(spawned_without_the_variable.pid) is not None
-    problem = ipc_handles_problem(engine_core_client(spawned_without_the_variable), "in-process AsyncLLM")
-    assert problem is not None and f"pid {spawned_without_the_variable.pid}" in problem
+def test_an_engine_core_started_without_the_variable_is_found_out_though_this_process_has_it(monkeypatch):
+    with waiting_process(**{INSECURE_SERIALIZATION: None}) as started_without:
+        monkeypatch.setenv(INSECURE_SERIALIZATION, "1")  # set after the engine core started: too late for it
+        assert process_environment(started_without.pid) is not None
+        problem = ipc_handles_problem(engine_core_client(started_without), "in-process AsyncLLM")
+    assert problem is not None and f"pid {started_without.pid}" in problem
     assert "started without it" in problem
 
 
 def test_an_engine_core_started_with_the_variable_takes_the_handles(monkeypatch):
     monkeypatch.setenv(INSECURE_SERIALIZATION, "1")
-    context = multiprocessing.get_context("spawn")
-    ready = context.Event()
-    process = context.Process(target=_wait_forever, args=(ready,), daemon=True)
-    process.start()
-    try:
-        assert ready.wait(30)
+    with waiting_process() as process:
         assert process_environment(process.pid)[INSECURE_SERIALIZATION] == "1"
         assert ipc_handles_problem(engine_core_client(process), "in-process vllm.LLM") is None
-    finally:
-        process.kill()
-        process.join(5)
 
 
 def test_a_server_says_in_its_server_info_whether_it_unpickles_the_handles():
