@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_vllm.callback import VLLMWeightSync
-    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.stats import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
     from lightning_vllm.engines import (
         AsyncLLMEngine,
@@ -66,7 +66,7 @@ _MODULES = {
     "PauseLease": "lightning_vllm.server",
     "PushedAdapters": "lightning_vllm.server",
     "RequireAPIKey": "lightning_vllm.server",
-    "SyncStats": "lightning_vllm.core.engine_set",
+    "SyncStats": "lightning_vllm.core.stats",
     "VLLMUpdater": "lightning_vllm.torchrl",
     "vLLMUpdater": "lightning_vllm.torchrl",
     "WeightSync": "lightning_vllm.core.weight_sync",

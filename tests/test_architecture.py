@@ -34,7 +34,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.facts", "core.connection", "core.engine_set",
-        "core.payload_choice", "core.push", "core.weight_sync",
+        "core.payload_choice", "core.stats", "core.push", "core.weight_sync",
     ],
     "plans": ["plans", "plans.ranks", "plans.every_rank", "plans.background", "plans.rollouts", "plans.push_points"],
     "fronts": ["callback", "torchrl"],

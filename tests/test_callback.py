@@ -264,3 +264,15 @@ def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
     assert len(sync_seconds) == 4 and all(seconds > 0 for _, seconds in sync_seconds)
     num_bytes = sum(p.numel() * p.element_size() for p in module.hf.parameters())
     assert [value for _, value in sync_bytes] == [float(num_bytes)] * 4
+    # Where each push's seconds went: moving the bytes, the commit (gloo loads there), generation paused
+    # (around the commit only on gloo), and the rate over the transfer.
+    timing = {
+        name: [value for _, value in tensorboard_scalars(trainer.logger.log_dir, f"vllm/sync_{name}")]
+        for name in ("transfer_seconds", "commit_seconds", "pause_seconds", "gb_per_second")
+    }
+    for push, (_, seconds) in enumerate(sync_seconds):
+        transfer, commit, pause = (
+            timing[name][push] for name in ("transfer_seconds", "commit_seconds", "pause_seconds")
+        )
+        assert 0 < transfer and 0 < commit <= pause < seconds and transfer + commit <= seconds
+        assert timing["gb_per_second"][push] == pytest.approx(num_bytes / transfer / 1e9, rel=1e-3)

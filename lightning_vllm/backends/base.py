@@ -47,6 +47,9 @@ class GroupPlan:
     bucket_size_bytes: int
     timeout_seconds: float
     largest_tensor_bytes: int = 0
+    sends_as_held: bool = False
+    """Every tensor is already in the engine's serving dtype on the trainer: a backend may hand the
+    engine the trainer's own tensors rather than copies."""
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,21 @@ from lightning_vllm.errors import EngineConfigError
 
 
 class IPCBackend(VLLMEngineBackend):
-    """vLLM's packed IPC producer: CUDA IPC handles of buffers on the trainer's GPU, opened by the worker."""
+    """vLLM's CUDA-IPC engine: the worker opens handles of memory on the trainer's GPU and loads from it.
+
+    When every tensor is already in the engine's serving dtype (``GroupPlan.sends_as_held``), the
+    engine is handed the trainer's own tensors (vLLM's unpacked mode): the worker's load is the one
+    copy a push makes. Otherwise vLLM's packed producer converts them into one buffer of
+    ``bucket_size_bytes`` at a time, which bounds the trainer's extra memory.
+    """
 
     name: ClassVar[str] = "ipc"
     traits: ClassVar[Traits] = Traits(
         loads_while_receiving=True, carries_adapters=False, carries_shares=False, needs_cuda=True
     )
+    share_trainer_tensors: ClassVar[bool] = True
+    """Hand the engine the trainer's own tensors when they are in its dtypes (``False``: always packed,
+    as a benchmark's baseline)."""
 
     def check_trainer(self) -> None:
         """Also: one trainer process. vLLM's IPC engine all-gathers CUDA handles over the default process
@@ -43,10 +52,11 @@ class IPCBackend(VLLMEngineBackend):
                 raise EngineConfigError(problem)
 
     def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
-        """vLLM's packed IPC producer refuses a tensor larger than its buffer (a large vocabulary's
-        embedding is ~0.5 GB), so the buffer grows to the largest tensor when that is larger than
-        ``bucket_size_bytes``."""
+        """Unpacked when the trainer holds the tensors as the engine loads them; packed otherwise. vLLM's
+        packed producer refuses a tensor larger than its buffer (a large vocabulary's embedding is
+        ~0.5 GB), so the buffer grows to the largest tensor when that is larger than ``bucket_size_bytes``."""
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
+        packed = not (plan.sends_as_held and self.share_trainer_tensors)
         buffer_size = max(plan.bucket_size_bytes, plan.largest_tensor_bytes)
-        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=buffer_size, rank=0)
+        return IPCTrainerInitInfo(packed=packed, packed_buffer_size_bytes=buffer_size, rank=0)

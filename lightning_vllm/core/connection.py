@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from lightning_vllm.backends.registry import carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts
+from lightning_vllm.core.stats import PushTiming
 from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
@@ -87,6 +89,9 @@ class EngineConnection:
         self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
         self.has_policy_base = False
         self.last_num_bytes = 0
+        self.last_timing = PushTiming()  # where the last push's seconds went
+        self._commit_seconds = self._pause_seconds = 0.0
+        self._paused_at: float | None = None
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
         # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
         # so engines sharing a host, and later connections, never read each other's adapter.
@@ -138,6 +143,7 @@ class EngineConnection:
             bucket_size_bytes=options.bucket_size_bytes,
             timeout_seconds=options.timeout_seconds,
             largest_tensor_bytes=max((wire_bytes({name: meta}) for name, meta in wire.items()), default=0),
+            sends_as_held=all(metadata[name][0] == dtype for name, (dtype, _) in wire.items()),
         )
         # A trainer killed inside an earlier push's commit window (between pause and
         # resume) left the engine paused; a new connection is where that ends.
@@ -230,6 +236,7 @@ class EngineConnection:
         # Workers that receive the whole update while vLLM serves and load it inside
         # finish_weight_update need generation paused around that call only.
         pause_for_transfer = self.backend.traits.loads_while_receiving
+        self._commit_seconds = self._pause_seconds = 0.0
         if pause_for_transfer:
             self._pause()
         source = payload.weights
@@ -257,6 +264,7 @@ class EngineConnection:
             what=f"the {self.backend.name} transfer to {self.engine.description}",
             check_alive=lambda: raise_if_dead(self.engine),
         )
+        started = time.perf_counter()
         try:
             self.sender.send(outgoing)
         except BaseException:
@@ -264,8 +272,10 @@ class EngineConnection:
             # within timeout_seconds. vLLM's engines may be left inside the update (after_failure.py).
             self.close(wait=False, update_open=pause_for_transfer)
             raise
+        sent_seconds = time.perf_counter() - started
         if pause_for_transfer:
             self._resume()
+        self.last_timing = PushTiming(sent_seconds - self._commit_seconds, self._commit_seconds, self._pause_seconds)
         if adapter is None:
             self.has_policy_base = False  # merged weights replaced the base
         elif any(not name.startswith(ADAPTER_PREFIX) for name in wire):
@@ -282,6 +292,7 @@ class EngineConnection:
         prefix cache is reset."""
         if pause:
             self._pause()
+        started = time.perf_counter()
         try:
             yield
             engine = self.engine
@@ -291,6 +302,7 @@ class EngineConnection:
                 self._call(engine.serve_adapter, adapter, what=f"{engine.description} to serve the adapter")
             if self.options.reset_prefix_cache:
                 self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
+            self._commit_seconds = time.perf_counter() - started
         except BaseException:
             if pause:  # asked without waiting: a frozen engine must not double the wait
                 BackgroundCall(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
@@ -300,10 +312,14 @@ class EngineConnection:
 
     def _pause(self) -> None:
         what = f"{self.engine.description} to pause generation"
+        self._paused_at = time.perf_counter()
         self._call(self.engine.pause_generation, self.options.pause_mode, what=what)
 
     def _resume(self) -> None:
         self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
+        if self._paused_at is not None:
+            self._pause_seconds += time.perf_counter() - self._paused_at
+            self._paused_at = None
 
     def close(self, wait: bool = True, update_open: bool = False) -> None:
         """Leave the group and release the engine's side of it; the engine keeps serving.

@@ -9,11 +9,11 @@ engine's processes (tensor-, pipeline-, data-parallel ranks), which join its gro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from lightning_vllm.core.connection import EngineConnection
+from lightning_vllm.core.stats import PushTiming, SyncStats
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.failures import engine_death
 from lightning_vllm.errors import (
@@ -25,27 +25,6 @@ from lightning_vllm.errors import (
 )
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend
-
-
-@dataclass(frozen=True)
-class SyncStats:
-    """Figures of one push that landed in at least one engine.
-
-    Attributes:
-        weight_version: the version committed.
-        seconds: how long the push took, every engine included.
-        num_bytes: the bytes sent, every engine included.
-        engine_indices: the engines that committed it (their positions in ``engine=``).
-        failed_engine_indices: the engines it failed on (they keep their previous weights; see
-            :class:`~lightning_vllm.errors.PartialPushError`).
-    """
-
-    weight_version: int
-    seconds: float
-    num_bytes: int
-    engine_indices: tuple[int, ...] = ()
-    failed_engine_indices: tuple[int, ...] = ()
-
 
 EngineSelection = int | torch.device | Sequence[int | torch.device] | None
 """Engines named by index or by device type (all of that type), or ``None`` for all."""
@@ -136,16 +115,17 @@ class EngineSet:
 
     def push_each(
         self, payload: Payload, indices: Sequence[int], version: int, peers: EveryRankSend | None = None
-    ) -> tuple[list[int], dict[int, BaseException], int]:
+    ) -> tuple[list[int], dict[int, BaseException], int, PushTiming]:
         """Send ``payload`` to the engines of ``indices`` and commit ``version`` in each, whatever happened
-        to the others: the engines that took it, those it failed on and their errors, and the bytes sent.
-        ``peers``: the other trainer ranks, sending their shares alongside."""
+        to the others: the engines that took it, those it failed on and their errors, the bytes sent and
+        where the seconds went. ``peers``: the other trainer ranks, sending their shares alongside."""
         committed: list[int] = []
         failures: dict[int, BaseException] = {}
-        num_bytes = 0
+        num_bytes, timing = 0, PushTiming()
         for position, index in enumerate(indices):
             try:
-                num_bytes += self.push_one(index, payload, version, peers)
+                sent, spent = self.push_one(index, payload, version, peers)
+                num_bytes, timing = num_bytes + sent, timing + spent
             except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
                 failures.update(dict.fromkeys(indices[position:], error))
                 break
@@ -153,10 +133,13 @@ class EngineSet:
                 failures[index] = error
                 continue
             committed.append(index)
-        return committed, failures, num_bytes
+        return committed, failures, num_bytes, timing
 
-    def push_one(self, index: int, payload: Payload, version: int, peers: EveryRankSend | None = None) -> int:
-        """Send ``payload`` to the connected engine at ``index`` and commit ``version``; the bytes sent.
+    def push_one(
+        self, index: int, payload: Payload, version: int, peers: EveryRankSend | None = None
+    ) -> tuple[int, PushTiming]:
+        """Send ``payload`` to the connected engine at ``index`` and commit ``version``; the bytes sent and
+        where the seconds went.
         A failed push closed the connection, which is forgotten: the next push opens a new one.
 
         Raises:
@@ -167,7 +150,7 @@ class EngineSet:
         if connection is None:
             raise RuntimeError(f"The updater is not connected to engine {index!r}: call connect() (init()) first.")
         try:
-            return connection.push(payload, version, peers)
+            return connection.push(payload, version, peers), connection.last_timing
         except BaseException as error:
             self.forget(index)
             if dead := engine_death(error, self.targets[index], "during a push"):

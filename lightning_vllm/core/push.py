@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_vllm.core.engine_set import EngineSet, SyncStats
+from lightning_vllm.core.engine_set import EngineSet
+from lightning_vllm.core.stats import SyncStats
 from lightning_vllm.core.versions import InFlight
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend
@@ -60,7 +61,7 @@ class Push:
         start = time.perf_counter()
         committed: list[int] = []
         try:
-            committed, failures, num_bytes = self.engines.push_each(
+            committed, failures, num_bytes, timing = self.engines.push_each(
                 self.payload, self.engine_indices, version.version, self.peers
             )
         finally:
@@ -72,7 +73,7 @@ class Push:
         if not committed:
             raise next(iter(failures.values()))
         elapsed = time.perf_counter() - start
-        stats = SyncStats(version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)))
+        stats = SyncStats(version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing)
         self.landed(stats)
         if failures:
             raise self.engines.partial_push_error(stats, failures)

@@ -19,10 +19,11 @@ import torch
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.backends import check_requested
 from lightning_vllm.core.connection import EngineConnection
-from lightning_vllm.core.engine_set import EngineSelection, EngineSet, SyncStats
+from lightning_vllm.core.engine_set import EngineSelection, EngineSet
 from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for
 from lightning_vllm.core.push import Push
+from lightning_vllm.core.stats import SyncStats
 from lightning_vllm.core.versions import PushPoint, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters

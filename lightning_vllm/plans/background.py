@@ -26,7 +26,7 @@ from lightning_vllm.options import WhenBusy
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.engine_set import SyncStats
+    from lightning_vllm.core.stats import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import cast
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_vllm.core.engine_set import SyncStats
+from lightning_vllm.core.stats import SyncStats
 from lightning_vllm.core.versions import VersionState
 from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.errors import (
@@ -207,6 +207,11 @@ class PushPoints:
             "vllm/weight_version": float(stats.weight_version),
             "vllm/sync_seconds": stats.seconds,
             "vllm/sync_bytes": float(stats.num_bytes),
+            # A slow link (low GB/s over the transfer) tells itself from a slow engine (a long commit or pause).
+            "vllm/sync_gb_per_second": stats.gb_per_second,
+            "vllm/sync_transfer_seconds": stats.timing.transfer_seconds,
+            "vllm/sync_commit_seconds": stats.timing.commit_seconds,
+            "vllm/sync_pause_seconds": stats.timing.pause_seconds,
         }
         if stall_seconds is not None:  # a background push's stall was logged at its push point
             metrics["vllm/sync_stall_seconds"] = stall_seconds

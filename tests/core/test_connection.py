@@ -74,6 +74,8 @@ def test_a_push_sends_the_wire_bytes_and_commits_the_version_it_is_given():
     connection.check(Payload(ModuleWeights(model)), source_metadata(ModuleWeights(model)))
     sent = connection.push(Payload(ModuleWeights(model)), version=7)
     assert sent == connection.last_num_bytes == sum(p.numel() * 4 for p in model.parameters())
+    timing = connection.last_timing  # gloo: the engine loads in the commit, paused around it only
+    assert timing.transfer_seconds > 0 and 0 < timing.commit_seconds <= timing.pause_seconds
     assert engine.holds(model) and engine.version == "7"
     # Our transport is handed each push's source and client: the engine object keeps what it was built with.
     transfer = connection.sender.engine  # type: ignore[attr-defined]  # (gloo's: ours)

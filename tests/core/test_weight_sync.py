@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import FakeEngine, tiny_qwen2
 
-from lightning_vllm import VLLMUpdater, WeightSync
+from lightning_vllm import SyncStats, VLLMUpdater, WeightSync
 from lightning_vllm.options import UpdaterOptions
 
 
@@ -37,3 +37,13 @@ def test_a_push_is_prepared_then_sent_and_only_its_send_moves_the_version():
     with sync.versions.push_point() as point:
         stats = push.send(point.begin())
     assert stats.weight_version == sync.weight_version == 1 and engine.holds(model)
+
+
+def test_a_push_reports_its_rate_over_the_seconds_spent_moving_the_bytes():
+    model = tiny_qwen2(seed=7)
+    stats = WeightSync(FakeEngine(model)).push(model)
+    timing = stats.timing
+    assert stats.num_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert 0 < timing.transfer_seconds and timing.transfer_seconds + timing.commit_seconds <= stats.seconds
+    assert stats.gb_per_second == pytest.approx(stats.num_bytes / timing.transfer_seconds / 1e9)
+    assert SyncStats(1, 0.5, 0).gb_per_second == 0.0  # nothing moved (every group unchanged)
