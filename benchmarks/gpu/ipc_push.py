@@ -15,7 +15,10 @@ kernels as torch-native stand-ins), then times, as medians of ``--rounds``:
 * ``packed push``: the same with vLLM's packed producer (a copy into its buffer, then the load).
 
 After the pushes the engine's parameters are read back (float64 sums on its GPU) and must equal the
-trainer's. Prints ``name=value`` lines; writes ``ipc_push.json`` into ``--out`` (default ``$OUT`` or ``.``).
+trainer's. Each call the push makes to the engine is timed too (``calls``: the medians of
+``start_weight_update``, ``update_weights``, ``finish_weight_update``, pause, resume, the prefix cache
+reset), which says where a push's seconds go inside vLLM. Prints ``name=value`` lines; writes
+``ipc_push.json`` into ``--out`` (default ``$OUT`` or ``.``).
 """
 
 from __future__ import annotations
@@ -82,18 +85,51 @@ def copy_floor(tensors: list[torch.Tensor], rounds: int) -> list[float]:
     return seconds
 
 
-def timed_pushes(updater, model: torch.nn.Module, rounds: int):
-    """Seconds of ``rounds`` pushes (the group joined by a first, untimed one), and the median push's stats."""
+def timed_pushes(updater, model: torch.nn.Module, rounds: int, calls: dict[str, list[float]]):
+    """Seconds of ``rounds`` pushes (the group joined by a first, untimed one), and the median push's stats;
+    ``calls`` holds the timed pushes' control calls only."""
     updater.push_weights(model)
+    for values in calls.values():
+        values.clear()
     stats = []
     seconds = timed(lambda: stats.append(updater.push_weights(model)), rounds)
     return seconds, sorted(stats, key=lambda each: each.seconds)[len(stats) // 2]
+
+
+CONTROL_CALLS = (
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "pause_generation",
+    "resume_generation",
+    "reset_prefix_cache",
+)
+
+
+def time_control_calls() -> dict[str, list[float]]:
+    """Time every control call a push makes to an in-process engine (``LocalLLMEngine``), by name."""
+    from lightning_vllm.engines.local import LocalLLMEngine
+
+    seconds: dict[str, list[float]] = {name: [] for name in CONTROL_CALLS}
+    for name in CONTROL_CALLS:
+        call = getattr(LocalLLMEngine, name)
+
+        def timed_call(self, *args, _call=call, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _call(self, *args, **kwargs)
+            finally:
+                seconds[_name].append(time.perf_counter() - start)
+
+        setattr(LocalLLMEngine, name, timed_call)
+    return seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--unpacked-only", action="store_true", help="leave out the packed baseline")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
 
@@ -113,10 +149,12 @@ def main() -> None:
     )
     results: dict[str, object] = {"parameters": sum(t.numel() for t in tensors), "bytes": num_bytes}
     try:
-        for label, share in (("push", True), ("packed_push", False)):
+        modes = (("push", True),) if args.unpacked_only else (("push", True), ("packed_push", False))
+        calls = time_control_calls()
+        for label, share in modes:
             IPCBackend.share_trainer_tensors = share
             updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False)
-            seconds, middle = timed_pushes(updater, model, args.rounds)
+            seconds, middle = timed_pushes(updater, model, args.rounds, calls)
             landed = digests_equal(engine_digest(llm), model_digest(model))
             updater.close()
             results[label] = {
@@ -126,6 +164,7 @@ def main() -> None:
                 "commit_seconds": middle.timing.commit_seconds,
                 "pause_seconds": middle.timing.pause_seconds,
                 "gb_per_second": middle.gb_per_second,
+                "calls": {name: statistics.median(values) for name, values in calls.items() if values},
             }
     finally:
         IPCBackend.share_trainer_tensors = True
@@ -136,15 +175,19 @@ def main() -> None:
         "copy_seconds": copy_median,
         "copy_gb_per_second": num_bytes / copy_median / 1e9,
         "push_seconds": statistics.median(results["push"]["seconds"]),  # type: ignore[index]
-        "packed_push_seconds": statistics.median(results["packed_push"]["seconds"]),  # type: ignore[index]
     }
     figures["ipc_push_over_copy"] = figures["push_seconds"] / copy_median
-    figures["ipc_packed_push_over_copy"] = figures["packed_push_seconds"] / copy_median
+    if "packed_push" in results:
+        figures["packed_push_seconds"] = statistics.median(results["packed_push"]["seconds"])  # type: ignore[index]
+        figures["ipc_packed_push_over_copy"] = figures["packed_push_seconds"] / copy_median
     results["figures"] = figures
     for name, value in figures.items():
         print(f"{name}={value:.4g}")
     for label in ("push", "packed_push"):
-        print(f"{label}_landed_exactly={results[label]['landed_exactly']}")  # type: ignore[index]
+        if label in results:
+            print(f"{label}_landed_exactly={results[label]['landed_exactly']}")  # type: ignore[index]
+            for name, value in results[label]["calls"].items():  # type: ignore[index]
+                print(f"{label}_{name}_seconds={value:.4g}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ipc_push.json").write_text(json.dumps(results, indent=1) + "\n")
 
