@@ -99,6 +99,9 @@ class WeightSync:
         Raises:
             ValueError: an option out of range, or a name that is not an option.
         """
+        if unknown := sorted(set(changes) - _OPTION_NAMES):
+            known = ", ".join(sorted(_OPTION_NAMES))
+            raise ValueError(f"Not an option: {', '.join(unknown)}. The options are {known}.")
         options = replace(self._options, **changes)
         check_updater_options(options, num_engines=len(self._engine_set))
         check_requested(options.backend)

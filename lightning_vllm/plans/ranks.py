@@ -349,8 +349,8 @@ class LockstepGathers(RankPlan):
 
     def push_shares(self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPoint) -> SyncStats | None:
         """Push with every rank sending ``shares`` (the figures on rank 0), for a plan whose :meth:`shares_of`
-        gives them."""
-        raise NotImplementedError(f"{type(self).__name__} gathers every push; it has no shares to send.")
+        gives them; this plan's never does, so this is never called."""
+        raise AssertionError(f"{type(self).__name__} gathers every push: shares_of gave it no shares to send.")
 
 
 def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:

@@ -20,6 +20,8 @@ def test_options_are_stored_once_and_changed_only_through_set_options():
         sync.timeout_seconds = 5.0  # type: ignore[attr-defined]  # would be a stray attribute no push reads
     with pytest.raises(ValueError, match="timeout_seconds=-1"):
         sync.set_options(timeout_seconds=-1)
+    with pytest.raises(ValueError, match="Not an option: timeout. The options are"):
+        sync.set_options(timeout=5.0)
     assert sync.options.timeout_seconds == 30.0 and sync.initialized  # a refused change changes nothing
     sync.set_options(timeout_seconds=5.0, changed_only=False)
     assert sync.options == UpdaterOptions(timeout_seconds=5.0, changed_only=False) and not sync.initialized
