@@ -3,9 +3,9 @@ its base weights with the adapter; and the stamps a changed-only push compares.
 
 :func:`choose_payload` is the only place this is decided, a pure function of the weights, the
 options and the engines' facts (``core/facts.py``, read when connecting). The trainer's ranks may
-agree on rank 0's decision (:func:`choose_view`, then :func:`payload_for` on every rank);
-everything after it, the connection, a background snapshot, a sharded walk, handles the
-:class:`Payload` it returns.
+agree on rank 0's decision (:func:`choose_view`, then :func:`payload_for` on every rank, the policy
+found once by :func:`policy_of`); everything after it, the connection, a background snapshot, a
+sharded walk, handles the :class:`Payload` it returns.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.base import WeightSource
 
 from lightning_vllm.core.facts import EngineFacts
@@ -23,22 +24,29 @@ from lightning_vllm.weights import weights_from
 from lightning_vllm.weights.payload import Payload, PushView
 
 
-def needs_facts(weights: Any, options: UpdaterOptions) -> bool:
-    """Whether choosing a payload for ``weights`` reads the engines' facts: a LoRA policy that may go
+def policy_of(weights: Any, options: UpdaterOptions) -> torch.nn.Module | None:
+    """The PEFT LoRA policy inside ``weights`` whose adapter could go alone, else ``None`` (a ready
+    ``WeightSource`` is sent as it is). Found once per push: it walks the module tree."""
+    return None if isinstance(weights, WeightSource) else lora_policy(weights, options.model_attribute)
+
+
+def needs_facts(policy: torch.nn.Module | None, options: UpdaterOptions) -> bool:
+    """Whether choosing a payload reads the engines' facts: a LoRA policy (:func:`policy_of`) that may go
     as an adapter. Anything else is chosen without asking an engine."""
-    return (
-        options.lora != "merged"
-        and not isinstance(weights, WeightSource)
-        and lora_policy(weights, options.model_attribute) is not None
-    )
+    return policy is not None and options.lora != "merged"
 
 
 def choose_view(
-    weights: Any, options: UpdaterOptions, facts: Sequence[EngineFacts], extra_problems: Sequence[str] = ()
+    weights: Any,
+    policy: torch.nn.Module | None,
+    options: UpdaterOptions,
+    facts: Sequence[EngineFacts],
+    extra_problems: Sequence[str] = (),
 ) -> PushView:
-    """How a push of ``weights`` sends the policy (see :data:`PushView`), under ``options``, given the
-    facts of every engine it goes to (read only for a LoRA policy: :func:`needs_facts`) and
-    ``extra_problems``, why something else that samples from the engines could not use an adapter.
+    """How a push of ``weights`` (whose LoRA policy, if any, is ``policy``: :func:`policy_of`) sends the
+    policy (see :data:`PushView`), under ``options``, given the facts of every engine it goes to (read
+    only for a LoRA policy: :func:`needs_facts`) and ``extra_problems``, why something else that samples
+    from the engines could not use an adapter.
 
     Raises:
         EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
@@ -46,7 +54,6 @@ def choose_view(
     """
     if options.lora == "merged" or isinstance(weights, WeightSource):
         return "merged"
-    policy = lora_policy(weights, options.model_attribute)
     if policy is None:
         if options.lora == "adapter":
             raise ValueError(NOT_A_LORA_POLICY)
@@ -61,12 +68,12 @@ def choose_view(
     return choose_view_of_problems(options.lora, [*problems, *extra_problems], engines_have_base)
 
 
-def payload_for(weights: Any, view: PushView, options: UpdaterOptions) -> Payload:
-    """The payload of ``weights`` sent as ``view``: its tensors, its LoRA adapter's config and its stamps."""
+def payload_for(weights: Any, policy: torch.nn.Module | None, view: PushView, options: UpdaterOptions) -> Payload:
+    """The payload of ``weights`` (whose LoRA policy is ``policy``) sent as ``view``: its tensors, its LoRA
+    adapter's config and its stamps."""
     if view == "merged":
         source = weights_from(weights, options.model_attribute)
         return Payload(source, view, stamps=source.stamps() if options.changed_only else None)
-    policy = lora_policy(weights, options.model_attribute)
     assert policy is not None, "an adapter view is chosen for a LoRA policy only"
     source, config = adapter_source(policy, with_base=view == "base_and_adapter")
     return Payload(source, view, adapter_config=config)
@@ -92,4 +99,5 @@ def choose_payload(
         EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
         ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy.
     """
-    return payload_for(weights, choose_view(weights, options, facts, extra_problems), options)
+    policy = policy_of(weights, options)
+    return payload_for(weights, policy, choose_view(weights, policy, options, facts, extra_problems), options)

@@ -21,7 +21,7 @@ from lightning_vllm.backends import check_requested
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.core.engine_set import EngineSelection, EngineSet
 from lightning_vllm.core.facts import EngineFacts
-from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for
+from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for, policy_of
 from lightning_vllm.core.push import Push
 from lightning_vllm.core.stats import SyncStats
 from lightning_vllm.core.versions import PushPoint, WeightVersions
@@ -326,15 +326,17 @@ class WeightSync:
         if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
             return weights
 
+        policy = policy_of(weights, self._options)  # (once: it walks the module tree)
+
         def decide() -> PushView:
             facts: list[EngineFacts] = []
-            if needs_facts(weights, self._options):
+            if needs_facts(policy, self._options):
                 if self.model_metadata is None:  # what the groups are formed for
                     self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
                 facts = list(self.engine_facts(engines).values())
-            return choose_view(weights, self._options, facts, self.adapter_consumer_problems())
+            return choose_view(weights, policy, self._options, facts, self.adapter_consumer_problems())
 
-        return payload_for(weights, decide() if agree is None else agree(decide), self._options)
+        return payload_for(weights, policy, decide() if agree is None else agree(decide), self._options)
 
     @property
     def lora_request(self) -> Any:
