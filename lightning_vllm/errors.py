@@ -25,6 +25,21 @@ class WeightsMismatchError(WeightSyncError, ValueError):
     """The weights offered do not fit the engine's model (names, shapes or dtypes)."""
 
 
+class LandedWeightsMismatchError(WeightsMismatchError):
+    """A push committed, but what an engine now holds differs from what was sent (the check after
+    every push, ``verify_pushes``).
+
+    Attributes:
+        stats: the push's figures (``SyncStats``).
+        layers: ``{engine index: [layer, ...]}``: the layers that differ in each engine.
+    """
+
+    def __init__(self, message: str, stats: object, layers: dict[int, list[str]]) -> None:
+        super().__init__(message)
+        self.stats = stats
+        self.layers = layers
+
+
 class StaleRolloutsError(WeightSyncError, ValueError):
     """Rollouts came from weights older than the callback's ``max_staleness`` allows."""
 

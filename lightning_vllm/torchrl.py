@@ -159,6 +159,12 @@ class VLLMUpdater(WeightSync):
         changed_only: send only the layer groups with a tensor written since this updater's last
             push to the engine (PyTorch counts in-place writes; writes through ``.data`` are not
             counted); the engine keeps the others. See ``docs/concepts.md``.
+        verify_pushes: after each push, hold the per-layer sums of what every engine now holds
+            against those of what was sent, and raise ``WeightsMismatchError`` naming the layers that
+            differ. The workers are asked through ``collective_rpc``: build the engine with
+            ``worker_extension_cls=WORKER_EXTENSION`` (``engines/worker_check.py``) unless its RPCs may
+            carry a function; otherwise pushes are not checked and a warning says so once
+            (``docs/concepts.md``).
 
     Example::
 
@@ -187,6 +193,7 @@ class VLLMUpdater(WeightSync):
         pause_mode: PauseMode = "keep",
         lora: LoraMode = "auto",
         changed_only: bool = True,
+        verify_pushes: bool = True,
     ) -> None:
         options = UpdaterOptions.among(locals())
         super().__init__(engine, options=options, model_metadata=model_metadata)

@@ -15,6 +15,7 @@ LAYERS: dict[str, list[str]] = {
     "what is sent": [
         "weights", "weights.base", "weights.model", "weights.changes", "weights.lora_merge", "weights.fsdp",
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
+        "weights.layer_sums",
         "lora", "lora.adapter", "lora.serving", "lora.worker", "lora.cpu_ops",
     ],
     "how bytes move": [
@@ -24,8 +25,8 @@ LAYERS: dict[str, list[str]] = {
         "transports.gloo.worker",
     ],
     "where vLLM lives": [
-        "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.base",
-        "engines.config_facts", "engines.local", "engines.async_local", "engines.http", "engines.ray",
+        "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.worker_check",
+        "engines.base", "engines.config_facts", "engines.local", "engines.async_local", "engines.http", "engines.ray",
         "engines.failures", "server",
     ],
     "backends": [
@@ -34,7 +35,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.facts", "core.connection", "core.engine_set",
-        "core.payload_choice", "core.stats", "core.push", "core.weight_sync",
+        "core.payload_choice", "core.stats", "core.landing_check", "core.push", "core.weight_sync",
     ],
     "plans": ["plans", "plans.ranks", "plans.every_rank", "plans.background", "plans.rollouts", "plans.push_points"],
     "fronts": ["callback", "torchrl"],

@@ -268,11 +268,13 @@ def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
     # (around the commit only on gloo), and the rate over the transfer.
     timing = {
         name: [value for _, value in tensorboard_scalars(trainer.logger.log_dir, f"vllm/sync_{name}")]
-        for name in ("transfer_seconds", "commit_seconds", "pause_seconds", "gb_per_second")
+        for name in ("transfer_seconds", "commit_seconds", "pause_seconds", "check_seconds", "gb_per_second")
     }
     for push, (_, seconds) in enumerate(sync_seconds):
         transfer, commit, pause = (
             timing[name][push] for name in ("transfer_seconds", "commit_seconds", "pause_seconds")
         )
         assert 0 < transfer and 0 < commit <= pause < seconds and transfer + commit <= seconds
+        # and the check after the push (the shared engine has the worker extension), within the push's seconds
+        assert 0 < timing["check_seconds"][push] < seconds - transfer - commit
         assert timing["gb_per_second"][push] == pytest.approx(num_bytes / transfer / 1e9, rel=1e-3)

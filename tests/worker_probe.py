@@ -1,11 +1,19 @@
-"""Test-only methods added to vLLM's worker (``worker_extension_cls``) to look inside the gloo engine."""
+"""Test-only methods added to vLLM's worker (``worker_extension_cls``) to look inside the gloo engine.
+
+It extends lightning_vllm's own worker extension, as a user's extension would, so that the shared
+test engine's pushes are checked (``verify_pushes``).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 
-class WorkerProbe:
+from lightning_vllm.engines.worker_check import WeightCheckExtension
+
+
+class WorkerProbe(WeightCheckExtension):
     """vLLM mixes these methods into its worker; tests call them with ``llm.collective_rpc``."""
 
     weight_transfer_engine: Any
@@ -19,3 +27,11 @@ class WorkerProbe:
         for buffer in buffers:
             buffer.fill_(255)
         return sum(buffer.numel() for buffer in buffers)
+
+    def add_to_parameter(self, name: str, amount: float) -> float:
+        """Add ``amount`` to the first element of vLLM's parameter ``name`` behind the trainer's back (a
+        corrupted layer, as a faulty load would leave it); returns the element's new value."""
+        parameter = dict(self.get_model().named_parameters())[name]  # type: ignore[attr-defined]
+        with torch.no_grad():
+            parameter.view(-1)[0] += amount
+        return float(parameter.view(-1)[0])

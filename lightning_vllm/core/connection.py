@@ -27,6 +27,7 @@ from lightning_vllm.backends.registry import carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts
+from lightning_vllm.core.landing_check import LandingCheck
 from lightning_vllm.core.stats import PushTiming
 from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines import EngineTarget
@@ -93,6 +94,7 @@ class EngineConnection:
         self._commit_seconds = self._pause_seconds = 0.0
         self._paused_at: float | None = None
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
+        self.landing = LandingCheck(engine, options.verify_pushes, options.timeout_seconds)
         # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
         # so engines sharing a host, and later connections, never read each other's adapter.
         self.adapter = PolicyAdapter(key=uuid.uuid4().hex)
@@ -250,8 +252,9 @@ class EngineConnection:
         unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps)
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
+        tally = self.landing.tally_for(carries_base=payload.view != "adapter", every_rank=peers is not None)
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
-        sent = WireWeights(source, wire, device=self.device)
+        sent = WireWeights(source, wire, device=self.device, tally=tally)
         client = self.client.committing(
             str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
         )
@@ -268,6 +271,7 @@ class EngineConnection:
         try:
             self.sender.send(outgoing)
         except BaseException:
+            self.landing.landed(committed=False)
             # The engine may be frozen or gone: release its side without waiting, so the error reaches the caller
             # within timeout_seconds. vLLM's engines may be left inside the update (after_failure.py).
             self.close(wait=False, update_open=pause_for_transfer)
@@ -281,8 +285,17 @@ class EngineConnection:
         elif any(not name.startswith(ADAPTER_PREFIX) for name in wire):
             self.has_policy_base = True  # the base weights went with the adapter
         self.sent.landed(wire, stamps)
+        self.landing.landed(committed=True)
         self.last_num_bytes = wire_bytes(wire)
         return self.last_num_bytes
+
+    def differing_layers(self) -> list[str]:
+        """After a push that committed: the layers the engine holds otherwise than sent (``verify_pushes``;
+        ``[]``: none, or not checked). If any, the next push sends every tensor again."""
+        layers = self.landing.differing_layers()
+        if layers:
+            self.sent = SentStamps()
+        return layers
 
     @contextmanager
     def _commit_window(self, pause: bool, adapter: PolicyAdapter | None = None) -> Iterator[None]:

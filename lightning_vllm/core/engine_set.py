@@ -18,6 +18,7 @@ from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.failures import engine_death
 from lightning_vllm.errors import (
     EngineConfigError,
+    LandedWeightsMismatchError,
     PartialPushError,
     PushAborted,
     WeightsMismatchError,
@@ -156,6 +157,29 @@ class EngineSet:
             if dead := engine_death(error, self.targets[index], "during a push"):
                 raise dead from error
             raise
+
+    def differing_layers(self, indices: Sequence[int]) -> dict[int, list[str]]:
+        """After a push that committed in the engines of ``indices``: the layers each holds otherwise
+        than sent (``verify_pushes``), for the engines where any does."""
+        found = {index: self.connections[index].differing_layers() for index in indices if index in self.connections}
+        return {index: layers for index, layers in found.items() if layers}
+
+    def mismatch_error(self, stats: SyncStats, layers: dict[int, list[str]]) -> LandedWeightsMismatchError:
+        """The error of a push that committed in engines that now hold other weights than were sent."""
+        named = "; ".join(
+            f"engine {index} ({self.targets[index].description}): {len(found)} layer(s), "
+            + ", ".join(found[:8])
+            + (" ..." if len(found) > 8 else "")
+            for index, found in sorted(layers.items())
+        )
+        return LandedWeightsMismatchError(
+            f"Weight version {stats.weight_version} was committed, but what the engine holds now differs from what "
+            f"was sent beyond float64 rounding (per-layer sum and sum of squares): {named}. The engine serves those "
+            "weights; the next push sends every tensor again. If the layers differ after every push, the model's "
+            "vLLM loader changes weights as it loads them (its sums cannot match): pass verify_pushes=False.",
+            stats,
+            layers,
+        )
 
     def partial_push_error(self, stats: SyncStats, failures: dict[int, BaseException]) -> PartialPushError:
         """The error of a push that reached the engines of ``stats`` and failed on those of ``failures``."""

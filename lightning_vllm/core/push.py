@@ -51,7 +51,11 @@ class Push:
         previous weights and joins again at the next push. ``landed`` (the post hooks) runs once the
         version is committed.
 
+        Once committed, each engine's per-layer sums are held against what was sent (``verify_pushes``).
+
         Raises:
+            LandedWeightsMismatchError: the version was committed, but an engine holds other weights
+                than were sent (the layers are named; the next push sends every tensor again).
             PartialPushError: some engines took the push and some did not (its ``stats`` and
                 ``failures`` say which).
             WeightSyncError: no engine took it; the error of the first engine that failed (the
@@ -72,8 +76,13 @@ class Push:
         failures = {**self.unreachable, **failures}
         if not committed:
             raise next(iter(failures.values()))
+        checked_at = time.perf_counter()
+        mismatched = self.engines.differing_layers(committed)
+        timing = replace(timing, check_seconds=time.perf_counter() - checked_at)
         elapsed = time.perf_counter() - start
         stats = SyncStats(version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing)
+        if mismatched:  # committed (the engines hold this version), but not as sent: the post hooks do not run
+            raise self.engines.mismatch_error(stats, mismatched)
         self.landed(stats)
         if failures:
             raise self.engines.partial_push_error(stats, failures)

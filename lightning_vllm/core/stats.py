@@ -15,17 +15,21 @@ class PushTiming:
             ``gloo`` the engine loads everything there; vLLM's backends loaded while receiving).
         pause_seconds: how long the engine's generation was paused (around the whole transfer when the
             backend loads while receiving, around the commit otherwise).
+        check_seconds: the check after the push (``verify_pushes``): the engine's per-layer sums,
+            asked and held against the trainer's (the trainer's own are summed during the transfer).
     """
 
     transfer_seconds: float = 0.0
     commit_seconds: float = 0.0
     pause_seconds: float = 0.0
+    check_seconds: float = 0.0
 
     def __add__(self, other: PushTiming) -> PushTiming:
         return PushTiming(
             self.transfer_seconds + other.transfer_seconds,
             self.commit_seconds + other.commit_seconds,
             self.pause_seconds + other.pause_seconds,
+            self.check_seconds + other.check_seconds,
         )
 
 

@@ -25,19 +25,21 @@ from lightning_vllm.engines.base import (
     ChecksIPCHandles,
     Generation,
     PauseMode,
+    ReportsLayerSums,
     as_prompt,
     generations_from_outputs,
     version_number,
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
+from lightning_vllm.engines.worker_check import missing_extension, rpc_for
 
 _T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles):
+class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums):
     """Engine target for a ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     Args:
@@ -79,6 +81,14 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles):
 
     def ipc_handles_problem(self) -> str | None:
         return ipc_handles_problem(self.async_llm.engine_core, self.description)
+
+    def layer_sums_problem(self) -> str | None:
+        if rpc_for(self._config, self.async_llm.engine_core) is None:
+            return missing_extension(self.description)
+        return None
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        return list(self.run(self.async_llm.collective_rpc(rpc_for(self._config, self.async_llm.engine_core))))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

@@ -103,6 +103,20 @@ class ChecksIPCHandles(Protocol):
         ...
 
 
+@runtime_checkable
+class ReportsLayerSums(Protocol):
+    """Capability of an engine target whose workers can sum, per layer, the weights they hold: the
+    check after every push (``weights/layer_sums.py``, ``engines/worker_check.py``)."""
+
+    def layer_sums_problem(self) -> str | None:
+        """Why its workers cannot be asked, with the fix (``None``: they can)."""
+        ...
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        """Each worker's report (``weights.layer_sums.held_layer_sums``)."""
+        ...
+
+
 class ServesAdapter(ServesLoraAdapters):
     """What every engine target of this package shares to serve a pushed LoRA adapter: it remembers
     which adapter generation goes through. Subclasses read :meth:`lora_limits` from their engine."""

@@ -13,15 +13,17 @@ from lightning_vllm.engines.base import (
     ChecksIPCHandles,
     Generation,
     PauseMode,
+    ReportsLayerSums,
     as_prompt,
     generations_from_outputs,
     version_number,
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
+from lightning_vllm.engines.worker_check import missing_extension, rpc_for
 
 
-class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles):
+class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles, ReportsLayerSums):
     """Engine target for a ``vllm.LLM``.
 
     ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.
@@ -64,6 +66,14 @@ class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles
 
     def ipc_handles_problem(self) -> str | None:
         return ipc_handles_problem(self.llm.llm_engine.engine_core, self.description)
+
+    def layer_sums_problem(self) -> str | None:
+        if rpc_for(self._config, self.llm.llm_engine.engine_core) is None:
+            return missing_extension(self.description)
+        return None
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc(rpc_for(self._config, self.llm.llm_engine.engine_core)))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

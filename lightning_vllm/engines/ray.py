@@ -20,7 +20,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ServesAdapter
+from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ReportsLayerSums, ServesAdapter
 from lightning_vllm.engines.local import LocalLLMEngine
 from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.lora.serving import LoraLimits
@@ -51,6 +51,7 @@ class VLLMActor(LocalLLMEngine):
             "prompt_limits": self.prompt_limits(),
             "lora_limits": self.lora_limits(),
             "adapter": self.adapter,
+            "layer_sums_problem": self.layer_sums_problem(),
         }
 
 
@@ -65,7 +66,7 @@ def is_actor_handle(engine: Any) -> bool:
     return isinstance(engine, ActorHandle)
 
 
-class RayEngine(ServesAdapter):
+class RayEngine(ServesAdapter, ReportsLayerSums):
     """Engine target for a Ray actor running :class:`VLLMActor` (or any actor with the same methods)."""
 
     def __init__(self, handle: Any) -> None:
@@ -131,6 +132,12 @@ class RayEngine(ServesAdapter):
         """The actor generates, so it is the one told which adapter to use."""
         self._call("serve_adapter", adapter)
         self.facts["adapter"] = adapter
+
+    def layer_sums_problem(self) -> str | None:
+        return self.facts.get("layer_sums_problem", "the actor does not say whether its workers report their sums")
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        return list(self._call("layer_sums"))
 
     def is_dead(self) -> bool:
         """A dead actor fails its calls with ``RayActorError``; a busy one cannot be asked."""

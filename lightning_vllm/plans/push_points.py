@@ -22,6 +22,7 @@ from lightning_vllm.core.versions import VersionState
 from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.errors import (
     EngineConfigError,
+    LandedWeightsMismatchError,
     PartialPushError,
     WeightsMismatchError,
     WeightSyncError,
@@ -192,7 +193,8 @@ class PushPoints:
 
     def failed(self, trainer: pl.Trainer, error: WeightSyncError) -> None:
         # (The updater has counted the push point as missed, unless some engine took it.)
-        if self.on_sync_error == "raise" or isinstance(error, (EngineConfigError, WeightsMismatchError)):
+        misfit = isinstance(error, (EngineConfigError, WeightsMismatchError))
+        if self.on_sync_error == "raise" or (misfit and not isinstance(error, LandedWeightsMismatchError)):
             raise error  # (a misconfigured engine or weights that do not fit: a retry would fail the same way)
         self.sync_failures += 1
         rank_zero_warn(
@@ -212,6 +214,7 @@ class PushPoints:
             "vllm/sync_transfer_seconds": stats.timing.transfer_seconds,
             "vllm/sync_commit_seconds": stats.timing.commit_seconds,
             "vllm/sync_pause_seconds": stats.timing.pause_seconds,
+            "vllm/sync_check_seconds": stats.timing.check_seconds,
         }
         if stall_seconds is not None:  # a background push's stall was logged at its push point
             metrics["vllm/sync_stall_seconds"] = stall_seconds

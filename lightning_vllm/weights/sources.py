@@ -9,7 +9,7 @@ engines both read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -232,14 +232,21 @@ class WireWeights(Weights):
         wire: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
         device: where vLLM's engine sends from (the trainer's GPU); ``None`` when the
             transport converts by itself.
+        tally: given each ``(name, tensor)`` as the engine gets it (its serving dtype), as it goes
+            (the check after the push, ``weights/layer_sums.py``).
     """
 
     def __init__(
-        self, source: Weights, wire: Mapping[str, tuple[torch.dtype, Any]], device: torch.device | None = None
+        self,
+        source: Weights,
+        wire: Mapping[str, tuple[torch.dtype, Any]],
+        device: torch.device | None = None,
+        tally: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.source = source
         self.wire_dtypes = {name: dtype for name, (dtype, _) in wire.items()}
         self.device = device
+        self.tally = tally
 
     def declare(self) -> list[ParamMeta]:
         return [
@@ -259,4 +266,7 @@ class WireWeights(Weights):
                 continue
             if self.device is not None:  # a no-op for a tensor already in place
                 tensor = tensor.to(device=self.device, dtype=self.wire_dtypes[name], non_blocking=True)
+            if self.tally is not None:
+                dtype = self.wire_dtypes[name]
+                self.tally(name, tensor if tensor.dtype == dtype else tensor.to(dtype))
             yield name, tensor

@@ -71,6 +71,8 @@ def test_engine_in_the_training_process_receives_pushes(llm_single_process, tmp_
     updater = VLLMUpdater(engine=llm_single_process, timeout_seconds=60)
     updater.push_weights(model)
     updater.push_weights(model)
+    # Its worker runs in this process: it is asked for its sums with a function, with no extension.
+    assert updater.last_sync is not None and updater.last_sync.timing.check_seconds > 0
     assert_serves(llm_single_process, model)
     assert llm_single_process.get_weight_version() == "2"
     updater.close()

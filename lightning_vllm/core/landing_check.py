@@ -1,0 +1,122 @@
+"""The check after every push to one engine: what its workers hold, per layer, against what was sent.
+
+While a push is on the wire, each tensor is summed on the trainer's device as the engine gets it
+(``weights/layer_sums.SentSums``); once the push has committed, the engine's workers sum what
+they hold (``engines/worker_check.py``) and the two are compared layer by layer. A layer that
+differs beyond float64 rounding is named in ``LandedWeightsMismatchError``. What cannot be
+checked (an engine built without the worker extension, layers vLLM stores in another form, a
+push from every rank) is said once, in a warning, never as a false alarm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from lightning_vllm._waits import call_with_timeout
+from lightning_vllm.engines import EngineTarget
+from lightning_vllm.engines.base import ReportsLayerSums
+from lightning_vllm.errors import WeightSyncError
+from lightning_vllm.lora.adapter import ADAPTER_PREFIX
+from lightning_vllm.weights.layer_sums import HeldSums, SentSums
+
+log = logging.getLogger(__name__)
+
+_LISTED = 8  # layers named in a message, at most
+
+
+class LandingCheck:
+    """Checks what one engine holds after each push (see the module docstring).
+
+    Args:
+        engine: the engine.
+        enabled: the updater's ``verify_pushes``.
+        timeout_seconds: the longest the engine may take to report.
+    """
+
+    def __init__(self, engine: EngineTarget, enabled: bool, timeout_seconds: float) -> None:
+        self.engine = engine
+        self.timeout_seconds = timeout_seconds
+        self.sent = SentSums()
+        self._said: set[str] = set()
+        self._pending = False
+        problem = None
+        if enabled:
+            if not isinstance(engine, ReportsLayerSums):
+                problem = f"the {engine.description} engine target does not declare ReportsLayerSums"
+            else:
+                problem = engine.layer_sums_problem()
+            if problem is not None:
+                self._say_once("engine", f"Pushes to {engine.description} are not checked: {problem}.")
+        self.enabled = enabled and problem is None
+
+    def tally_for(self, carries_base: bool, every_rank: bool) -> Callable[[str, torch.Tensor], None] | None:
+        """What the push's tensors are to be given to as they go on the wire (``None``: the push is not
+        checked: nothing checkable, a LoRA adapter alone, or shares the other ranks send too)."""
+        self._pending = False
+        if not self.enabled or not carries_base:
+            return None
+        if every_rank:
+            self._say_once(
+                "every_rank", "Pushes from every rank (push_from='every_rank') are not checked: each sends a share."
+            )
+            return None
+        self._pending = True
+        return self._tally
+
+    def _tally(self, name: str, tensor: torch.Tensor) -> None:
+        if not name.startswith(ADAPTER_PREFIX):
+            self.sent.tally(name, tensor)
+
+    def landed(self, committed: bool) -> None:
+        """The push committed (what was tallied is held now) or did not."""
+        if committed:
+            self.sent.landed()
+        else:
+            self.sent.dropped()
+            self._pending = False
+
+    def differing_layers(self) -> list[str]:
+        """The layers the engine holds otherwise than sent, after a push that committed (``[]`` when the
+        push was not checked, or the engine could not say: a warning then tells why).
+
+        Raises:
+            WeightSyncTimeoutError: the engine did not report within ``timeout_seconds``.
+        """
+        if not self._pending:
+            return []
+        self._pending = False
+        try:
+            reports = call_with_timeout(
+                self.engine.layer_sums,  # type: ignore[attr-defined]  # enabled only for ReportsLayerSums
+                timeout=self.timeout_seconds,
+                what=f"{self.engine.description} to sum the weights it holds",
+            )
+        except WeightSyncError as error:
+            log.warning("The push to %s could not be checked: %s", self.engine.description, error)
+            return []
+        held = HeldSums.combine(reports)
+        expected = self.sent.by_layer()
+        if held.unverifiable:
+            self._say_once(
+                "unverifiable",
+                f"{len(held.unverifiable)} layer(s) of {self.engine.description} cannot be verified, "
+                + "; ".join(f"{layer}: {why}" for layer, why in sorted(held.unverifiable.items())[:_LISTED])
+                + (" ..." if len(held.unverifiable) > _LISTED else "")
+                + f". The other {len(held.layers)} layer(s) are checked after every push.",
+            )
+        not_finite = sorted(layer for layer, sums in expected.items() if not sums.finite)
+        if not_finite:
+            self._say_once(
+                "not_finite",
+                f"The trainer's weights hold NaN or inf in {', '.join(not_finite[:_LISTED])}: those layers are not "
+                "checked.",
+            )
+        return held.differing(expected)
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.warning(message)

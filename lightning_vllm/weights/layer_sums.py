@@ -1,0 +1,278 @@
+"""Per-layer float64 sums of weights: what the trainer sent and what an engine holds, compared.
+
+A layer's sum and sum of squares do not change when vLLM fuses q/k/v or gate/up into one
+tensor, splits a tensor over tensor-parallel ranks (the ranks' sums add up), or pads a
+vocabulary with zero rows. Summed in float64 from the values each side holds (the trainer's
+in the engine's serving dtype), they are equal up to float64 rounding, so they can be held
+against each other across the two layouts after every push, without moving a weight off the
+device. A *layer* is what :func:`layer_of` names: a decoder layer's attention or MLP block or
+norm (``model.layers.3.self_attn``), the embedding, the final norm, the head.
+
+The engine's side (:func:`held_layer_sums`) runs inside vLLM's worker; the trainer asks for
+it through ``collective_rpc`` (``engines/worker_check.py``). Layers an engine stores in
+another form (vLLM's CPU build repacks linear layers for oneDNN and leaves ``weight``
+empty; quantized layers) cannot be verified, and are reported as such instead of summed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+RELATIVE_TOLERANCE = 1e-12
+"""How far two float64 sums of the same values, added in other orders, may drift, relative to
+their scale (measured: well under 1e-14 for an 8B model's layers)."""
+
+_CHUNK_ELEMENTS = 1 << 24  # an eager float64 chunk: 128 MiB, whatever the tensor's size
+
+
+@dataclass(frozen=True)
+class LayerSums:
+    """The float64 sum, sum of squares and element count of one layer's tensors (count: the
+    trainer's, which sets the tolerance)."""
+
+    total: float
+    squares: float
+    count: int = 0
+
+    @property
+    def finite(self) -> bool:
+        """Whether the trainer's values were all finite (a NaN or inf makes the sums say nothing)."""
+        return math.isfinite(self.total) and math.isfinite(self.squares)
+
+    def matches(self, total: float, squares: float) -> bool:
+        """Whether an engine's ``total`` and ``squares`` equal these up to float64 rounding.
+
+        The sum's scale is the sum of magnitudes, at most ``sqrt(count * squares)``; a NaN on
+        either side never matches.
+
+        Example::
+
+            >>> LayerSums(2.0, 2.0, 2).matches(2.0 + 1e-15, 2.0), LayerSums(2.0, 2.0, 2).matches(2.5, 2.0)
+            (True, False)
+        """
+        scale = math.sqrt(self.count * self.squares) if self.count else abs(self.total)
+        return abs(total - self.total) <= RELATIVE_TOLERANCE * scale and abs(
+            squares - self.squares
+        ) <= RELATIVE_TOLERANCE * abs(self.squares)
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to, in names both sides share: the block after a decoder
+    layer's index, else the module (LoRA's ``base_layer`` wrapper left out).
+
+    Example::
+
+        >>> layer_of("model.layers.3.self_attn.q_proj.weight"), layer_of("model.layers.3.self_attn.qkv_proj.weight")
+        ('model.layers.3.self_attn', 'model.layers.3.self_attn')
+        >>> layer_of("model.embed_tokens.base_layer.weight"), layer_of("lm_head.weight")
+        ('model.embed_tokens', 'lm_head')
+    """
+    parts = [part for part in name.split(".") if part != "base_layer"]
+    for position, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: min(position + 2, len(parts) - 1)])
+    return ".".join(parts[:-1]) or name
+
+
+def tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """``[sum, sum of squares]`` of ``tensor``'s values in float64, on its device (nothing synchronizes).
+
+    On a GPU one fused kernel reads the tensor once (``torch.compile``); elsewhere, or if that
+    kernel cannot be built, float64 chunks of bounded size are summed.
+    """
+    flat = tensor.detach().reshape(-1)
+    if flat.is_cuda and _fused_sums.usable:
+        try:
+            return _fused_sums(flat)
+        except Exception as error:  # noqa: BLE001  # no compiler here: the eager sums are as exact, slower
+            _fused_sums.usable = False
+            log.warning("The fused float64 sums could not be built (%s); summing in float64 chunks instead.", error)
+    return _chunked_sums(flat)
+
+
+def _chunked_sums(flat: torch.Tensor) -> torch.Tensor:
+    sums = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    for chunk in flat.split(_CHUNK_ELEMENTS):
+        values = chunk.to(torch.float64)
+        sums += torch.stack([values.sum(), torch.dot(values, values)])
+    return sums
+
+
+def _sums_kernel(flat: torch.Tensor) -> torch.Tensor:
+    values = flat.to(torch.float64)
+    return torch.stack([values.sum(), (values * values).sum()])
+
+
+class _FusedSums:
+    """``_sums_kernel`` compiled once, for every length (a dynamic shape), on first use."""
+
+    usable = True
+
+    def __init__(self) -> None:
+        self._compiled: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        if self._compiled is None:
+            self._compiled = torch.compile(_sums_kernel, dynamic=True, fullgraph=True)
+        return self._compiled(flat)
+
+
+_fused_sums = _FusedSums()
+
+
+class SentSums:
+    """The sums of every tensor a connection sent, kept across pushes: a changed-only push sends
+    some tensors, and the engine holds the others from earlier pushes.
+
+    :meth:`tally` is given each tensor as it goes on the wire (summed on its device, no sync);
+    :meth:`landed` keeps the push's sums once it committed, :meth:`dropped` forgets them.
+
+    Example::
+
+        >>> sent = SentSums()
+        >>> sent.tally("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))
+        >>> sent.landed()
+        >>> sent.by_layer()
+        {'model.layers.0.mlp': LayerSums(total=4.0, squares=4.0, count=4)}
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[torch.Tensor, int]] = {}
+        self._held: dict[str, tuple[float, float, int]] = {}
+
+    def tally(self, name: str, tensor: torch.Tensor) -> None:
+        """Count ``tensor`` (as the engine gets it: its serving dtype) as sent under ``name``."""
+        self._pending[name] = (tensor_sums(tensor), tensor.numel())
+
+    def landed(self) -> None:
+        """The push committed: the engine now holds what was tallied (one device sync)."""
+        if not self._pending:
+            return
+        names = list(self._pending)
+        values = _to_floats([self._pending[name][0] for name in names])
+        for name, (total, squares) in zip(names, values):
+            self._held[name] = (total, squares, self._pending[name][1])
+        self._pending = {}
+
+    def dropped(self) -> None:
+        """The push did not commit: what was tallied is not what the engine holds."""
+        self._pending = {}
+
+    def forget(self, names: Iterable[str]) -> None:
+        """No longer count on the engine holding these tensors as sent (sent again before they count)."""
+        for name in names:
+            self._held.pop(name, None)
+
+    def by_layer(self) -> dict[str, LayerSums]:
+        """What the engine should hold, per layer (:func:`layer_of`)."""
+        layers: dict[str, list[float]] = {}
+        for name, (total, squares, count) in self._held.items():
+            sums = layers.setdefault(layer_of(name), [0.0, 0.0, 0])
+            sums[0] += total
+            sums[1] += squares
+            sums[2] += count
+        return {layer: LayerSums(total, squares, int(count)) for layer, (total, squares, count) in layers.items()}
+
+
+@dataclass(frozen=True)
+class HeldSums:
+    """What an engine reported, its workers' reports combined.
+
+    Attributes:
+        layers: ``{layer: (sum, sum of squares)}``: tensor-parallel shards added up, tensors every
+            rank holds whole counted once.
+        unverifiable: ``{layer: why}`` for layers held in a form the trainer's sums cannot be held against.
+    """
+
+    layers: dict[str, tuple[float, float]]
+    unverifiable: dict[str, str]
+
+    @classmethod
+    def combine(cls, reports: Iterable[Mapping[str, Any]]) -> HeldSums:
+        """Combine the reports of :func:`held_layer_sums`, one per worker (tensor- and pipeline-parallel ranks).
+
+        Example::
+
+            >>> rank = {"sharded": {"lm_head": [1.0, 2.0]}, "replicated": {"model.norm": [3.0, 3.0]}}
+            >>> HeldSums.combine([rank, rank]).layers
+            {'lm_head': (2.0, 4.0), 'model.norm': (3.0, 3.0)}
+        """
+        layers: dict[str, list[float]] = {}
+        replicated: dict[str, tuple[float, float]] = {}
+        unverifiable: dict[str, str] = {}
+        for report in reports:
+            for layer, (total, squares) in report.get("sharded", {}).items():
+                sums = layers.setdefault(layer, [0.0, 0.0])
+                sums[0] += total
+                sums[1] += squares
+            for layer, (total, squares) in report.get("replicated", {}).items():
+                replicated.setdefault(layer, (total, squares))  # every rank of a stage holds the same
+            unverifiable.update(report.get("unverifiable", {}))
+        for layer, (total, squares) in replicated.items():
+            sums = layers.setdefault(layer, [0.0, 0.0])
+            sums[0] += total
+            sums[1] += squares
+        return cls({layer: (s, q) for layer, (s, q) in layers.items() if layer not in unverifiable}, unverifiable)
+
+    def differing(self, expected: Mapping[str, LayerSums]) -> list[str]:
+        """The layers of ``expected`` this engine holds otherwise (layers it did not report are left out)."""
+        return sorted(
+            layer
+            for layer, sums in expected.items()
+            if layer in self.layers and sums.finite and not sums.matches(*self.layers[layer])
+        )
+
+
+def _to_floats(sums: list[torch.Tensor]) -> list[list[float]]:
+    """Sums that may sit on several devices (a model split over GPUs), read with one copy per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, values in enumerate(sums):
+        by_device.setdefault(values.device, []).append(position)
+    floats: list[list[float]] = [[] for _ in sums]
+    for positions in by_device.values():
+        for position, values in zip(positions, torch.stack([sums[p] for p in positions]).tolist()):
+            floats[position] = values
+    return floats
+
+
+REPACKED = "held in another form than loaded (vLLM's CPU build repacks linear layers for oneDNN)"
+
+
+@torch.no_grad()
+def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Per-layer sums of what ``model`` (vLLM's, in its worker) holds, on its device; one sync at the end.
+
+    Returns ``{"sharded": {layer: [sum, squares]}, "replicated": {...}, "unverifiable": {layer: why}}``:
+    a parameter of a tensor-parallel layer (``tp_size > 1``) is this rank's shard, the others are
+    whole on every rank. Plain lists and strings, so any of vLLM's RPC paths carries it.
+    """
+    sums: dict[tuple[str, str], torch.Tensor] = {}
+    unverifiable: dict[str, str] = {}
+    for name, parameter in model.named_parameters():
+        layer = layer_of(name)
+        module = model.get_submodule(name.rpartition(".")[0])
+        if parameter.numel() == 0:
+            unverifiable[layer] = REPACKED
+        elif not parameter.dtype.is_floating_point or parameter.dtype.itemsize == 1:
+            unverifiable[layer] = f"stored as {parameter.dtype} (quantized)"
+        elif getattr(module, "num_kv_head_replicas", 1) > 1:
+            unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
+        if layer in unverifiable:
+            continue
+        kind = "sharded" if getattr(module, "tp_size", 1) > 1 else "replicated"
+        key = (kind, layer)
+        sums[key] = sums[key] + tensor_sums(parameter) if key in sums else tensor_sums(parameter)
+    report: dict[str, dict[str, Any]] = {"sharded": {}, "replicated": {}, "unverifiable": unverifiable}
+    if sums:
+        keys = list(sums)
+        for (kind, layer), values in zip(keys, _to_floats([sums[key] for key in keys])):
+            report[kind][layer] = values
+    return report
