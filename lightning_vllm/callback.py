@@ -54,7 +54,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         push_on_fit_start: push once before the first training step.
         model_attribute: LightningModule attribute holding the Hugging Face model;
             found automatically when ``None``.
-        backend: ``"auto"``, ``"gloo"``, ``"nccl"`` or ``"ipc"`` (see ``VLLMUpdater``).
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``, ``"ipc"`` or ``"lightning_ipc"`` (see ``VLLMUpdater``).
         master_address: address the trainer listens on for the rendezvous (loopback by default).
         master_port: rendezvous port; ``None`` picks a free one. With several engines, engine ``i``
             listens on ``master_port + i``.

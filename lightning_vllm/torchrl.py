@@ -140,7 +140,8 @@ class VLLMUpdater(WeightSync):
             (``"http://host:port"``), a Ray actor handle of ``VLLMActor``, any
             ``EngineTarget``, or a list mixing them (worker ids are list positions).
         backend: ``"auto"`` (the backend of each engine's ``weight_transfer_config``), ``"gloo"``,
-            ``"nccl"`` or ``"ipc"``; must match the engine's ``weight_transfer_config``.
+            ``"nccl"``, ``"ipc"`` or ``"lightning_ipc"`` (vLLM's IPC protocol, loaded by the workers with one
+            copy: ``docs/gpu.md``); must match the engine's ``weight_transfer_config``.
         bucket_size_bytes: largest packed bucket on the wire, which bounds the trainer's
             extra memory during a push.
         timeout_seconds: the longest any single wait (rendezvous, transfer, control call) may take;

@@ -3,16 +3,21 @@ tensors, in the same run on one GPU (docs/gpu.md, "ipc at the speed of one copy"
 
 On the GPU host, with ``.gpu-carry`` beside the checkout (``make gpu-carry`` here)::
 
-    source .gpu-carry/setup.sh && python3 benchmarks/gpu/ipc_push.py [--out DIR]
+    source .gpu-carry/setup.sh && python3 benchmarks/gpu/ipc_push.py [--backends lightning_ipc,ipc] [--out DIR]
 
 It builds Llama-3-8B's shape in bf16 on the GPU (random weights) and a real ``vllm.LLM`` of the
 same shape from dummy weights (the GPU tier's engine settings: Triton attention, eager, vLLM's
 kernels as torch-native stand-ins), then times, as medians of ``--rounds``:
 
 * ``copy``: ``copy_`` of every tensor into a buffer of its own, allocated once (the floor: one copy);
-* ``push``: ``VLLMUpdater.push_weights`` over ipc with the trainer's own tensors handed to the engine
-  (vLLM's unpacked mode, what lightning-vllm does when the trainer holds the engine's dtypes);
-* ``packed push``: the same with vLLM's packed producer (a copy into its buffer, then the load).
+* for each backend of ``--backends`` (one engine each; ``lightning_ipc``: our worker engine, which loads
+  with one copy and keeps its handles open, ``transports/ipc_worker.py``; ``ipc``: vLLM's, which loads
+  through its layer-wise reload):
+  * ``push``: ``VLLMUpdater.push_weights`` with the trainer's own tensors handed to the engine (vLLM's
+    unpacked mode, what lightning-vllm does when the trainer holds the engine's dtypes), checked after
+    each push (``verify_pushes``, the default);
+  * ``unverified push``: the same without the check, whose cost is the difference;
+  * ``packed push`` (``--packed``): vLLM's packed producer (a copy into its buffer, then the load).
 
 After the pushes the engine's parameters are read back (float64 sums on its GPU) and must equal the
 trainer's. Each call the push makes to the engine is timed too (``calls``: the medians of
@@ -125,17 +130,41 @@ def time_control_calls() -> dict[str, list[float]]:
     return seconds
 
 
+def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[str, object]:
+    """``rounds`` timed pushes of ``model`` into ``llm`` with ``options``, the last checked by digest."""
+    from gpu_helpers import digests_equal, engine_digest, model_digest
+
+    from lightning_vllm import VLLMUpdater
+
+    updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, **options)
+    seconds, middle = timed_pushes(updater, model, rounds, calls)
+    landed = digests_equal(engine_digest(llm), model_digest(model))
+    updater.close()
+    return {
+        "seconds": seconds,
+        "landed_exactly": landed,
+        "transfer_seconds": middle.timing.transfer_seconds,
+        "commit_seconds": middle.timing.commit_seconds,
+        "pause_seconds": middle.timing.pause_seconds,
+        "check_seconds": middle.timing.check_seconds,
+        "gb_per_second": middle.gb_per_second,
+        "calls": {name: statistics.median(values) for name, values in calls.items() if values},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    parser.add_argument("--unpacked-only", action="store_true", help="leave out the packed baseline")
+    parser.add_argument(
+        "--backends", default="lightning_ipc,ipc", help="the engines' weight_transfer_config backends, one engine each"
+    )
+    parser.add_argument("--packed", action="store_true", help="also push with vLLM's packed producer")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
 
-    from gpu_helpers import digests_equal, engine_digest, gpu_llm, model_digest, stop_llm
+    from gpu_helpers import gpu_llm, stop_llm
 
-    from lightning_vllm import VLLMUpdater
     from lightning_vllm.backends.ipc import IPCBackend
 
     model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
@@ -143,53 +172,59 @@ def main() -> None:
     tensors = [parameter.detach() for parameter in model.parameters()]
     num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
     copy_seconds = copy_floor(tensors, args.rounds)
-
-    llm = gpu_llm(
-        model_dir, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.3, max_model_len=256, max_num_seqs=4
-    )
     results: dict[str, object] = {"parameters": sum(t.numel() for t in tensors), "bytes": num_bytes}
-    try:
-        modes = (("push", True),) if args.unpacked_only else (("push", True), ("packed_push", False))
-        calls = time_control_calls()
-        for label, share in modes:
-            IPCBackend.share_trainer_tensors = share
-            updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False)
-            seconds, middle = timed_pushes(updater, model, args.rounds, calls)
-            landed = digests_equal(engine_digest(llm), model_digest(model))
-            updater.close()
-            results[label] = {
-                "seconds": seconds,
-                "landed_exactly": landed,
-                "transfer_seconds": middle.timing.transfer_seconds,
-                "commit_seconds": middle.timing.commit_seconds,
-                "pause_seconds": middle.timing.pause_seconds,
-                "gb_per_second": middle.gb_per_second,
-                "calls": {name: statistics.median(values) for name, values in calls.items() if values},
-            }
-    finally:
-        IPCBackend.share_trainer_tensors = True
-        stop_llm(llm)
+    calls = time_control_calls()
+    for backend in args.backends.split(","):
+        llm = gpu_llm(
+            model_dir,
+            backend=backend,
+            dtype="bfloat16",
+            load_format="dummy",
+            gpu_memory_utilization=0.3,
+            max_model_len=256,
+            max_num_seqs=4,
+        )
+        try:
+            # The check after every push, on, then off: its cost is the difference.
+            results[f"{backend}_push"] = push_figures(llm, model, backend, args.rounds, calls)
+            results[f"{backend}_unverified_push"] = push_figures(
+                llm, model, backend, args.rounds, calls, verify_pushes=False
+            )
+            if args.packed:
+                IPCBackend.share_trainer_tensors = False
+                results[f"{backend}_packed_push"] = push_figures(llm, model, backend, args.rounds, calls)
+        finally:
+            IPCBackend.share_trainer_tensors = True
+            stop_llm(llm)
     copy_median = statistics.median(copy_seconds)
     results["copy_seconds"] = copy_seconds
-    figures = {
-        "copy_seconds": copy_median,
-        "copy_gb_per_second": num_bytes / copy_median / 1e9,
-        "push_seconds": statistics.median(results["push"]["seconds"]),  # type: ignore[index]
-    }
-    figures["ipc_push_over_copy"] = figures["push_seconds"] / copy_median
-    if "packed_push" in results:
-        figures["packed_push_seconds"] = statistics.median(results["packed_push"]["seconds"])  # type: ignore[index]
-        figures["ipc_packed_push_over_copy"] = figures["packed_push_seconds"] / copy_median
+    figures: dict[str, float] = {"copy_seconds": copy_median, "copy_gb_per_second": num_bytes / copy_median / 1e9}
+    for backend in args.backends.split(","):
+        verified = statistics.median(results[f"{backend}_push"]["seconds"])  # type: ignore[index]
+        unverified = statistics.median(results[f"{backend}_unverified_push"]["seconds"])  # type: ignore[index]
+        figures[f"{backend}_push_seconds"] = verified
+        figures[f"{backend}_unverified_push_seconds"] = unverified
+        figures[f"{backend}_push_over_copy"] = verified / copy_median
+        figures[f"{backend}_unverified_push_over_copy"] = unverified / copy_median
+        figures[f"{backend}_check_cost_fraction"] = (verified - unverified) / unverified
+        figures[f"{backend}_check_seconds"] = results[f"{backend}_push"]["check_seconds"]  # type: ignore[index]
+        if f"{backend}_packed_push" in results:
+            packed = statistics.median(results[f"{backend}_packed_push"]["seconds"])  # type: ignore[index]
+            figures[f"{backend}_packed_push_over_copy"] = packed / copy_median
+    first = args.backends.split(",")[0]
+    figures["ipc_push_over_copy"] = figures[f"{first}_push_over_copy"]  # the product's default: checked pushes
     results["figures"] = figures
     for name, value in figures.items():
         print(f"{name}={value:.4g}")
-    for label in ("push", "packed_push"):
-        if label in results:
-            print(f"{label}_landed_exactly={results[label]['landed_exactly']}")  # type: ignore[index]
-            for name, value in results[label]["calls"].items():  # type: ignore[index]
+    for label, result in results.items():
+        if isinstance(result, dict) and "landed_exactly" in result:
+            print(f"{label}_landed_exactly={result['landed_exactly']}")
+            for name, value in result["calls"].items():
                 print(f"{label}_{name}_seconds={value:.4g}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ipc_push.json").write_text(json.dumps(results, indent=1) + "\n")
+    if not all(r["landed_exactly"] for r in results.values() if isinstance(r, dict) and "landed_exactly" in r):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ class IPCBackend(VLLMEngineBackend):
         super().check_trainer()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise EngineConfigError(
-                f"backend='ipc' with {dist.get_world_size()} trainer processes: vLLM's IPC engine gathers CUDA "
+                f"backend={self.name!r} with {dist.get_world_size()} trainer processes: vLLM's IPC engine gathers CUDA "
                 "handles from every trainer rank, each beside a worker of its own, but lightning-vllm pushes from "
                 "rank 0 alone. Build the engine with weight_transfer_config={'backend': 'nccl'} to push from several "
                 "trainer ranks."
@@ -60,3 +60,11 @@ class IPCBackend(VLLMEngineBackend):
         packed = not (plan.sends_as_held and self.share_trainer_tensors)
         buffer_size = max(plan.bucket_size_bytes, plan.largest_tensor_bytes)
         return IPCTrainerInitInfo(packed=packed, packed_buffer_size_bytes=buffer_size, rank=0)
+
+
+class InPlaceIPCBackend(IPCBackend):
+    """``lightning_ipc``: the same protocol, into an engine whose workers load a push with one copy and keep
+    its CUDA IPC handles open between pushes (``transports/ipc_worker.py``). The trainer's side is vLLM's
+    IPC engine, as for ``ipc``."""
+
+    name: ClassVar[str] = "lightning_ipc"

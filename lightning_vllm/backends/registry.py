@@ -32,6 +32,7 @@ def register_backend(name: str, module: str, class_name: str) -> None:
 register_backend("gloo", "lightning_vllm.backends.gloo", "GlooBackend")
 register_backend("nccl", "lightning_vllm.backends.nccl", "NCCLBackend")
 register_backend("ipc", "lightning_vllm.backends.ipc", "IPCBackend")
+register_backend("lightning_ipc", "lightning_vllm.backends.ipc", "InPlaceIPCBackend")
 
 
 def names() -> list[str]:

@@ -1,4 +1,4 @@
-"""vLLM plugin entry point: makes the ``gloo`` backend known to vLLM (and caps vLLM's busy-wait
+"""vLLM plugin entry point: makes the ``gloo`` and ``lightning_ipc`` backends known to vLLM (and caps vLLM's busy-wait
 when ``LIGHTNING_VLLM_BUSY_LOOP_SECONDS`` asks, see ``busy_wait.py``; applies LoRA adapters on
 CPUs one matrix product per adapter when ``LIGHTNING_VLLM_CPU_LORA_OPS=grouped`` asks, see
 ``lora/cpu_ops.py``).
@@ -20,10 +20,14 @@ from lightning_vllm.transports.busy_wait import limit_busy_wait
 GLOO = "gloo"
 _WORKER_MODULE = "lightning_vllm.transports.gloo.worker"
 _TRAINER_MODULE = "lightning_vllm.transports.gloo.trainer"
+LIGHTNING_IPC = "lightning_ipc"
+"""vLLM's CUDA-IPC protocol, loaded by the worker with one copy (``transports/ipc_worker.py``); the
+trainer's side is vLLM's own IPC engine, which its init info names."""
 
 
 def register_backends() -> None:
-    """Register the ``gloo`` worker and trainer engines with vLLM's factories; apply the busy-wait cap
+    """Register the ``gloo`` worker and trainer engines and the ``lightning_ipc`` worker engine with vLLM's
+    factories; apply the busy-wait cap
     and the CPU LoRA ops that the environment asks for.
 
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
@@ -32,5 +36,9 @@ def register_backends() -> None:
         WeightTransferEngineFactory.register_engine(GLOO, _WORKER_MODULE, "GlooWeightTransferEngine")
     if GLOO not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(GLOO, _TRAINER_MODULE, "GlooTrainerWeightTransferEngine")
+    if LIGHTNING_IPC not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            LIGHTNING_IPC, "lightning_vllm.transports.ipc_worker", "InPlaceIPCWeightTransferEngine"
+        )
     limit_busy_wait()
     install_grouped_cpu_lora_ops()

@@ -44,14 +44,14 @@ def test_every_ranks_shares_need_a_backend_that_carries_them():
 
 
 def test_the_traits_say_what_the_package_asks_of_a_backend():
-    gloo, nccl, ipc = (backend_named(name).traits for name in ("gloo", "nccl", "ipc"))
+    gloo, nccl, ipc, lightning_ipc = (backend_named(name).traits for name in ("gloo", "nccl", "ipc", "lightning_ipc"))
     assert (gloo.loads_while_receiving, gloo.carries_adapters, gloo.carries_shares, gloo.needs_cuda) == (
         False,
         True,
         True,
         False,
     )
-    for vllms in (nccl, ipc):
+    for vllms in (nccl, ipc, lightning_ipc):
         assert (vllms.loads_while_receiving, vllms.carries_adapters, vllms.carries_shares, vllms.needs_cuda) == (
             True,
             False,
@@ -100,6 +100,12 @@ def test_ipc_hands_the_engine_the_trainers_own_tensors_when_they_are_in_its_dtyp
 
     monkeypatch.setattr(IPCBackend, "share_trainer_tensors", False)  # (a benchmark's packed baseline)
     assert trainer_init_info("ipc", master_port=None, sends_as_held=True).packed
+
+
+def test_lightning_ipc_speaks_vllms_ipc_protocol_on_the_trainers_side():
+    # The worker engine is ours (transports/ipc_worker.py); the trainer's side is vLLM's IPC engine.
+    info = trainer_init_info("lightning_ipc", master_port=None, sends_as_held=True)
+    assert isinstance(info, IPCTrainerInitInfo) and info.backend == "ipc" and not info.packed
 
 
 def test_ipc_is_refused_with_several_trainer_processes(monkeypatch):

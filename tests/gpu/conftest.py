@@ -96,3 +96,14 @@ def async_ipc_engine(gpu_model_dir: Path, insecure_serialization):
     engine = AsyncLLMEngine(AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_settings(gpu_model_dir))))
     yield engine
     engine.async_llm.shutdown(timeout=2.0)
+
+
+@pytest.fixture(scope="session")
+def lightning_ipc_llm(gpu_model_dir: Path, insecure_serialization):
+    """A ``vllm.LLM`` on the GPU whose workers load with one copy (``lightning_ipc``) and have the worker
+    extension of the check after every push (asked by method name, not with a pickled function)."""
+    from lightning_vllm.engines.worker_check import WORKER_EXTENSION
+
+    llm = gpu_llm(gpu_model_dir, backend="lightning_ipc", worker_extension_cls=WORKER_EXTENSION)
+    yield llm
+    stop_llm(llm)

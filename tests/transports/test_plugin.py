@@ -6,6 +6,7 @@ import pytest
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from lightning_vllm.transports.gloo import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine
+from lightning_vllm.transports.ipc_worker import InPlaceIPCWeightTransferEngine, loads_as_held
 from lightning_vllm.transports.plugin import register_backends
 
 
@@ -19,6 +20,25 @@ def test_registering_twice_is_harmless_and_both_halves_resolve():
     register_backends()  # vLLM may load plugins more than once in a process
     assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
     assert WeightTransferTrainerFactory._registry["gloo"]() is GlooTrainerWeightTransferEngine
+    assert WeightTransferEngineFactory._registry["lightning_ipc"]() is InPlaceIPCWeightTransferEngine
+
+
+def test_lightning_ipc_loads_in_place_only_where_vllm_uses_weights_as_loaded():
+    from types import SimpleNamespace
+
+    def config(quantization=None, use_mla=False, cache_dtype="auto"):
+        model = SimpleNamespace(quantization=quantization, use_mla=use_mla)
+        return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+
+    assert not loads_as_held(config())  # this machine has no CUDA: vLLM's CPU build repacks linear layers
+    with pytest.MonkeyPatch.context() as patch:
+        from vllm.platforms import current_platform
+
+        patch.setattr(type(current_platform), "is_cuda", lambda self: True)
+        assert loads_as_held(config())
+        assert not loads_as_held(config(quantization="fp8"))
+        assert not loads_as_held(config(use_mla=True))
+        assert not loads_as_held(config(cache_dtype="fp8_e4m3"))
 
 
 def test_vllms_plugin_loader_registers_gloo_and_loads_the_transport_not_lightning():

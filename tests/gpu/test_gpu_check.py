@@ -1,0 +1,74 @@
+"""The check after every push, and pushes that load with one copy (``lightning_ipc``), on vLLM's own engine
+on one GPU: what lands is what was sent, and a layer corrupted inside the engine is named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from gpu_helpers import FIGURES, digests_equal, engine_digest, hf_greedy, hf_prompt_logprobs, model_digest
+from helpers import max_abs_diff, tiny_qwen2, vllm_greedy, vllm_prompt_logprobs
+
+from lightning_vllm import VLLMUpdater
+from lightning_vllm.errors import LandedWeightsMismatchError
+
+pytestmark = pytest.mark.gpu
+
+MLP = "model.layers.1.mlp"
+
+
+def add_to_parameter(llm: Any, name: str, amount: float) -> None:
+    """Add ``amount`` to the first element of vLLM's parameter ``name`` inside its worker (a faulty load)."""
+
+    def corrupt(worker: Any) -> None:  # runs in vLLM's worker (cloudpickled: defined here)
+        import torch
+
+        parameter = dict(worker.get_model().named_parameters())[name]
+        with torch.no_grad():
+            parameter.view(-1)[0] += amount
+
+    llm.collective_rpc(corrupt)
+
+
+def test_pushes_into_lightning_ipc_land_exactly_and_are_checked(lightning_ipc_llm):
+    floor = max_abs_diff(vllm_prompt_logprobs(lightning_ipc_llm), hf_prompt_logprobs(tiny_qwen2(seed=0).cuda()))
+    model = tiny_qwen2(seed=51).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
+    for step in range(3):
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.add_(0.01 * (step + 1))
+        stats = updater.push_weights(model)
+        assert stats.timing.check_seconds > 0
+        assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
+    gap = max_abs_diff(vllm_prompt_logprobs(lightning_ipc_llm), hf_prompt_logprobs(model))
+    FIGURES.update(lightning_ipc_floor=floor, lightning_ipc_gap_after_sync=gap)
+    assert gap <= 2 * max(floor, 2.0e-4), (gap, floor)
+    assert vllm_greedy(lightning_ipc_llm) == hf_greedy(model)
+    assert lightning_ipc_llm.get_weight_version() == str(updater.weight_version)
+    updater.close()
+
+
+def test_a_layer_corrupted_in_the_engine_is_named_and_the_next_push_mends_it(lightning_ipc_llm):
+    model = tiny_qwen2(seed=52).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
+    updater.push_weights(model)
+    add_to_parameter(lightning_ipc_llm, f"{MLP}.down_proj.weight", 0.5)
+    with pytest.raises(LandedWeightsMismatchError, match=rf"1 layer\(s\), {MLP}\b") as caught:
+        updater.push_weights(model)  # nothing changed on the trainer: nothing sent, the check still runs
+    assert caught.value.layers == {0: [MLP]}
+    updater.push_weights(model)  # every tensor again
+    assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
+    updater.close()
+
+
+def test_vllms_own_ipc_engine_is_checked_through_a_function_without_the_extension(ipc_llm):
+    model = tiny_qwen2(seed=53).cuda()
+    updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=120)
+    updater.push_weights(model)
+    add_to_parameter(ipc_llm, "model.norm.weight", 0.25)
+    with pytest.raises(LandedWeightsMismatchError, match=r"model\.norm\b"):
+        updater.push_weights(model)
+    assert updater.push_weights(model).timing.check_seconds > 0
+    assert digests_equal(engine_digest(ipc_llm), model_digest(model))
+    updater.close()
