@@ -130,6 +130,25 @@ def time_control_calls() -> dict[str, list[float]]:
     return seconds
 
 
+def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
+    """Seconds of the trainer's half of the check over ``tensors`` (``tensor_sums`` of each, one sync), the
+    fused kernel against float64 chunks; medians of ``rounds`` (warmed first: the kernel compiles once)."""
+    from lightning_vllm.weights import layer_sums
+
+    figures = {}
+    for label, sums in (("fused", layer_sums.tensor_sums), ("chunked", layer_sums._chunked_sums)):
+
+        def all_sums(sums=sums) -> None:
+            torch.stack([sums(tensor.reshape(-1)) for tensor in tensors]).tolist()
+
+        started = time.perf_counter()
+        all_sums()
+        figures[f"sums_{label}_first_seconds"] = time.perf_counter() - started
+        figures[f"sums_{label}_seconds"] = statistics.median(timed(all_sums, rounds))
+    figures["sums_fused_usable"] = float(layer_sums._fused_sums.usable)
+    return figures
+
+
 def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[str, object]:
     """``rounds`` timed pushes of ``model`` into ``llm`` with ``options``, the last checked by digest."""
     from gpu_helpers import digests_equal, engine_digest, model_digest
@@ -173,6 +192,7 @@ def main() -> None:
     num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
     copy_seconds = copy_floor(tensors, args.rounds)
     results: dict[str, object] = {"parameters": sum(t.numel() for t in tensors), "bytes": num_bytes}
+    results["sums"] = sums_figures(tensors, args.rounds)
     calls = time_control_calls()
     for backend in args.backends.split(","):
         llm = gpu_llm(
@@ -213,6 +233,7 @@ def main() -> None:
             figures[f"{backend}_packed_push_over_copy"] = packed / copy_median
     first = args.backends.split(",")[0]
     figures["ipc_push_over_copy"] = figures[f"{first}_push_over_copy"]  # the product's default: checked pushes
+    figures.update({name: value for name, value in results["sums"].items()})  # type: ignore[union-attr]
     results["figures"] = figures
     for name, value in figures.items():
         print(f"{name}={value:.4g}")

@@ -71,4 +71,5 @@ def test_vllms_own_ipc_engine_is_checked_through_a_function_without_the_extensio
         updater.push_weights(model)
     assert updater.push_weights(model).timing.check_seconds > 0
     assert digests_equal(engine_digest(ipc_llm), model_digest(model))
+    updater.push_weights(tiny_qwen2(seed=0).cuda())  # the shared engine serves what it started from again
     updater.close()
