@@ -35,7 +35,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,11 +50,12 @@ LLAMA_3_8B = dict(
 )  # fmt: skip
 
 
-def build_model(model_dir: Path) -> torch.nn.Module:
-    """Llama-3-8B's shape in bf16 on the GPU, random weights; its config saved to ``model_dir`` for vLLM."""
+def build_model(model_dir: Path, shape: Mapping[str, Any] | None = None) -> torch.nn.Module:
+    """Llama-3-8B's shape (or another Llama ``shape``) in bf16 on the GPU, random weights; its config saved to
+    ``model_dir`` for vLLM."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**LLAMA_3_8B, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    config = LlamaConfig(**(shape or LLAMA_3_8B), architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
     config.save_pretrained(model_dir)  # all vLLM's dummy loader reads
     with torch.device("meta"):
         model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)

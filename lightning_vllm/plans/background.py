@@ -3,7 +3,11 @@
 At a push point the caller's thread (the training loop) checks the push as a blocking
 push would, copies what it sends into memory kept between pushes
 (``weights/snapshot.py``), and returns; a thread of its own sends the copy and commits
-it as the next version once the engine has loaded it. At most one push is in flight: a
+it as the next version once the engine has loaded it. Weights on a GPU are copied on that
+GPU when it has room: the push point only queues the copies (the training stream, not the
+host, waits for them before its next step), and the push's thread waits for them before
+it sends. Without room the copy goes to pinned host memory, which the push point waits
+for, and the push copies it back (warned about once). At most one push is in flight: a
 push point that finds one still running waits for it or is skipped (``when_busy``), and
 a skipped push point's weights go with the next push, which sends the weights of its
 own time. Errors of a push are raised by the next :meth:`BackgroundPusher.collect`.
@@ -37,7 +41,7 @@ class Submitted:
     """What :meth:`BackgroundPusher.submit` did at one push point."""
 
     started: bool  # a push went on its way (False: the push point was skipped)
-    stall_seconds: float  # how long the caller's thread was held: waiting, checking, copying
+    stall_seconds: float  # how long the caller's thread was held: waiting, checking, copying (or queuing copies)
     version: int | None = None  # the version the push commits if it lands
     landed: SyncStats | None = None  # the previous push, if this push point waited for it to land
 
@@ -52,7 +56,7 @@ class BackgroundPusher:
     Example::
 
         >>> pusher = BackgroundPusher(WeightSync(engine=llm))  # doctest: +SKIP
-        >>> pusher.submit(model)  # returns once the weights are copied  # doctest: +SKIP
+        >>> pusher.submit(model)  # returns once the copy is taken (on a GPU: queued)  # doctest: +SKIP
         Submitted(started=True, stall_seconds=0.04, version=1, landed=None)
         >>> pusher.wait(timeout=60); pusher.collect()  # doctest: +SKIP
         SyncStats(weight_version=1, seconds=0.41, num_bytes=209715200)

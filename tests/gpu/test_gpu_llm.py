@@ -126,6 +126,7 @@ def test_background_pushes_land_and_the_last_is_served(ipc_llm, tmp_path):
     assert ipc_llm.get_weight_version() == str(sync.weight_version) == str(start + 4)  # fit start + 3 steps
     serves(ipc_llm, module.hf)
     assert len(tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_stall_seconds")) == 4
+    assert sync.pusher is not None and sync.pusher.memory.where == "device"  # the snapshots stayed on the GPU
 
 
 def test_changed_only_leaves_a_frozen_embedding_out(ipc_llm, tmp_path):
