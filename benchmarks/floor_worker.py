@@ -11,9 +11,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from lightning_vllm.engines.worker_check import WeightCheckExtension
 
-class FloorWorkerExtension:
-    """Methods vLLM mixes into its worker (``self`` is the worker)."""
+
+class FloorWorkerExtension(WeightCheckExtension):
+    """Methods vLLM mixes into its worker (``self`` is the worker); with lightning_vllm's own, so that
+    ``ours`` is checked after every push as a user's push is (``verify_pushes``)."""
 
     weight_transfer_engine: Any
 

@@ -93,7 +93,8 @@ def ratios_line(
         f"peak_mem_over_bucket={memory if memory is not None else float('nan'):.3f} "
         f"sharded_peak_over_group_plus_bucket={sharded_over_bound:.3f} "
         f"ours_over_overlap_floor={largest.ours_over_overlap_floor:.3f} "
-        f"async_stall_over_blocking={async_stall_over_blocking:.3f}"
+        f"async_stall_over_blocking={async_stall_over_blocking:.3f} "
+        f"checked_over_unchecked={largest.median('ours') / largest.median('unchecked'):.3f}"
     )
 
 

@@ -189,6 +189,11 @@ def memory_figures(llm: object, model: torch.nn.Module, bucket_size_bytes: int) 
     return bfloat16, float32
 
 
+def check_cost_text(results: list[ModelResult]) -> str:
+    """What the check after every push costs, per size: the medians of ours over ours unchecked."""
+    return ", ".join(f"{result.name} {result.median('ours') / result.median('unchecked'):.3f}" for result in results)
+
+
 def results_markdown(
     results: list[ModelResult],
     many: ModelResult,
@@ -223,6 +228,11 @@ Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
 ![sync time versus size]({image})
 
 {timing_table([*results, many], METHODS)}
+
+The check after every push (`verify_pushes`, on by default; `unchecked` is ours without it):
+ours / unchecked {check_cost_text([*results, many])}.
+On this CPU build vLLM repacks the linear layers, so after the first push only the embeddings, the
+head and the norms are summed (on both sides); the rest is named once as not verifiable.
 
 Atomic updates (the workers receive the whole update, then load it in one call) against
 `streaming` (each segment loaded as it lands, the design before): ours / streaming

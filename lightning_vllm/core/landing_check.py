@@ -20,7 +20,7 @@ from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ReportsLayerSums
 from lightning_vllm.errors import WeightSyncError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX
-from lightning_vllm.weights.layer_sums import HeldSums, SentSums
+from lightning_vllm.weights.layer_sums import HeldSums, SentSums, layer_of
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class LandingCheck:
         self.sent = SentSums()
         self._said: set[str] = set()
         self._pending = False
+        self._unverifiable: set[str] = set()  # the engine's layers it cannot verify: not summed after the first push
         problem = None
         if enabled:
             if not isinstance(engine, ReportsLayerSums):
@@ -67,7 +68,7 @@ class LandingCheck:
         return self._tally
 
     def _tally(self, name: str, tensor: torch.Tensor) -> None:
-        if not name.startswith(ADAPTER_PREFIX):
+        if not name.startswith(ADAPTER_PREFIX) and layer_of(name) not in self._unverifiable:
             self.sent.tally(name, tensor)
 
     def landed(self, committed: bool) -> None:
@@ -98,6 +99,7 @@ class LandingCheck:
             log.warning("The push to %s could not be checked: %s", self.engine.description, error)
             return []
         held = HeldSums.combine(reports)
+        self._unverifiable = set(held.unverifiable)
         expected = self.sent.by_layer()
         if held.unverifiable:
             self._say_once(

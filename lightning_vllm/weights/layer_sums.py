@@ -31,6 +31,9 @@ RELATIVE_TOLERANCE = 1e-12
 their scale (measured: well under 1e-14 for an 8B model's layers)."""
 
 _CHUNK_ELEMENTS = 1 << 24  # an eager float64 chunk: 128 MiB, whatever the tensor's size
+# The fused kernel reduces rows of this many elements in parallel, then the row sums: a reduction of a
+# whole tensor to one number in one pass would run on a handful of the GPU's cores.
+_ROW_ELEMENTS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,22 @@ def tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     if flat.is_cuda and _fused_sums.usable:
         try:
-            return _fused_sums(flat)
+            return row_sums(flat, _fused_sums)
         except Exception as error:  # noqa: BLE001  # no compiler here: the eager sums are as exact, slower
             _fused_sums.usable = False
             log.warning("The fused float64 sums could not be built (%s); summing in float64 chunks instead.", error)
     return _chunked_sums(flat)
+
+
+def row_sums(flat: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``[sum, sum of squares]`` of ``flat``: ``kernel`` on its whole rows of ``_ROW_ELEMENTS``, the rest in chunks."""
+    rows = flat.numel() // _ROW_ELEMENTS
+    whole = rows * _ROW_ELEMENTS
+    sums = kernel(flat[:whole].view(rows, _ROW_ELEMENTS)) if rows else None
+    if whole == flat.numel() and sums is not None:
+        return sums
+    tail = _chunked_sums(flat[whole:])  # fewer than a row's elements
+    return tail if sums is None else sums + tail
 
 
 def _chunked_sums(flat: torch.Tensor) -> torch.Tensor:
@@ -106,23 +120,23 @@ def _chunked_sums(flat: torch.Tensor) -> torch.Tensor:
     return sums
 
 
-def _sums_kernel(flat: torch.Tensor) -> torch.Tensor:
-    values = flat.to(torch.float64)
-    return torch.stack([values.sum(), (values * values).sum()])
+def _sums_kernel(rows: torch.Tensor) -> torch.Tensor:
+    values = rows.to(torch.float64)
+    return torch.stack([values.sum(dim=1).sum(), (values * values).sum(dim=1).sum()])
 
 
 class _FusedSums:
-    """``_sums_kernel`` compiled once, for every length (a dynamic shape), on first use."""
+    """``_sums_kernel`` compiled once, for any number of rows (a dynamic shape), on first use."""
 
     usable = True
 
     def __init__(self) -> None:
         self._compiled: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         if self._compiled is None:
             self._compiled = torch.compile(_sums_kernel, dynamic=True, fullgraph=True)
-        return self._compiled(flat)
+        return self._compiled(rows)
 
 
 _fused_sums = _FusedSums()

@@ -54,8 +54,10 @@ def test_a_layer_corrupted_in_the_engine_is_named_and_the_next_push_mends_it(lig
     updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
     updater.push_weights(model)
     add_to_parameter(lightning_ipc_llm, f"{MLP}.down_proj.weight", 0.5)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.01)  # a changed-only push of another layer
     with pytest.raises(LandedWeightsMismatchError, match=rf"1 layer\(s\), {MLP}\b") as caught:
-        updater.push_weights(model)  # nothing changed on the trainer: nothing sent, the check still runs
+        updater.push_weights(model)
     assert caught.value.layers == {0: [MLP]}
     updater.push_weights(model)  # every tensor again
     assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
@@ -67,6 +69,8 @@ def test_vllms_own_ipc_engine_is_checked_through_a_function_without_the_extensio
     updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=120)
     updater.push_weights(model)
     add_to_parameter(ipc_llm, "model.norm.weight", 0.25)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.01)
     with pytest.raises(LandedWeightsMismatchError, match=r"model\.norm\b"):
         updater.push_weights(model)
     assert updater.push_weights(model).timing.check_seconds > 0

@@ -37,6 +37,16 @@ def test_tensor_sums_are_the_float64_sums_of_the_values(dtype):
     assert squares == pytest.approx(float((reference * reference).sum()), rel=1e-14)
 
 
+@pytest.mark.parametrize("numel", [17, 4096, 3 * 4096, 3 * 4096 + 17])
+def test_the_gpus_row_split_adds_up_to_the_sums_of_every_value(numel):
+    from lightning_vllm.weights.layer_sums import _sums_kernel, row_sums
+
+    values = torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    total, squares = row_sums(values, _sums_kernel).tolist()
+    assert total == pytest.approx(float(values.sum()), rel=1e-12, abs=1e-12)
+    assert squares == pytest.approx(float((values * values).sum()), rel=1e-12)
+
+
 def _hf_layer(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return {
         "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 32, generator=generator),
