@@ -16,7 +16,7 @@ from lightning_vllm.engines.worker_check import WeightCheckExtension
 
 class FloorWorkerExtension(WeightCheckExtension):
     """Methods vLLM mixes into its worker (``self`` is the worker); with lightning_vllm's own, so that
-    ``ours`` is checked after every push as a user's push is (``verify_pushes``)."""
+    ``checked`` pushes are checked (``verify_pushes=True``) as a user's are."""
 
     weight_transfer_engine: Any
 

@@ -4,8 +4,8 @@
   prefix-cache reset, version), every tensor written since the last push (as in full
   fine-tuning: the version counter of every parameter is bumped before each run, outside
   the timing, so changed-only pushes send everything).
-* ``unchecked``: ours without the check after every push (``verify_pushes=False``): ours over it
-  is what the check costs.
+* ``checked``: ours with the check after every push (``verify_pushes=True``): it over ours is what
+  the check costs.
 * ``frozen_embed``: the same, in a fine-tune with frozen embeddings: every parameter but
   the input embedding is written before each run, so the push leaves the embedding's
   layer group out (changed-only pushes; the engine keeps it).
@@ -41,7 +41,7 @@ from lightning_vllm.transports.gloo import GlooTrainerInitInfo, GlooTrainerWeigh
 from lightning_vllm.weights import weights_from
 
 TIMEOUT_SECONDS = 600.0
-METHODS = ("ours", "unchecked", "frozen_embed", "disk", "per_tensor", "streaming", "floor")
+METHODS = ("ours", "checked", "frozen_embed", "disk", "per_tensor", "streaming", "floor")
 FROZEN = "embed_tokens."  # the parameters a frozen-embeddings fine-tune leaves alone
 
 
@@ -61,8 +61,8 @@ class SyncMethods:
         self.workdir = workdir
         self.bucket_size_bytes = bucket_size_bytes
         self.updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS)
-        self.unchecked = VLLMUpdater(
-            engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS, verify_pushes=False
+        self.checked = VLLMUpdater(
+            engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=TIMEOUT_SECONDS, verify_pushes=True
         )
         self._raw: GlooTrainerWeightTransferEngine | None = None
         self._raw_method: str | None = None
@@ -80,8 +80,8 @@ class SyncMethods:
         """
         action: Callable[[], None]
         written = lambda: None  # noqa: E731  # what the training step before this push wrote
-        if method in ("ours", "unchecked", "frozen_embed"):
-            connected = self._connect(self.unchecked if method == "unchecked" else self.updater)
+        if method in ("ours", "checked", "frozen_embed"):
+            connected = self._connect(self.checked if method == "checked" else self.updater)
             frozen = FROZEN if method == "frozen_embed" else None
             written = lambda: self.write_all_but(frozen)  # noqa: E731
             action = lambda: self._push_and_count(method)  # noqa: E731
@@ -108,7 +108,7 @@ class SyncMethods:
         torch.autograd.graph.increment_version(params)
 
     def _push_and_count(self, method: str) -> None:
-        updater = self.unchecked if method == "unchecked" else self.updater
+        updater = self.checked if method == "checked" else self.updater
         self.bytes_sent[method] = updater.push_weights(self.model).num_bytes
 
     # -- connecting (not timed) -------------------------------------------------------

@@ -94,7 +94,7 @@ def ratios_line(
         f"sharded_peak_over_group_plus_bucket={sharded_over_bound:.3f} "
         f"ours_over_overlap_floor={largest.ours_over_overlap_floor:.3f} "
         f"async_stall_over_blocking={async_stall_over_blocking:.3f} "
-        f"checked_over_unchecked={largest.median('ours') / largest.median('unchecked'):.3f}"
+        f"checked_over_ours={largest.median('checked') / largest.median('ours'):.3f}"
     )
 
 

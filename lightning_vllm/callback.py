@@ -132,7 +132,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         blocking: bool = True,
         when_busy: WhenBusy = "skip",
         changed_only: bool = True,
-        verify_pushes: bool = True,
+        verify_pushes: bool = False,
         push_from: PushFrom = "rank0",
     ) -> None:
         updater_options = UpdaterOptions.among(locals())

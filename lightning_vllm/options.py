@@ -59,7 +59,7 @@ class UpdaterOptions:
     lora: LoraMode = "auto"
     changed_only: bool = True
     reset_prefix_cache: bool = True
-    verify_pushes: bool = True
+    verify_pushes: bool = False
 
     @property
     def address(self) -> str:

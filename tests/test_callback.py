@@ -245,7 +245,7 @@ def test_an_exception_in_training_releases_the_group(tmp_path):
 def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
     module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
     served_before, v = vllm_prompt_logprobs(llm), served_version(llm)
-    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=60)
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, timeout_seconds=60, verify_pushes=True)
     trainer = cpu_trainer(tmp_path, [sync], max_steps=6)
 
     trainer.fit(module, token_batches(num_batches=6))

@@ -15,7 +15,7 @@ kernels as torch-native stand-ins), then times, as medians of ``--rounds``:
   through its layer-wise reload):
   * ``push``: ``VLLMUpdater.push_weights`` with the trainer's own tensors handed to the engine (vLLM's
     unpacked mode, what lightning-vllm does when the trainer holds the engine's dtypes), checked after
-    each push (``verify_pushes``, the default);
+    each push (``verify_pushes=True``);
   * ``unverified push``: the same without the check, whose cost is the difference;
   * ``packed push`` (``--packed``): vLLM's packed producer (a copy into its buffer, then the load).
 
@@ -209,7 +209,7 @@ def main() -> None:
         )
         try:
             # The check after every push, on, then off: its cost is the difference.
-            results[f"{backend}_push"] = push_figures(llm, model, backend, args.rounds, calls)
+            results[f"{backend}_push"] = push_figures(llm, model, backend, args.rounds, calls, verify_pushes=True)
             results[f"{backend}_unverified_push"] = push_figures(
                 llm, model, backend, args.rounds, calls, verify_pushes=False
             )

@@ -1,6 +1,7 @@
 """The engine's half of the check after every push: each vLLM worker sums what it holds, per layer.
 
-The trainer reaches the workers through ``collective_rpc``. By name, the method must be on the
+Pushes are checked when the updater is built with ``verify_pushes=True``. The trainer reaches the
+workers through ``collective_rpc``. By name, the method must be on the
 worker, which vLLM's ``worker_extension_cls`` arranges (no pickle crosses the wire)::
 
     LLM(model=..., weight_transfer_config={"backend": "gloo"}, worker_extension_cls=WORKER_EXTENSION)
@@ -70,5 +71,5 @@ def missing_extension(description: str) -> str:
     return (
         f"the {description} engine's workers were built without lightning_vllm's worker extension, so what they "
         f"hold after a push cannot be checked. Build the engine with worker_extension_cls={WORKER_EXTENSION!r} "
-        "(vllm serve: --worker-extension-cls; a class of yours may subclass it), or pass verify_pushes=False"
+        "(vllm serve: --worker-extension-cls; a class of yours may subclass it), or leave verify_pushes off"
     )

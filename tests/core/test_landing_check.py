@@ -17,7 +17,7 @@ NORM = "model.layers.1.post_attention_layernorm"
 @pytest.mark.engine
 def test_a_layer_corrupted_in_the_engine_is_named_by_the_next_push_and_mended_by_the_one_after(llm, caplog):
     model = tiny_qwen2(seed=41)
-    updater = VLLMUpdater(engine=llm, timeout_seconds=60)
+    updater = VLLMUpdater(engine=llm, timeout_seconds=60, verify_pushes=True)
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
         updater.push_weights(model)
         updater.push_weights(model)
@@ -47,13 +47,13 @@ def test_a_layer_corrupted_in_the_engine_is_named_by_the_next_push_and_mended_by
 
 
 @pytest.mark.engine
-def test_with_verify_pushes_off_nothing_is_checked(llm):
+def test_without_verify_pushes_nothing_is_checked(llm):
     model = tiny_qwen2(seed=42)
-    updater = VLLMUpdater(engine=llm, timeout_seconds=60, verify_pushes=False)
+    updater = VLLMUpdater(engine=llm, timeout_seconds=60)  # verify_pushes=False: the default
     updater.push_weights(model)
     assert updater.last_sync is not None and updater.last_sync.timing.check_seconds < 1e-3
     (value,) = llm.collective_rpc("add_to_parameter", args=(f"{NORM}.weight", 0.5))
     updater.push_weights(model)  # nothing changed on the trainer: nothing sent, nothing noticed
     updater.close()
-    VLLMUpdater(engine=llm, timeout_seconds=60).push_weights(model)  # a new connection sends all: mended
+    VLLMUpdater(engine=llm, timeout_seconds=60, verify_pushes=True).push_weights(model)  # a new connection: all
     assert_serves(llm, model)

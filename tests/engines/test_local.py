@@ -68,7 +68,7 @@ def test_engine_in_the_training_process_receives_pushes(llm_single_process, tmp_
 
     assert isinstance(llm_single_process.llm_engine.engine_core, InprocClient)
     model = tiny_qwen2(seed=31)
-    updater = VLLMUpdater(engine=llm_single_process, timeout_seconds=60)
+    updater = VLLMUpdater(engine=llm_single_process, timeout_seconds=60, verify_pushes=True)
     updater.push_weights(model)
     updater.push_weights(model)
     # Its worker runs in this process: it is asked for its sums with a function, with no extension.

@@ -34,7 +34,7 @@ def add_to_parameter(llm: Any, name: str, amount: float) -> None:
 def test_pushes_into_lightning_ipc_land_exactly_and_are_checked(lightning_ipc_llm):
     floor = max_abs_diff(vllm_prompt_logprobs(lightning_ipc_llm), hf_prompt_logprobs(tiny_qwen2(seed=0).cuda()))
     model = tiny_qwen2(seed=51).cuda()
-    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120, verify_pushes=True)
     for step in range(3):
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight.add_(0.01 * (step + 1))
@@ -51,7 +51,7 @@ def test_pushes_into_lightning_ipc_land_exactly_and_are_checked(lightning_ipc_ll
 
 def test_a_layer_corrupted_in_the_engine_is_named_and_the_next_push_mends_it(lightning_ipc_llm):
     model = tiny_qwen2(seed=52).cuda()
-    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120, verify_pushes=True)
     updater.push_weights(model)
     add_to_parameter(lightning_ipc_llm, f"{MLP}.down_proj.weight", 0.5)
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_a_layer_corrupted_in_the_engine_is_named_and_the_next_push_mends_it(lig
 
 def test_vllms_own_ipc_engine_is_checked_through_a_function_without_the_extension(ipc_llm):
     model = tiny_qwen2(seed=53).cuda()
-    updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=120)
+    updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=120, verify_pushes=True)
     updater.push_weights(model)
     add_to_parameter(ipc_llm, "model.norm.weight", 0.25)
     with torch.no_grad():
