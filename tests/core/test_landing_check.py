@@ -57,3 +57,77 @@ def test_without_verify_pushes_nothing_is_checked(llm):
     updater.close()
     VLLMUpdater(engine=llm, timeout_seconds=60, verify_pushes=True).push_weights(model)  # a new connection: all
     assert_serves(llm, model)
+
+
+# -- engine-free: what the check does with what an engine reports -------------------------------------------
+
+
+class ReportingEngine:
+    """An engine target's check-side half only: the per-layer reports it answers (a unit test's stand-in)."""
+
+    description = "test engine"
+
+    def __init__(self, reports=None, problem=None, delay: float = 0.0) -> None:
+        self.reports, self.problem, self.delay = reports or [], problem, delay
+        self.asked = 0
+
+    def layer_sums_problem(self):
+        return self.problem
+
+    def layer_sums(self):
+        import time
+
+        self.asked += 1
+        time.sleep(self.delay)
+        return self.reports
+
+
+def _pushed(check, tensors: dict) -> None:
+    tally = check.tally_for(carries_base=True, every_rank=False)
+    for name, tensor in tensors.items():
+        tally(name, tensor)
+    check.landed(committed=True)
+
+
+def test_a_check_that_is_off_or_cannot_ask_sums_nothing(caplog):
+    from lightning_vllm.core.landing_check import LandingCheck
+
+    assert LandingCheck(ReportingEngine(), enabled=False, timeout_seconds=5).tally_for(True, False) is None
+    with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
+        check = LandingCheck(ReportingEngine(problem="built without the extension"), enabled=True, timeout_seconds=5)
+        assert check.tally_for(True, False) is None and check.differing_layers() == []
+        bare = LandingCheck(object.__new__(type("Bare", (), {"description": "bare"})), True, 5)
+        assert bare.tally_for(True, False) is None
+    assert "Pushes to test engine are not checked: built without the extension." in caplog.text
+    assert "does not declare ReportsLayerSums" in caplog.text
+
+
+def test_the_engines_report_is_held_against_what_was_sent_and_unverifiable_layers_are_not_summed_again(caplog):
+    from lightning_vllm.core.landing_check import LandingCheck
+
+    norm, attention = "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"
+    report = {
+        "sharded": {},
+        "replicated": {"model.layers.0.input_layernorm": [3.0, 3.0]},
+        "unverifiable": {"model.layers.0.self_attn": "repacked"},
+    }
+    engine = ReportingEngine([report])
+    check = LandingCheck(engine, enabled=True, timeout_seconds=5)
+    _pushed(check, {norm: torch.ones(3), attention: torch.ones(4)})
+    with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
+        assert check.differing_layers() == []
+        assert check.differing_layers() == []  # nothing pushed since: the engine is not asked again
+    assert engine.asked == 1 and caplog.text.count("cannot be verified") == 1
+    _pushed(check, {norm: torch.full((3,), 2.0), attention: torch.full((4,), 5.0)})
+    assert check.sent._held[attention] == (4.0, 4.0, 4)  # from the first push: not summed again
+    assert check.differing_layers() == ["model.layers.0.input_layernorm"]  # the engine still reports 3.0
+
+
+def test_an_engine_that_does_not_report_in_time_leaves_the_push_as_it_was(caplog):
+    from lightning_vllm.core.landing_check import LandingCheck
+
+    check = LandingCheck(ReportingEngine(delay=2.0), enabled=True, timeout_seconds=0.2)
+    _pushed(check, {"lm_head.weight": torch.ones(2)})
+    with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
+        assert check.differing_layers() == []
+    assert "could not be checked" in caplog.text
