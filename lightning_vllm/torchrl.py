@@ -163,10 +163,10 @@ class VLLMUpdater(WeightSync):
         verify_pushes: after each push, hold the per-layer sums of what every engine now holds
             against those of what was sent, and raise ``WeightsMismatchError`` naming the layers that
             differ. Off by default: it made a gloo push 1.1-3.1x slower on 2 CPU cores and an 8B
-            ``lightning_ipc`` push 2.8x slower on an H200 (``docs/concepts.md``). The workers are asked through ``collective_rpc``: build the engine with
-            ``worker_extension_cls=WORKER_EXTENSION`` (``engines/worker_check.py``) unless its RPCs may
-            carry a function; otherwise pushes are not checked and a warning says so once
-            (``docs/concepts.md``).
+            ``lightning_ipc`` push 2.8x slower on an H200. The workers are asked through
+            ``collective_rpc``: build the engine with ``worker_extension_cls=WORKER_EXTENSION``
+            (``engines/worker_check.py``) unless its RPCs may carry a function; otherwise pushes are
+            not checked and a warning says so once (``docs/concepts.md``).
 
     Example::
 
