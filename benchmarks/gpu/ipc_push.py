@@ -162,13 +162,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     seconds, middle = timed_pushes(updater, model, rounds, calls)
     landed = digests_equal(engine_digest(llm), model_digest(model))
     updater.close()
-
-    def replayed(worker) -> int:  # runs in vLLM's worker: loads replayed from lightning_ipc's plan so far
-        plan = getattr(worker.weight_transfer_engine, "plan", None)
-        return -1 if plan is None else int(plan.replayed)
-
     return {
-        "loads_replayed": llm.collective_rpc(replayed)[0],
         "seconds": seconds,
         "landed_exactly": landed,
         "transfer_seconds": middle.timing.transfer_seconds,

@@ -7,16 +7,12 @@ vLLM's CUDA graphs point at, so a push makes two copies and much Python work per
 every push opens each CUDA IPC handle again. Measured on an H200 (docs/gpu.md), an 8B push
 took 20× one device-to-device copy of its bytes, almost all inside the worker.
 
-This engine is vLLM's, with three changes:
+This engine is vLLM's, with two changes:
 
 - **One copy.** When the model's weights are used as loaded (no quantization, no MLA, the
   KV cache in the model's dtype, a CUDA GPU: vLLM processes nothing after loading then),
   the model's own weight loaders copy each tensor straight into the parameter it belongs
   to, the fused q/k/v and gate/up included. Otherwise it loads as vLLM's engine does.
-- **Loaders run once.** The first in-place load of a tensor is recorded as the copies (and
-  padding fills) it made (``transports/load_plan.py``); later pushes of tensors of the same
-  shapes replay those copies without vLLM's Python loaders. A loader that computes anything
-  leaves no plan, and its tensors keep going through it.
 - **Handles opened once.** The tensors of a push stay referenced until the next push has
   opened its own, so PyTorch's CUDA IPC cache hands back the mapping of a storage the
   trainer still holds instead of opening it again (an optimizer step writes in place).
@@ -35,8 +31,6 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
-
-from lightning_vllm.transports.load_plan import LoadPlan
 
 
 def loads_as_held(vllm_config: Any) -> bool:
@@ -66,7 +60,6 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         super().__init__(config, vllm_config, device, model)
         self.in_place = loads_as_held(vllm_config)
         self._opened: list[torch.Tensor] = []  # the last push's tensors: their storages stay mapped
-        self.plan = LoadPlan()  # the in-place loads, recorded as copies
 
     def start_weight_update(self) -> None:
         if not self._loads_in_place():
@@ -99,11 +92,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check(), torch.no_grad():
-            if self._loads_in_place():
-                held = [*self.model.parameters(), *self.model.buffers()]
-                self.plan.load(self.model.load_weights, weights, held)  # type: ignore[arg-type]  # a vLLM model
-            else:
-                self.model.load_weights(weights)  # type: ignore[operator]  # a vLLM model, not a bare Module
+            self.model.load_weights(weights)  # type: ignore[operator]  # a vLLM model, not a bare Module
         # Kept until the next push has opened its own: a storage still mapped here is found in PyTorch's
         # cache instead of being opened again.
         self._opened = [tensor for _, tensor in weights]
