@@ -81,10 +81,8 @@ class LandingCheck:
 
     def differing_layers(self) -> list[str]:
         """The layers the engine holds otherwise than sent, after a push that committed (``[]`` when the
-        push was not checked, or the engine could not say: a warning then tells why).
-
-        Raises:
-            WeightSyncTimeoutError: the engine did not report within ``timeout_seconds``.
+        push was not checked, or the engine could not say within ``timeout_seconds``: a warning then
+        tells why, and the push stands as committed).
         """
         if not self._pending:
             return []

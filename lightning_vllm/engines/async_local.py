@@ -32,7 +32,6 @@ from lightning_vllm.engines.base import (
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
-from lightning_vllm.engines.worker_check import missing_extension, rpc_for
 
 _T = TypeVar("_T")
 
@@ -59,6 +58,7 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums):
     def __init__(self, async_llm: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.async_llm = async_llm
         self._config = async_llm.vllm_config
+        self._engine_core = async_llm.engine_core
         if loop is None:
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="lightning-vllm: AsyncLLM loop", daemon=True).start()
@@ -82,13 +82,8 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums):
     def ipc_handles_problem(self) -> str | None:
         return ipc_handles_problem(self.async_llm.engine_core, self.description)
 
-    def layer_sums_problem(self) -> str | None:
-        if rpc_for(self._config, self.async_llm.engine_core) is None:
-            return missing_extension(self.description)
-        return None
-
     def layer_sums(self) -> list[dict[str, Any]]:
-        return list(self.run(self.async_llm.collective_rpc(rpc_for(self._config, self.async_llm.engine_core))))
+        return list(self.run(self.async_llm.collective_rpc(self._layer_sums_rpc())))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_vllm.engines.base import ServesAdapter
+from lightning_vllm.engines.worker_check import missing_extension, rpc_for
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
@@ -21,9 +23,23 @@ def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
 
 
 class EngineConfigFacts(ServesAdapter):
-    """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``)."""
+    """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``), and
+    how its workers are asked for their per-layer sums (through its engine-core client, ``_engine_core``)."""
 
     _config: Any
+    _engine_core: Any
+
+    @property
+    def description(self) -> str:
+        return "in-process engine"  # (each engine class names itself)
+
+    def layer_sums_problem(self) -> str | None:
+        return None if rpc_for(self._config, self._engine_core) is not None else missing_extension(self.description)
+
+    def _layer_sums_rpc(self) -> str | Callable[[Any], Any]:
+        rpc = rpc_for(self._config, self._engine_core)
+        assert rpc is not None, "layer_sums is asked only where layer_sums_problem() is None"
+        return rpc
 
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config

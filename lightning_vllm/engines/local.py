@@ -20,7 +20,6 @@ from lightning_vllm.engines.base import (
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
-from lightning_vllm.engines.worker_check import missing_extension, rpc_for
 
 
 class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles, ReportsLayerSums):
@@ -45,6 +44,7 @@ class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._config = llm.llm_engine.vllm_config
+        self._engine_core = llm.llm_engine.engine_core
         self._generating = threading.RLock()
         self._thread_safe = _guard_request_socket(llm.llm_engine.engine_core)
 
@@ -67,13 +67,8 @@ class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles
     def ipc_handles_problem(self) -> str | None:
         return ipc_handles_problem(self.llm.llm_engine.engine_core, self.description)
 
-    def layer_sums_problem(self) -> str | None:
-        if rpc_for(self._config, self.llm.llm_engine.engine_core) is None:
-            return missing_extension(self.description)
-        return None
-
     def layer_sums(self) -> list[dict[str, Any]]:
-        return list(self.llm.collective_rpc(rpc_for(self._config, self.llm.llm_engine.engine_core)))
+        return list(self.llm.collective_rpc(self._layer_sums_rpc()))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

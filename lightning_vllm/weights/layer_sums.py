@@ -180,11 +180,6 @@ class SentSums:
         """The push did not commit: what was tallied is not what the engine holds."""
         self._pending = {}
 
-    def forget(self, names: Iterable[str]) -> None:
-        """No longer count on the engine holding these tensors as sent (sent again before they count)."""
-        for name in names:
-            self._held.pop(name, None)
-
     def by_layer(self) -> dict[str, LayerSums]:
         """What the engine should hold, per layer (:func:`layer_of`)."""
         layers: dict[str, list[float]] = {}
