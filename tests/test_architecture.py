@@ -19,7 +19,8 @@ LAYERS: dict[str, list[str]] = {
         "lora", "lora.adapter", "lora.serving", "lora.worker", "lora.cpu_ops",
     ],
     "how bytes move": [
-        "transports", "transports.buckets", "transports.busy_wait", "transports.staging", "transports.ipc_worker",
+        "transports", "transports.buckets", "transports.busy_wait", "transports.staging",
+        "transports.load_plan", "transports.ipc_worker", "transports.ipc_trainer",
         "transports.plugin",
         "transports.gloo", "transports.gloo.tied_embedding_fix", "transports.gloo.messages",
         "transports.gloo.group", "transports.gloo.shares", "transports.gloo.receiver", "transports.gloo.trainer",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
@@ -13,6 +13,9 @@ from lightning_vllm.backends.vllm_engines import VLLMEngineBackend
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ChecksIPCHandles
 from lightning_vllm.errors import EngineConfigError
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
 
 class IPCBackend(VLLMEngineBackend):
@@ -55,16 +58,26 @@ class IPCBackend(VLLMEngineBackend):
         """Unpacked when the trainer holds the tensors as the engine loads them; packed otherwise. vLLM's
         packed producer refuses a tensor larger than its buffer (a large vocabulary's embedding is
         ~0.5 GB), so the buffer grows to the largest tensor when that is larger than ``bucket_size_bytes``."""
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
         packed = not (plan.sends_as_held and self.share_trainer_tensors)
         buffer_size = max(plan.bucket_size_bytes, plan.largest_tensor_bytes)
-        return IPCTrainerInitInfo(packed=packed, packed_buffer_size_bytes=buffer_size, rank=0)
+        return self.init_info_class()(packed=packed, packed_buffer_size_bytes=buffer_size, rank=0)
+
+    def init_info_class(self) -> type[IPCTrainerInitInfo]:
+        """vLLM's trainer factory picks the trainer engine by the init info's class (its ``backend``)."""
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo
 
 
 class InPlaceIPCBackend(IPCBackend):
-    """``lightning_ipc``: the same protocol, into an engine whose workers load a push with one copy and keep
-    its CUDA IPC handles open between pushes (``transports/ipc_worker.py``). The trainer's side is vLLM's
-    IPC engine, as for ``ipc``."""
+    """``lightning_ipc``: vLLM's CUDA-IPC protocol, each tensor's handle sent once while the trainer's storage
+    stays put (``transports/ipc_trainer.py``), into workers that load a push with one batched copy and keep
+    the handles open (``transports/ipc_worker.py``)."""
 
     name: ClassVar[str] = "lightning_ipc"
+
+    def init_info_class(self) -> type[IPCTrainerInitInfo]:
+        """Ours: it names our trainer engine."""
+        from lightning_vllm.transports.ipc_trainer import KeptHandlesTrainerInitInfo
+
+        return KeptHandlesTrainerInitInfo

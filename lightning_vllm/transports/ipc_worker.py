@@ -1,4 +1,4 @@
-"""``lightning_ipc``: vLLM's CUDA-IPC worker engine, loading a push with one copy.
+"""``lightning_ipc``: vLLM's CUDA-IPC worker engine, loading a push with one batched copy.
 
 vLLM's own ``ipc`` engine loads every push through its layer-wise reload
 (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``): each layer is rebuilt on
@@ -7,30 +7,64 @@ vLLM's CUDA graphs point at, so a push makes two copies and much Python work per
 every push opens each CUDA IPC handle again. Measured on an H200 (docs/gpu.md), an 8B push
 took 20× one device-to-device copy of its bytes, almost all inside the worker.
 
-This engine is vLLM's, with two changes:
+This engine is vLLM's, with three changes:
 
 - **One copy.** When the model's weights are used as loaded (no quantization, no MLA, the
   KV cache in the model's dtype, a CUDA GPU: vLLM processes nothing after loading then),
   the model's own weight loaders copy each tensor straight into the parameter it belongs
   to, the fused q/k/v and gate/up included. Otherwise it loads as vLLM's engine does.
-- **Handles opened once.** The tensors of a push stay referenced until the next push has
-  opened its own, so PyTorch's CUDA IPC cache hands back the mapping of a storage the
-  trainer still holds instead of opening it again (an optimizer step writes in place).
-  They pin nothing new: the trainer's parameters are there anyway.
+- **Loaders run once.** That first in-place load of a tensor is recorded as the copies (and
+  padding fills) it made (``load_plan.py``); later pushes replay them as a few batched copies,
+  without vLLM's Python loaders. A loader that computes anything leaves no plan, and its
+  tensors keep going through it.
+- **Handles kept open** (with our trainer engine, ``ipc_trainer.py``). Each tensor the trainer
+  shares is a numbered *slot*, opened once here and kept; while the trainer's storage stays put
+  (an optimizer step writes in place), later pushes name the slot instead of sending a handle,
+  and its copies stay bound to it. A slot is dropped when the trainer says so (the tensor moved),
+  at a new connection (``init_transfer_engine``) and at shutdown. Kept slots pin nothing new:
+  they are the trainer's parameters, which are there anyway.
+
+The worker's copies are queued on its stream; ``finish_weight_update`` waits for them, so the
+trainer's next write (which comes after the push returns) cannot race them.
 
 The check after every push (``verify_pushes``) holds what the workers then hold against what
 was sent, layer by layer. Build the engine with
-``weight_transfer_config={"backend": "lightning_ipc"}``; the trainer's side is vLLM's IPC
-engine, unchanged (``backends/ipc.py``).
+``weight_transfer_config={"backend": "lightning_ipc"}``; the trainer side is ours
+(``ipc_trainer.py``), chosen by the backend (``backends/ipc.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
+
+from lightning_vllm.transports.load_plan import BoundLoad, LoadPlan, replay
+
+
+@dataclass
+class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
+    """vLLM's IPC update info, with the trainer's slots (sent by ``KeptHandlesIPCTrainerEngine``).
+
+    Attributes:
+        slots: one number per name: the trainer's tensor, opened by this worker the first time its
+            handle came (an empty handle dict then means "the one already opened"); ``None`` from a
+            trainer that keeps no handles (every handle is new, nothing is kept).
+        released: slots the trainer no longer holds the same tensor in: closed before anything else.
+    """
+
+    slots: list[int] | None = None
+    released: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.slots is not None and len(self.slots) != len(self.names):
+            raise ValueError(
+                f"`slots` should be of the same size as `names`: got {len(self.slots)} and {len(self.names)}"
+            )
 
 
 def loads_as_held(vllm_config: Any) -> bool:
@@ -53,13 +87,22 @@ def loads_as_held(vllm_config: Any) -> bool:
 
 
 class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
-    """vLLM's ``IPCWeightTransferEngine`` that loads with one copy and keeps its handles open (see the
+    """vLLM's ``IPCWeightTransferEngine`` that loads with one batched copy and keeps its handles open (see the
     module docstring); vLLM builds it for ``weight_transfer_config={"backend": "lightning_ipc"}``."""
+
+    update_info_cls = KeptHandlesUpdateInfo
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.in_place = loads_as_held(vllm_config)
-        self._opened: list[torch.Tensor] = []  # the last push's tensors: their storages stay mapped
+        self.plan = LoadPlan()  # the in-place loads, recorded as copies
+        self._slots: dict[int, torch.Tensor] = {}  # the trainer's tensors, opened once
+        self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
+        self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        self._forget_slots()  # a new trainer engine numbers its slots anew
+        super().init_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
         if not self._loads_in_place():
@@ -67,6 +110,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
 
     def finish_weight_update(self) -> None:
         if self._loads_in_place():
+            # The copies were queued on this worker's stream: the trainer may write its tensors once this returns.
+            torch.cuda.synchronize(self.device)
             self._packed_importer.close()  # as vLLM's engine does: the trainer may reuse its buffer
         else:
             super().finish_weight_update()
@@ -80,23 +125,69 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             super().receive_weights(update_info)
             return
         assert isinstance(update_info.ipc_handles, list)
-        device_index = self.device.index
-        gpu_id = str(torch.cuda.get_device_properties(device_index).uuid)
-        weights = []
-        for name, handle in zip(update_info.names, update_info.ipc_handles):
-            if gpu_id not in handle:
-                raise ValueError(f"IPC handle not found for GPU UUID {gpu_id}. Available UUIDs: {list(handle)}")
-            args = list(handle[gpu_id])
-            args[6] = device_index  # the device index, as this worker numbers its GPUs (vLLM does the same)
-            weights.append((name, rebuild_cuda_tensor(*args)))
+        slots = update_info.slots if isinstance(update_info, KeptHandlesUpdateInfo) else None
+        for slot in update_info.released if isinstance(update_info, KeptHandlesUpdateInfo) else ():
+            self._slots.pop(slot, None)
+            self._bound.pop(slot, None)
+        weights = [
+            (name, self._tensor(name, handle, None if slots is None else slots[position]))
+            for position, (name, handle) in enumerate(zip(update_info.names, update_info.ipc_handles))
+        ]
+        if slots is None:  # kept until the next push has opened its own (PyTorch's IPC cache reuses the mappings)
+            self._opened = [tensor for _, tensor in weights]
+        if not self._loads_in_place():
+            self._load(weights)
+            return
+        numbers: list[int | None] = list(slots) if slots is not None else [None] * len(weights)
+        bound = [self._bound_load(name, tensor, slot) for (name, tensor), slot in zip(weights, numbers)]
+        if all(load is not None for load in bound):
+            with torch.cuda.device(self.device), torch.no_grad():
+                replay(load for load in bound if load is not None)
+            self.plan.replayed += 1
+            return
+        held = [*self.model.parameters(), *self.model.buffers()]
+        self._load(weights, lambda load: self.plan.record(load, weights, held))
+
+    def _tensor(self, name: str, handle: dict[str, tuple], slot: int | None) -> torch.Tensor:
+        if slot is not None and not handle:
+            if slot not in self._slots:
+                raise ValueError(
+                    f"The trainer sent {name!r} as slot {slot}, which this worker has not opened (it was released, or "
+                    "the worker restarted). Reconnect the updater: a new connection sends every handle again."
+                )
+            return self._slots[slot]
+        gpu_id = str(torch.cuda.get_device_properties(self.device.index).uuid)
+        if gpu_id not in handle:
+            raise ValueError(f"IPC handle not found for GPU UUID {gpu_id}. Available UUIDs: {list(handle)}")
+        args = list(handle[gpu_id])
+        args[6] = self.device.index  # the device index, as this worker numbers its GPUs (vLLM does the same)
+        tensor: torch.Tensor = rebuild_cuda_tensor(*args)
+        if slot is not None:
+            self._slots[slot] = tensor
+            self._bound.pop(slot, None)
+        return tensor
+
+    def _bound_load(self, name: str, tensor: torch.Tensor, slot: int | None) -> BoundLoad | None:
+        if slot is not None and slot in self._bound:
+            return self._bound[slot]
+        load = self.plan.bind(name, tensor)
+        if load is not None and slot is not None:
+            self._bound[slot] = load
+        return load
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]], through: Any = None) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        load_weights = self.model.load_weights  # a vLLM model, not a bare Module
         with disable_mtp_completeness_check(), torch.no_grad():
-            self.model.load_weights(weights)  # type: ignore[operator]  # a vLLM model, not a bare Module
-        # Kept until the next push has opened its own: a storage still mapped here is found in PyTorch's
-        # cache instead of being opened again.
-        self._opened = [tensor for _, tensor in weights]
+            if through is None:
+                load_weights(weights)  # type: ignore[operator]
+            else:
+                through(load_weights)
+
+    def _forget_slots(self) -> None:
+        self._slots, self._bound, self._opened = {}, {}, []
 
     def shutdown(self) -> None:
-        self._opened = []
+        self._forget_slots()
         super().shutdown()

@@ -21,13 +21,13 @@ GLOO = "gloo"
 _WORKER_MODULE = "lightning_vllm.transports.gloo.worker"
 _TRAINER_MODULE = "lightning_vllm.transports.gloo.trainer"
 LIGHTNING_IPC = "lightning_ipc"
-"""vLLM's CUDA-IPC protocol, loaded by the worker with one copy (``transports/ipc_worker.py``); the
-trainer's side is vLLM's own IPC engine, which its init info names."""
+"""vLLM's CUDA-IPC protocol with handles kept open (``transports/ipc_trainer.py``), loaded by the worker with one
+batched copy (``transports/ipc_worker.py``)."""
 
 
 def register_backends() -> None:
-    """Register the ``gloo`` worker and trainer engines and the ``lightning_ipc`` worker engine with vLLM's
-    factories; apply the busy-wait cap
+    """Register the ``gloo`` and ``lightning_ipc`` worker and trainer engines with vLLM's factories; apply the
+    busy-wait cap
     and the CPU LoRA ops that the environment asks for.
 
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
@@ -39,6 +39,10 @@ def register_backends() -> None:
     if LIGHTNING_IPC not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             LIGHTNING_IPC, "lightning_vllm.transports.ipc_worker", "InPlaceIPCWeightTransferEngine"
+        )
+    if LIGHTNING_IPC not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            LIGHTNING_IPC, "lightning_vllm.transports.ipc_trainer", "KeptHandlesIPCTrainerEngine"
         )
     limit_busy_wait()
     install_grouped_cpu_lora_ops()

@@ -102,10 +102,16 @@ def test_ipc_hands_the_engine_the_trainers_own_tensors_when_they_are_in_its_dtyp
     assert trainer_init_info("ipc", master_port=None, sends_as_held=True).packed
 
 
-def test_lightning_ipc_speaks_vllms_ipc_protocol_on_the_trainers_side():
-    # The worker engine is ours (transports/ipc_worker.py); the trainer's side is vLLM's IPC engine.
+def test_lightning_ipc_names_our_trainer_engine_in_vllms_factory():
+    # vLLM's IPC protocol on both sides; the trainer engine (transports/ipc_trainer.py) keeps handles open.
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine
+
     info = trainer_init_info("lightning_ipc", master_port=None, sends_as_held=True)
-    assert isinstance(info, IPCTrainerInitInfo) and info.backend == "ipc" and not info.packed
+    assert isinstance(info, IPCTrainerInitInfo) and info.backend == "lightning_ipc" and not info.packed
+    assert WeightTransferTrainerFactory._registry["lightning_ipc"]() is KeptHandlesIPCTrainerEngine
+    assert trainer_init_info("lightning_ipc", master_port=None).packed  # not in the engine's dtypes: vLLM's packed
 
 
 def test_ipc_is_refused_with_several_trainer_processes(monkeypatch):

@@ -6,6 +6,7 @@ import pytest
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from lightning_vllm.transports.gloo import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine
+from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine
 from lightning_vllm.transports.ipc_worker import InPlaceIPCWeightTransferEngine, loads_as_held
 from lightning_vllm.transports.plugin import register_backends
 
@@ -21,6 +22,7 @@ def test_registering_twice_is_harmless_and_both_halves_resolve():
     assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
     assert WeightTransferTrainerFactory._registry["gloo"]() is GlooTrainerWeightTransferEngine
     assert WeightTransferEngineFactory._registry["lightning_ipc"]() is InPlaceIPCWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["lightning_ipc"]() is KeptHandlesIPCTrainerEngine
 
 
 def test_lightning_ipc_loads_in_place_only_where_vllm_uses_weights_as_loaded():

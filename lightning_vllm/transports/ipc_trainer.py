@@ -1,0 +1,102 @@
+"""``lightning_ipc``'s trainer side: vLLM's IPC trainer engine, sending each tensor's handle once.
+
+vLLM's ``IPCTrainerWeightTransferEngine`` exports a CUDA IPC handle for every tensor of every push
+(``reduce_tensor``: an IPC event and a reference count each), and its worker opens them all again.
+Between pushes an optimizer step writes the trainer's parameters in place: their storages stay
+put, so the handles the worker opened at the first push still point at the new values.
+
+This engine numbers each tensor it shares (a *slot*) and remembers its storage (weakly: it keeps
+nothing alive) and its view. A later push of a tensor held in the same storage, with the same view,
+names the slot with no handle; one whose storage moved or died (a tensor computed for the push:
+merged LoRA weights, a dtype conversion) gets a new slot, and the old one is released. The worker
+side (``ipc_worker.py``) keeps the slots open and the copies bound to them.
+
+Unpacked pushes only (the trainer holds every tensor in the engine's dtypes), from one trainer
+process; packed pushes are vLLM's, unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+from lightning_vllm.transports.ipc_worker import KeptHandlesUpdateInfo
+from lightning_vllm.weights.base import Weights, WeightSource
+
+
+@dataclass
+class KeptHandlesTrainerInitInfo(IPCTrainerInitInfo):
+    """vLLM's IPC trainer init info, dispatched by vLLM's trainer factory to :class:`KeptHandlesIPCTrainerEngine`."""
+
+    backend: ClassVar[str] = "lightning_ipc"
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A tensor the worker holds open as ``slot``: its storage (weakly) and the view it was shared as."""
+
+    slot: int
+    storage: weakref.ref[torch.UntypedStorage]
+    view: tuple[Any, ...]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self.storage() is tensor.untyped_storage() and self.view == _view(tensor)
+
+
+def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+
+class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
+    """vLLM's IPC trainer engine whose unpacked pushes send a handle only for a tensor the worker has not
+    opened yet (see the module docstring)."""
+
+    init_info_cls = KeptHandlesTrainerInitInfo
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._shared: dict[str, _Shared] = {}
+        self._numbers = itertools.count()
+        self.handles_sent = 0  # handles exported so far (the rest named a slot)
+
+    def _send_unpacked(self, source: WeightSource) -> list[torch.Tensor]:
+        """Each tensor as a kept slot or a new handle, in one update call; the strong references the caller
+        keeps past ``finish_weight_update`` (tensors made contiguous here exist only there)."""
+        names: list[str] = []
+        dtype_names: list[str] = []
+        shapes: list[list[int]] = []
+        handles: list[dict[str, tuple]] = []
+        slots: list[int] = []
+        released: list[int] = []
+        weight_refs: list[torch.Tensor] = []
+        assert isinstance(source, Weights), "lightning-vllm hands its trainer engines a Weights"
+        for name, tensor in source.iter_full():
+            weight = tensor.detach()
+            shared = self._shared.get(name)
+            if shared is None or not shared.holds(weight):
+                if shared is not None:
+                    released.append(shared.slot)
+                weight = weight.contiguous()
+                shared = _Shared(next(self._numbers), weakref.ref(weight.untyped_storage()), _view(weight))
+                self._shared[name] = shared
+                handles.append({self.gpu_uuid: reduce_tensor(weight)[1]})
+                self.handles_sent += 1
+            else:
+                handles.append({})
+            names.append(name)
+            dtype_names.append(str(weight.dtype).split(".")[-1])
+            shapes.append(list(weight.shape))
+            slots.append(shared.slot)
+            weight_refs.append(weight)
+        if self.is_sender:
+            info = KeptHandlesUpdateInfo(
+                names=names, dtype_names=dtype_names, shapes=shapes, ipc_handles=handles, slots=slots, released=released
+            )
+            self.client.update_weights(asdict(info))
+        return weight_refs

@@ -1,0 +1,223 @@
+"""A model's load of pushed tensors, recorded once as copies, then replayed without its loaders.
+
+vLLM's ``load_weights`` runs Python per tensor (names mapped onto fused parameters, shards
+and offsets computed, shapes checked) before it copies. On an 8B model that Python is most
+of a push once the bytes move with one copy (docs/gpu.md). What it does to the parameters
+is the same at every push of tensors of the same shapes: copy a view of each incoming
+tensor into a view of a parameter, and fill padding with a constant. :func:`record_load`
+watches one load (a ``TorchDispatchMode`` sees every tensor operation) and keeps exactly
+that, per incoming tensor; :meth:`LoadPlan.bind` resolves the copies against one incoming
+tensor, and :func:`replay` runs bound loads as a few batched copies (``torch._foreach_copy_``).
+
+Binding is what makes kept CUDA IPC handles pay (``ipc_worker.py``): a trainer's tensor whose
+storage stays put between pushes (an optimizer step writes in place) is bound once, and each
+later push of it is one batched copy with no Python per tensor.
+
+A load is kept only when everything it did to the parameters and with the incoming tensors
+was such a copy, a constant fill or taking a view: a loader that computes (scales,
+concatenates, converts into a new tensor) or changes a parameter in place otherwise leaves
+no plan, and every push of that tensor goes through the loaders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_aten = torch.ops.aten
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().data_ptr())
+
+
+@dataclass(frozen=True)
+class _Copy:
+    destination: torch.Tensor  # a view of a parameter (it keeps the parameter's storage alive)
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # from the incoming tensor's own storage offset
+
+    def source_view(self, source: torch.Tensor) -> torch.Tensor:
+        return source.as_strided(self.size, self.stride, source.storage_offset() + self.offset)
+
+
+@dataclass(frozen=True)
+class _Fill:
+    destination: torch.Tensor
+    value: Any
+
+
+@dataclass(frozen=True)
+class BoundLoad:
+    """One incoming tensor's load, resolved against that tensor: ``(destination, source view)`` copies and
+    ``(destination, value)`` fills, in the order the loaders made them."""
+
+    steps: tuple[tuple[torch.Tensor, torch.Tensor | Any, bool], ...]  # (destination, source or value, is_copy)
+
+
+def replay(loads: Iterable[BoundLoad]) -> None:
+    """Run ``loads`` in order on the current stream: each run of copies as one ``torch._foreach_copy_``,
+    each fill where it was made (a padding fill after the copy it follows)."""
+    destinations: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if destinations:
+            torch._foreach_copy_(destinations, sources)
+            destinations.clear()
+            sources.clear()
+
+    for load in loads:
+        for destination, source, is_copy in load.steps:
+            if is_copy:
+                destinations.append(destination)
+                sources.append(source)
+            else:
+                flush()
+                destination.fill_(source)
+    flush()
+
+
+@dataclass
+class _TensorPlan:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    steps: list[_Copy | _Fill] = field(default_factory=list)
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype) == (self.shape, self.stride, self.dtype)
+
+
+class LoadPlan:
+    """What loading each incoming tensor (by name) did to the model: copies and fills, in order.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2, bias=False)
+        >>> def load(weights):
+        ...     for _, tensor in weights:
+        ...         model.weight.data.copy_(tensor)
+        >>> plan = LoadPlan()
+        >>> plan.load(load, [("w", torch.ones(2, 2))], list(model.parameters()))  # recorded
+        >>> plan.load(load, [("w", torch.full((2, 2), 3.0))], list(model.parameters()))  # replayed
+        >>> model.weight.tolist(), plan.replayed
+        ([[3.0, 3.0], [3.0, 3.0]], 1)
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[str, _TensorPlan] = {}
+        self.replayed = 0  # loads replayed so far
+        self.recorded = 0  # loads that went through the loaders, watched
+
+    def bind(self, name: str, tensor: torch.Tensor) -> BoundLoad | None:
+        """The load of ``tensor`` as ``name``, resolved against it; ``None`` without a plan that fits it."""
+        plan = self._plans.get(name)
+        if plan is None or not plan.fits(tensor):
+            return None
+        return BoundLoad(
+            tuple(
+                (step.destination, step.source_view(tensor), True)
+                if isinstance(step, _Copy)
+                else (step.destination, step.value, False)
+                for step in plan.steps
+            )
+        )
+
+    def load(
+        self,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
+        weights: list[tuple[str, torch.Tensor]],
+        held: Sequence[torch.Tensor],
+    ) -> None:
+        """Load ``weights`` into the model whose parameters and buffers are ``held``: replayed when every
+        tensor has a plan that fits it, else through ``load_weights``, recorded for the next time."""
+        bound = [self.bind(name, tensor) for name, tensor in weights]
+        if weights and all(load is not None for load in bound):
+            replay(load for load in bound if load is not None)
+            self.replayed += 1
+            return
+        self.record(load_weights, weights, held)
+
+    def record(
+        self,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
+        weights: list[tuple[str, torch.Tensor]],
+        held: Sequence[torch.Tensor],
+    ) -> None:
+        """Load ``weights`` through ``load_weights``, watched: the plans of their names are replaced by what
+        the load did (or dropped, if it did anything else than copies and fills)."""
+        for name, _ in weights:
+            self._plans.pop(name, None)
+        self._plans.update(record_load(load_weights, weights, held))
+        self.recorded += 1
+
+
+def record_load(
+    load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
+    weights: list[tuple[str, torch.Tensor]],
+    held: Iterable[torch.Tensor],
+) -> dict[str, _TensorPlan]:
+    """Run ``load_weights(weights)``, watching it; the plan of each tensor whose load was copies and fills
+    only (none if the load did anything else, or if two incoming tensors share a storage)."""
+    incoming = {_storage(tensor): position for position, (_, tensor) in enumerate(weights)}
+    if len(incoming) < len(weights) or 0 in incoming:
+        load_weights(weights)
+        return {}
+    held_storages = {_storage(tensor) for tensor in held} - {0}  # (an empty tensor has no storage to tell apart)
+    recorder = _Recorder(incoming, held_storages, [tensor for _, tensor in weights])
+    with recorder:
+        load_weights(weights)
+    if not recorder.ok:
+        return {}
+    plans = {}
+    for position, (name, tensor) in enumerate(weights):
+        plans[name] = _TensorPlan(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, recorder.steps[position])
+    return plans
+
+
+class _Recorder(TorchDispatchMode):
+    """Keeps, per incoming tensor, the copies of its views into parameters and the fills after them; notes
+    anything else that reads an incoming tensor or writes a parameter (``ok`` turns ``False``)."""
+
+    def __init__(self, incoming: dict[int, int], held: set[int], tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.incoming, self.held, self.tensors = incoming, held, tensors
+        self.steps: list[list[_Copy | _Fill]] = [[] for _ in tensors]
+        self.ok = True
+        self._last: int | None = None  # the incoming tensor whose load is going on
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.ok:
+            self._note(func, args, kwargs, out)
+        return out
+
+    def _note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        storages = {_storage(tensor) for tensor in tensors}
+        reads = storages & set(self.incoming)
+        writes_held = bool(storages & self.held)
+        if not reads and not writes_held:
+            return  # nothing to do with the push
+        if func is _aten.copy_.default and _storage(args[0]) in self.held and _storage(args[1]) in self.incoming:
+            position = self.incoming[_storage(args[1])]
+            if args[1].dtype != self.tensors[position].dtype:  # a view as another dtype: not replayable by offsets
+                self.ok = False
+                return
+            source, offset = args[1], args[1].storage_offset() - self.tensors[position].storage_offset()
+            self.steps[position].append(_Copy(args[0], tuple(source.shape), tuple(source.stride()), offset))
+            self._last = position
+        elif func is _aten.fill_.Scalar and _storage(args[0]) in self.held and not reads and self._last is not None:
+            self.steps[self._last].append(_Fill(args[0], args[1]))
+        elif not func._schema.is_mutable and isinstance(out, torch.Tensor) and _storage(out) in storages:
+            return  # a view (of an incoming tensor or of a parameter)
+        else:
+            self.ok = False

@@ -1,0 +1,75 @@
+"""``lightning_ipc`` on vLLM's own engine on one GPU: each tensor's CUDA IPC handle goes once while the
+trainer's storage stays put, the workers replay their recorded copies, and what lands is what was sent,
+also when a storage moves or every tensor is computed anew for each push."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from gpu_helpers import digests_equal, engine_digest, model_digest
+from helpers import tiny_qwen2
+
+from lightning_vllm import VLLMUpdater
+
+pytestmark = pytest.mark.gpu
+
+
+def trainer_engine(updater: VLLMUpdater) -> Any:
+    """The updater's trainer-side transfer engine (``KeptHandlesIPCTrainerEngine``) for its one engine."""
+    return updater._engine_set.connections[0].sender.engine
+
+
+def worker_state(llm: Any) -> tuple[int, int]:
+    """(slots the worker holds open, loads it replayed so far)."""
+
+    def read(worker: Any) -> tuple[int, int]:  # runs in vLLM's worker (cloudpickled: defined here)
+        engine = worker.weight_transfer_engine
+        return len(engine._slots), int(engine.plan.replayed)
+
+    (state,) = llm.collective_rpc(read)
+    return tuple(state)
+
+
+def test_handles_go_once_while_storages_stay_put_and_again_when_one_moves(lightning_ipc_llm):
+    model = tiny_qwen2(seed=61).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120, changed_only=False)
+    updater.push_weights(model)
+    engine = trainer_engine(updater)
+    num_tensors = engine.handles_sent
+    assert num_tensors == len(list(model.parameters()))
+    slots, replayed = worker_state(lightning_ipc_llm)
+    assert slots == num_tensors
+    for step in range(3):  # an optimizer step writes in place: no handle, the copies replayed
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.001 * (step + 1))
+        updater.push_weights(model)
+        assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model)), step
+        assert engine.handles_sent == num_tensors
+    assert worker_state(lightning_ipc_llm) == (num_tensors, replayed + 3)
+    up_proj = model.model.layers[0].mlp.up_proj.weight
+    up_proj.data = up_proj.data.clone() + 0.5  # a storage that moved: one new handle, the old slot released
+    updater.push_weights(model)
+    assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
+    assert engine.handles_sent == num_tensors + 1
+    assert worker_state(lightning_ipc_llm)[0] == num_tensors
+    updater.close()
+
+
+def test_tensors_computed_for_each_push_get_new_handles_and_the_old_slots_are_released(lightning_ipc_llm):
+    model = tiny_qwen2(seed=62).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120, changed_only=False)
+    for push in range(3):
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.01)
+        updater.push_weights({name: tensor.clone() for name, tensor in model.state_dict().items()})
+        assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model)), push
+        num_tensors = len(model.state_dict())
+        assert trainer_engine(updater).handles_sent == num_tensors * (push + 1)
+        assert worker_state(lightning_ipc_llm)[0] == num_tensors  # the last push's, the earlier ones released
+    updater.close()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
+    updater.push_weights(tiny_qwen2(seed=0).cuda())  # the shared engine serves what it started from again
+    updater.close()

@@ -1,0 +1,94 @@
+"""``lightning_ipc``'s trainer engine: a handle for a tensor the worker has not opened, a slot number for one
+it holds in the same storage and view, and the old slot released when a tensor moves. Engine-free: the CUDA
+calls are replaced (this machine has no GPU) and the client records what the worker would be told; the
+worker's half runs on the GPU tier (``tests/gpu/test_gpu_lightning_ipc.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_vllm.transports import ipc_trainer
+from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine, KeptHandlesTrainerInitInfo
+from lightning_vllm.transports.ipc_worker import KeptHandlesUpdateInfo
+from lightning_vllm.weights import MappingWeights
+
+
+class RecordingClient:
+    """Takes the calls vLLM's trainer engine makes to an engine, and keeps the updates."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict[str, Any]] = []
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append("init")
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+        self.updates.append(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch) -> KeptHandlesIPCTrainerEngine:
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("Props", (), {"uuid": "GPU-0"})())
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    # A handle says which storage and view it was made of.
+    monkeypatch.setattr(ipc_trainer, "reduce_tensor", lambda tensor: (None, ("handle", tensor.data_ptr())))
+    return KeptHandlesIPCTrainerEngine.trainer_init(
+        KeptHandlesTrainerInitInfo(packed=False, rank=0),
+        client=RecordingClient(),
+        source=MappingWeights({"a": torch.zeros(2), "b": torch.zeros(3)}),
+    )
+
+
+def push(engine: KeptHandlesIPCTrainerEngine, tensors: dict[str, torch.Tensor]) -> KeptHandlesUpdateInfo:
+    engine.source = MappingWeights(tensors)
+    engine.send_weights()
+    update = engine.client.updates[-1]  # type: ignore[attr-defined]
+    return KeptHandlesUpdateInfo(**update)  # what the worker parses (vLLM's checks included)
+
+
+def test_a_handle_goes_once_while_the_storage_stays_put(engine):
+    a, b = torch.zeros(2), torch.zeros(3)
+    first = push(engine, {"a": a, "b": b})
+    assert first.ipc_handles == [{"GPU-0": ("handle", a.data_ptr())}, {"GPU-0": ("handle", b.data_ptr())}]
+    assert first.slots == [0, 1] and first.released == []
+    a.add_(1)  # an optimizer step writes in place
+    second = push(engine, {"a": a, "b": b})
+    assert second.ipc_handles == [{}, {}] and second.slots == [0, 1] and second.released == []
+    assert engine.handles_sent == 2
+    assert engine.client.calls == ["init", "start", "update", "finish", "start", "update", "finish"]
+
+
+def test_a_tensor_that_moved_or_changed_its_view_gets_a_new_slot_and_the_old_one_is_released(engine):
+    a, b = torch.zeros(2), torch.zeros(3)
+    push(engine, {"a": a, "b": b})
+    moved = push(engine, {"a": a.clone(), "b": b})
+    assert moved.slots == [2, 1] and moved.released == [0] and moved.ipc_handles[1] == {}
+    storage = torch.zeros(6)
+    push(engine, {"a": a, "b": storage[:3]})
+    reviewed = push(engine, {"a": a, "b": storage[3:]})  # the same storage, another view
+    assert reviewed.released == [4] and reviewed.slots[1] == 5 and reviewed.ipc_handles[1] != {}
+
+
+def test_a_freed_tensor_never_passes_for_a_new_one_at_its_address(engine):
+    push(engine, {"a": torch.ones(2), "b": torch.ones(3)})  # computed for the push, then freed
+    again = push(engine, {"a": torch.ones(2), "b": torch.ones(3)})
+    assert again.released == [0, 1] and again.slots == [2, 3] and all(again.ipc_handles)
+
+
+def test_a_non_contiguous_tensor_is_sent_as_a_contiguous_copy_each_time(engine):
+    grid = torch.arange(6.0).reshape(2, 3)
+    push(engine, {"a": grid[:, 0], "b": torch.zeros(3)})
+    again = push(engine, {"a": grid[:, 0], "b": torch.zeros(3)})
+    assert again.released[0] == 0 and again.ipc_handles[0] != {}

@@ -1,0 +1,81 @@
+"""A load recorded as copies and replayed: the same parameters as the loaders leave, or no plan at all."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_vllm.transports.load_plan import LoadPlan
+
+
+class FusedModel(torch.nn.Module):
+    """Loads as vLLM's models do: q/k/v into one fused parameter (narrowed views, copied into), a
+    vocabulary padded with zero rows, and optionally a loader that computes."""
+
+    def __init__(self, scale_norm: bool = False) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 4), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.scale_norm = scale_norm
+        self.loader_calls = 0
+
+    def load_weights(self, weights):
+        offsets = {"q": (0, 6), "k": (6, 3), "v": (9, 3)}
+        for name, tensor in weights:
+            self.loader_calls += 1
+            if name in offsets:
+                start, length = offsets[name]
+                self.qkv.data.narrow(0, start, length).copy_(tensor)
+            elif name == "embed":
+                self.embed.data[: tensor.shape[0]].copy_(tensor)
+                self.embed.data[tensor.shape[0] :].fill_(0)
+            elif name == "norm":
+                self.norm.data.copy_(tensor * 2 if self.scale_norm else tensor)
+
+
+def incoming(seed: int) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"q": (6, 4), "k": (3, 4), "v": (3, 4), "embed": (5, 4), "norm": (4,)}
+    return [(name, torch.randn(shape, generator=generator)) for name, shape in shapes.items()]
+
+
+def loaded(weights, **kwargs) -> dict[str, torch.Tensor]:
+    model = FusedModel(**kwargs)
+    model.load_weights(weights)
+    return {name: tensor.clone() for name, tensor in model.named_parameters()}
+
+
+def test_a_replayed_load_leaves_what_the_loaders_leave_without_running_them():
+    model, plan = FusedModel(), LoadPlan()
+    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    calls = model.loader_calls
+    for seed in (1, 2):
+        with torch.no_grad():
+            model.embed.data[6] = 7.0  # padding written behind the plan's back: the replayed fill clears it
+        plan.load(model.load_weights, incoming(seed), list(model.parameters()))
+        assert model.loader_calls == calls and plan.replayed == seed
+        for name, tensor in loaded(incoming(seed)).items():
+            assert torch.equal(dict(model.named_parameters())[name], tensor), name
+
+
+def test_a_subset_replays_its_own_copies_and_a_new_shape_goes_through_the_loaders_again():
+    model, plan = FusedModel(), LoadPlan()
+    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    calls = model.loader_calls
+    subset = [pair for pair in incoming(3) if pair[0] in ("k", "norm")]
+    plan.load(model.load_weights, subset, list(model.parameters()))
+    assert model.loader_calls == calls
+    assert torch.equal(model.qkv[6:9], subset[0][1]) and torch.equal(model.norm, subset[1][1])
+    assert torch.equal(model.qkv[:6], dict(incoming(0))["q"])  # the others are left as they were
+    smaller = [("embed", torch.ones(3, 4))]  # a vocabulary of another size: loaded, and recorded again
+    plan.load(model.load_weights, smaller, list(model.parameters()))
+    assert model.loader_calls == calls + 1 and torch.equal(model.embed[3:], torch.zeros(5, 4))
+
+
+def test_a_loader_that_computes_leaves_no_plan():
+    model, plan = FusedModel(scale_norm=True), LoadPlan()
+    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    plan.load(model.load_weights, incoming(1), list(model.parameters()))
+    assert plan.replayed == 0 and model.loader_calls == 10
+    for name, tensor in loaded(incoming(1), scale_norm=True).items():
+        assert torch.equal(dict(model.named_parameters())[name], tensor), name
