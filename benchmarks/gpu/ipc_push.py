@@ -184,6 +184,31 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     }
 
 
+def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5) -> None:
+    """``rounds`` unchecked pushes under cProfile: where the trainer's Python goes (``ipc_push_profile.txt``,
+    by own time and by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    from lightning_vllm import VLLMUpdater
+
+    updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False)
+    updater.push_weights(model)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(rounds):
+        updater.push_weights(model)
+        torch.cuda.synchronize()
+    profiler.disable()
+    updater.close()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ipc_push_profile.txt").write_text(text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -192,6 +217,7 @@ def main() -> None:
         "--backends", default="lightning_ipc,ipc", help="the engines' weight_transfer_config backends, one engine each"
     )
     parser.add_argument("--packed", action="store_true", help="also push with vLLM's packed producer")
+    parser.add_argument("--profile", action="store_true", help="also profile the first backend's pushes (cProfile)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
 
@@ -223,6 +249,8 @@ def main() -> None:
             results[f"{backend}_unverified_push"] = push_figures(
                 llm, model, backend, args.rounds, calls, verify_pushes=False
             )
+            if args.profile and backend == args.backends.split(",")[0]:
+                profile_pushes(llm, model, args.out)
             if args.packed:
                 IPCBackend.share_trainer_tensors = False
                 results[f"{backend}_packed_push"] = push_figures(llm, model, backend, args.rounds, calls)

@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import GroupPlan, Traits
+from lightning_vllm.backends.base import GroupPlan, Sender, Traits
 from lightning_vllm.backends.vllm_engines import VLLMEngineBackend
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ChecksIPCHandles
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.weights.model import ModelMetadata
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
@@ -75,6 +76,23 @@ class InPlaceIPCBackend(IPCBackend):
     the handles open (``transports/ipc_worker.py``)."""
 
     name: ClassVar[str] = "lightning_ipc"
+
+    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+        """As ``ipc``'s, with our trainer engine in vLLM's factory (vLLM's plugin loader may not have run in
+        this process: an engine behind ``vllm serve`` or in Ray)."""
+        from lightning_vllm.transports.plugin import register_backends
+
+        register_backends()
+        return super().join(plan, client, wire)
+
+    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+        """As ``ipc``'s; the wait for the worker's copies after the commit is bounded by ``timeout_seconds``."""
+        from lightning_vllm.transports.ipc_trainer import KeptHandlesTrainerInitInfo
+
+        info = super().init_info(plan)
+        assert isinstance(info, KeptHandlesTrainerInitInfo)
+        info.landed_timeout_seconds = plan.timeout_seconds
+        return info
 
     def init_info_class(self) -> type[IPCTrainerInitInfo]:
         """Ours: it names our trainer engine."""

@@ -249,7 +249,7 @@ class EngineConnection:
         else:
             wire = self.wire
         stamps = payload.stamps if self.options.changed_only else None
-        unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps)
+        unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps) if stamps is not None else set()
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
         tally = self.landing.tally_for(carries_base=payload.view != "adapter", every_rank=peers is not None)

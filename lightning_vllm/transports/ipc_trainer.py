@@ -18,23 +18,31 @@ process; packed pushes are vLLM's, unchanged.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
+from typing_extensions import Self
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-from lightning_vllm.transports.ipc_worker import KeptHandlesUpdateInfo
 from lightning_vllm.weights.base import Weights, WeightSource
+
+_LANDED_POLL_SECONDS = 2e-5  # the copies of a push take milliseconds: a short poll is the wait's resolution
 
 
 @dataclass
 class KeptHandlesTrainerInitInfo(IPCTrainerInitInfo):
-    """vLLM's IPC trainer init info, dispatched by vLLM's trainer factory to :class:`KeptHandlesIPCTrainerEngine`."""
+    """vLLM's IPC trainer init info, dispatched by vLLM's trainer factory to :class:`KeptHandlesIPCTrainerEngine`.
+
+    Attributes:
+        landed_timeout_seconds: the longest the trainer waits, after the commit, for the worker's copies.
+    """
 
     backend: ClassVar[str] = "lightning_ipc"
+    landed_timeout_seconds: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,20 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
 
     init_info_cls = KeptHandlesTrainerInitInfo
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, landed_timeout_seconds: float = 60.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._shared: dict[str, _Shared] = {}
         self._numbers = itertools.count()
         self.handles_sent = 0  # handles exported so far (the rest named a slot)
+        self.landed_timeout_seconds = landed_timeout_seconds
+        self._landed: torch.cuda.Event | None = None  # recorded by the worker after each push's copies
+        self._awaiting_copies = False
+
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client: Any, source: WeightSource | None = None) -> Self:
+        engine = super().trainer_init(init_info, client=client, source=source)
+        engine.landed_timeout_seconds = init_info.landed_timeout_seconds
+        return engine
 
     def _send_unpacked(self, source: WeightSource) -> list[torch.Tensor]:
         """Each tensor as a kept slot or a new handle, in one update call; the strong references the caller
@@ -94,9 +111,31 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
             shapes.append(list(weight.shape))
             slots.append(shared.slot)
             weight_refs.append(weight)
+        landed_event = None
+        if self._landed is None:
+            self._landed = torch.cuda.Event(interprocess=True)
+            landed_event = self._landed.ipc_handle()
         if self.is_sender:
-            info = KeptHandlesUpdateInfo(
-                names=names, dtype_names=dtype_names, shapes=shapes, ipc_handles=handles, slots=slots, released=released
-            )
-            self.client.update_weights(asdict(info))
+            # The fields of KeptHandlesUpdateInfo, as vLLM's RPC carries them (dataclasses.asdict would deep-copy
+            # every handle: milliseconds on an 8B model).
+            info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": handles}
+            info.update(slots=slots, released=released, landed_event=landed_event)
+            self.client.update_weights(info)
+            self._awaiting_copies = True
         return weight_refs
+
+    def send_weights(self) -> None:
+        """vLLM's (start, the update, the commit), then a wait until the worker's copies of this push are done
+        (its record of our event): the worker answered the commit's calls while it copied. A tensor dropped
+        meanwhile is not reused: PyTorch keeps memory another process maps until that one lets go."""
+        super().send_weights()
+        if not self._awaiting_copies or self._landed is None:
+            return
+        self._awaiting_copies = False
+        deadline = time.monotonic() + self.landed_timeout_seconds
+        while not self._landed.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"The vLLM worker's copies of this push did not end within {self.landed_timeout_seconds:g} s."
+                )
+            time.sleep(_LANDED_POLL_SECONDS)

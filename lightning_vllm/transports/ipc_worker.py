@@ -24,8 +24,12 @@ This engine is vLLM's, with three changes:
   at a new connection (``init_transfer_engine``) and at shutdown. Kept slots pin nothing new:
   they are the trainer's parameters, which are there anyway.
 
-The worker's copies are queued on its stream; ``finish_weight_update`` waits for them, so the
-trainer's next write (which comes after the push returns) cannot race them.
+The worker's copies are queued on its stream and ``update_weights`` returns without waiting for them
+(vLLM's waits for the device there). Our trainer engine sends an interprocess CUDA event once per
+connection; the worker records it after each push's copies, and the trainer waits for it after the
+commit, so the commit's calls (finish, version, prefix cache) run while the bytes move. The trainer's
+push returns only once the copies are done, so its next write cannot race them; generation waits for
+them on the device. Without the event, ``finish_weight_update`` waits for the device instead.
 
 The check after every push (``verify_pushes``) holds what the workers then hold against what
 was sent, layer by layer. Build the engine with
@@ -54,10 +58,14 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
             handle came (an empty handle dict then means "the one already opened"); ``None`` from a
             trainer that keeps no handles (every handle is new, nothing is kept).
         released: slots the trainer no longer holds the same tensor in: closed before anything else.
+        landed_event: the IPC handle of the trainer's interprocess CUDA event, sent once per connection:
+            this worker records it after queuing a push's copies, and the trainer waits for it, instead of
+            this worker waiting for its device before it answers.
     """
 
     slots: list[int] | None = None
     released: list[int] = field(default_factory=list)
+    landed_event: bytes | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,6 +107,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         self._slots: dict[int, torch.Tensor] = {}  # the trainer's tensors, opened once
         self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
         self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
+        self._landed: torch.cuda.Event | None = None  # the trainer's event, recorded after each push's copies
 
     def init_transfer_engine(self, init_info: Any) -> None:
         self._forget_slots()  # a new trainer engine numbers its slots anew
@@ -108,13 +117,35 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         if not self._loads_in_place():
             super().start_weight_update()
 
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's, without its wait for the device when the trainer's own tensors are loaded in place: the
+        copies run on while the trainer's next calls come (the trainer's event, or ``finish_weight_update``,
+        says when they are done). A packed buffer is reused for the next chunk: that waits as vLLM does."""
+        if self.packed or not self._loads_in_place():
+            super().update_weights(update_info)
+            return
+        info = self.parse_update_info(update_info)
+        if isinstance(info, KeptHandlesUpdateInfo) and info.landed_event is not None:
+            self._landed = torch.cuda.Event.from_ipc_handle(self.device, info.landed_event)
+        self.receive_weights(info)
+        if self._landed is not None:
+            self._landed.record(torch.cuda.current_stream(self.device))
+
     def finish_weight_update(self) -> None:
-        if self._loads_in_place():
+        if not self._loads_in_place():
+            super().finish_weight_update()
+            return
+        if self._landed is None:
             # The copies were queued on this worker's stream: the trainer may write its tensors once this returns.
             torch.cuda.synchronize(self.device)
-            self._packed_importer.close()  # as vLLM's engine does: the trainer may reuse its buffer
         else:
-            super().finish_weight_update()
+            # The trainer waits for its event; generation here waits for it on the device, on whichever stream
+            # vLLM runs its model (its own, which it tracks, when it set one).
+            from vllm.utils.torch_utils import current_stream
+
+            for stream in (torch.cuda.current_stream(self.device), current_stream()):
+                stream.wait_event(self._landed)
+        self._packed_importer.close()  # as vLLM's engine does: the trainer may reuse its buffer
 
     def _loads_in_place(self) -> bool:
         # A speculative draft model is another target, loaded vLLM's way.
@@ -186,7 +217,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
                 through(load_weights)
 
     def _forget_slots(self) -> None:
-        self._slots, self._bound, self._opened = {}, {}, []
+        self._slots, self._bound, self._opened, self._landed = {}, {}, [], None
 
     def shutdown(self) -> None:
         self._forget_slots()

@@ -38,7 +38,9 @@ class _ParameterWeights(Weights):
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        self._names = [canonical_name(name) for name, _ in self._parameters()]
+        # Found once: a source serves one push, and walking an 8B model's modules costs milliseconds each time.
+        self._found = list(self._parameters())
+        self._names = [canonical_name(name) for name, _ in self._found]
         _check_unique(self._names, type(module).__name__)
 
     def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,19 +49,16 @@ class _ParameterWeights(Weights):
 
     def _tensors(self) -> Iterator[torch.Tensor]:
         """The tensors sent, in the order of :meth:`_parameters`."""
-        for _, param in self._parameters():
+        for _, param in self._found:
             yield materialize_full_tensor(param.detach())
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(checkpoint name, parameter)`` of every tensor sent, in send order; nothing is read or gathered."""
-        return zip(self._names, (param for _, param in self._parameters()))
+        return zip(self._names, (param for _, param in self._found))
 
     def declare(self) -> list[ParamMeta]:
         # A DTensor (FSDP2) reports its global shape here, so nothing is gathered.
-        return [
-            ParamMeta(name, param.dtype, tuple(param.shape))
-            for name, (_, param) in zip(self._names, self._parameters())
-        ]
+        return [ParamMeta(name, param.dtype, tuple(param.shape)) for name, (_, param) in zip(self._names, self._found)]
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return zip(self._names, self._tensors())
@@ -67,8 +66,7 @@ class _ParameterWeights(Weights):
     def stamps(self) -> dict[str, Stamp] | None:
         """What each sent tensor is computed from, as stamps (``weights/changes.py``)."""
         return stamps_of(
-            (name, self._inputs(module_name, param))
-            for name, (module_name, param) in zip(self._names, self._parameters())
+            (name, self._inputs(module_name, param)) for name, (module_name, param) in zip(self._names, self._found)
         )
 
     def _inputs(self, name: str, param: torch.Tensor) -> list[torch.Tensor]:

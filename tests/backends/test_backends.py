@@ -108,8 +108,11 @@ def test_lightning_ipc_names_our_trainer_engine_in_vllms_factory():
 
     from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine
 
-    info = trainer_init_info("lightning_ipc", master_port=None, sends_as_held=True)
+    info = trainer_init_info("lightning_ipc", master_port=None, sends_as_held=True, timeout_seconds=7.0)
     assert isinstance(info, IPCTrainerInitInfo) and info.backend == "lightning_ipc" and not info.packed
+    assert info.landed_timeout_seconds == 7.0  # the wait for the worker's copies, bounded as the push is
+    with pytest.raises(RuntimeError, match="accelerator"):  # vLLM's IPC engine needs a GPU; registering came first
+        backend_named("lightning_ipc").join(GroupPlan(**SETTINGS, master_port=None), None, {})
     assert WeightTransferTrainerFactory._registry["lightning_ipc"]() is KeptHandlesIPCTrainerEngine
     assert trainer_init_info("lightning_ipc", master_port=None).packed  # not in the engine's dtypes: vLLM's packed
 

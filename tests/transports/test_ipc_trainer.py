@@ -37,15 +37,35 @@ class RecordingClient:
         self.calls.append("finish")
 
 
+class LandedEvent:
+    """Stands in for the trainer's interprocess CUDA event: done after ``pending`` queries."""
+
+    pending = 0
+    queries = 0
+
+    def __init__(self, interprocess: bool = False) -> None:
+        assert interprocess
+
+    def ipc_handle(self) -> bytes:
+        return b"event"
+
+    def query(self) -> bool:
+        LandedEvent.queries += 1
+        return LandedEvent.queries > LandedEvent.pending
+
+
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch) -> KeptHandlesIPCTrainerEngine:
+    monkeypatch.setattr(LandedEvent, "pending", 0)
+    monkeypatch.setattr(LandedEvent, "queries", 0)
+    monkeypatch.setattr(torch.cuda, "Event", LandedEvent)
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("Props", (), {"uuid": "GPU-0"})())
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
     # A handle says which storage and view it was made of.
     monkeypatch.setattr(ipc_trainer, "reduce_tensor", lambda tensor: (None, ("handle", tensor.data_ptr())))
     return KeptHandlesIPCTrainerEngine.trainer_init(
-        KeptHandlesTrainerInitInfo(packed=False, rank=0),
+        KeptHandlesTrainerInitInfo(packed=False, rank=0, landed_timeout_seconds=0.5),
         client=RecordingClient(),
         source=MappingWeights({"a": torch.zeros(2), "b": torch.zeros(3)}),
     )
@@ -92,3 +112,19 @@ def test_a_non_contiguous_tensor_is_sent_as_a_contiguous_copy_each_time(engine):
     push(engine, {"a": grid[:, 0], "b": torch.zeros(3)})
     again = push(engine, {"a": grid[:, 0], "b": torch.zeros(3)})
     assert again.released[0] == 0 and again.ipc_handles[0] != {}
+
+
+def test_the_push_returns_once_the_worker_recorded_the_event_sent_with_its_first_update(engine):
+    a, b = torch.zeros(2), torch.zeros(3)
+    assert push(engine, {"a": a, "b": b}).landed_event == b"event"
+    LandedEvent.pending, LandedEvent.queries = 3, 0  # the worker's copies still run for three queries
+    assert push(engine, {"a": a, "b": b}).landed_event is None  # the worker keeps the one it opened
+    assert LandedEvent.queries == 4
+
+
+def test_copies_that_never_end_give_an_error_within_the_timeout(engine):
+    a, b = torch.zeros(2), torch.zeros(3)
+    push(engine, {"a": a, "b": b})
+    LandedEvent.pending, LandedEvent.queries = 10**9, 0
+    with pytest.raises(TimeoutError, match="did not end within 0.5 s"):
+        push(engine, {"a": a, "b": b})
