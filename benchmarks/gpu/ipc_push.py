@@ -152,6 +152,40 @@ def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
     return figures
 
 
+def time_worker_updates(llm) -> None:
+    """Time, inside vLLM's worker, each ``update_weights`` of its transfer engine (no RPC): what the worker's
+    own load costs, read back by :func:`worker_update_seconds`."""
+
+    def instrument(worker) -> None:  # runs in vLLM's worker (cloudpickled: defined here)
+        import time
+
+        engine = worker.weight_transfer_engine
+        original = engine.update_weights
+        engine.timed_updates = []
+
+        def timed(update_info):
+            started = time.perf_counter()
+            try:
+                return original(update_info)
+            finally:
+                engine.timed_updates.append(time.perf_counter() - started)
+
+        engine.update_weights = timed
+
+    llm.collective_rpc(instrument)
+
+
+def worker_update_seconds(llm) -> list[float]:
+    """The worker's ``update_weights`` seconds since the last call (and forgets them)."""
+
+    def read(worker) -> list[float]:  # runs in vLLM's worker
+        seconds = list(getattr(worker.weight_transfer_engine, "timed_updates", []))
+        worker.weight_transfer_engine.timed_updates = []
+        return seconds
+
+    return llm.collective_rpc(read)[0]
+
+
 def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[str, object]:
     """``rounds`` timed pushes of ``model`` into ``llm`` with ``options``, the last checked by digest."""
     from gpu_helpers import digests_equal, engine_digest, model_digest
@@ -160,6 +194,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
 
     updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, **options)
     seconds, middle = timed_pushes(updater, model, rounds, calls)
+    worker_seconds = worker_update_seconds(llm)[-rounds:]  # the timed pushes' (the first joined the group)
     landed = digests_equal(engine_digest(llm), model_digest(model))
     # lightning_ipc's trainer engine counts the handles it exported (the rest named a kept slot).
     trainer_engine = updater._engine_set.connections[0].sender.engine  # type: ignore[attr-defined]
@@ -172,6 +207,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
 
     return {
         "handles_sent": handles_sent,
+        "worker_update_seconds": statistics.median(worker_seconds) if worker_seconds else None,
         "loads_replayed": llm.collective_rpc(replayed)[0],
         "seconds": seconds,
         "landed_exactly": landed,
@@ -243,6 +279,7 @@ def main() -> None:
             max_model_len=256,
             max_num_seqs=4,
         )
+        time_worker_updates(llm)
         try:
             # The check after every push, on, then off: its cost is the difference.
             results[f"{backend}_push"] = push_figures(llm, model, backend, args.rounds, calls, verify_pushes=True)
@@ -283,6 +320,7 @@ def main() -> None:
         if isinstance(result, dict) and "landed_exactly" in result:
             print(f"{label}_landed_exactly={result['landed_exactly']}")
             print(f"{label}_handles_sent={result['handles_sent']} {label}_loads_replayed={result['loads_replayed']}")
+            print(f"{label}_worker_update_seconds={result['worker_update_seconds']}")
             for name, value in result["calls"].items():
                 print(f"{label}_{name}_seconds={value:.4g}")
     args.out.mkdir(parents=True, exist_ok=True)

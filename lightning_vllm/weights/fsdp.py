@@ -17,7 +17,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.model import canonical_name
+from lightning_vllm.weights.model import canonical_name, submodules
 
 
 def _fsdp_class() -> Any:
@@ -29,7 +29,7 @@ def _fsdp_class() -> Any:
 def holds_fsdp_units(module: torch.nn.Module) -> bool:
     """Whether ``module`` is, or holds, an FSDP1 unit."""
     fsdp = _fsdp_class()
-    return any(isinstance(child, fsdp) for child in module.modules())
+    return any(isinstance(child, fsdp) for child in submodules(module))
 
 
 class FSDPWeights(Weights):

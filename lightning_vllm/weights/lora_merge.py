@@ -15,6 +15,8 @@ from typing import Any, cast
 import torch
 from vllm.distributed.weight_transfer.base import materialize_full_tensor
 
+from lightning_vllm.weights.model import submodules
+
 # Parameters that belong to adapters, or to the frozen copy PEFT keeps beside a
 # trained module (modules_to_save): never sent.
 _ADAPTER_MARKERS = (
@@ -35,7 +37,7 @@ def has_lora(module: torch.nn.Module) -> bool:
         from peft.tuners.lora import LoraLayer
     except ImportError:
         return False
-    return any(isinstance(child, LoraLayer) for child in module.modules())
+    return any(isinstance(child, LoraLayer) for child in submodules(module))
 
 
 def is_adapter_parameter(name: str) -> bool:

@@ -262,9 +262,10 @@ class WireWeights(Weights):
         for name, tensor in self.source.iter_full():
             if name not in self.wire_dtypes:
                 continue
-            if self.device is not None:  # a no-op for a tensor already in place
-                tensor = tensor.to(device=self.device, dtype=self.wire_dtypes[name], non_blocking=True)
+            dtype = self.wire_dtypes[name]
+            # (Asked first: a no-op ``to`` still costs microseconds, and an 8B model has hundreds of tensors.)
+            if self.device is not None and (tensor.dtype != dtype or tensor.device != self.device):
+                tensor = tensor.to(device=self.device, dtype=dtype, non_blocking=True)
             if self.tally is not None:
-                dtype = self.wire_dtypes[name]
                 self.tally(name, tensor if tensor.dtype == dtype else tensor.to(dtype))
             yield name, tensor
