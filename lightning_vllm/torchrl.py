@@ -140,8 +140,9 @@ class VLLMUpdater(WeightSync):
             (``"http://host:port"``), a Ray actor handle of ``VLLMActor``, any
             ``EngineTarget``, or a list mixing them (worker ids are list positions).
         backend: ``"auto"`` (the backend of each engine's ``weight_transfer_config``), ``"gloo"``,
-            ``"nccl"``, ``"ipc"`` or ``"lightning_ipc"`` (vLLM's IPC protocol, loaded by the workers with one
-            copy: ``docs/gpu.md``); must match the engine's ``weight_transfer_config``.
+            ``"nccl"``, ``"ipc"`` or ``"lightning_ipc"`` (vLLM's IPC protocol with each handle sent once, loaded
+            by the workers with one batched copy: ``docs/gpu.md``); must match the engine's
+            ``weight_transfer_config``.
         bucket_size_bytes: largest packed bucket on the wire, which bounds the trainer's
             extra memory during a push.
         timeout_seconds: the longest any single wait (rendezvous, transfer, control call) may take;
@@ -163,7 +164,7 @@ class VLLMUpdater(WeightSync):
         verify_pushes: after each push, hold the per-layer sums of what every engine now holds
             against those of what was sent, and raise ``WeightsMismatchError`` naming the layers that
             differ. Off by default: it made a gloo push 1.1-3.1x slower on 2 CPU cores and an 8B
-            ``lightning_ipc`` push 2.8x slower on an H200. The workers are asked through
+            ``lightning_ipc`` push 6x slower on an H200. The workers are asked through
             ``collective_rpc``: build the engine with ``worker_extension_cls=WORKER_EXTENSION``
             (``engines/worker_check.py``) unless its RPCs may carry a function; otherwise pushes are
             not checked and a warning says so once (``docs/concepts.md``).
