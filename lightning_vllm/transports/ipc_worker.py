@@ -29,7 +29,8 @@ The worker's copies are queued on its stream and ``update_weights`` returns with
 connection; the worker records it after each push's copies, and the trainer waits for it after the
 commit, so the commit's calls (finish, version, prefix cache) run while the bytes move. The trainer's
 push returns only once the copies are done, so its next write cannot race them; generation waits for
-them on the device. Without the event, ``finish_weight_update`` waits for the device instead.
+them on the device. Without the event, or with several workers (one event tells of one worker's
+copies), ``finish_weight_update`` waits for the device instead.
 
 The check after every push (``verify_pushes``) holds what the workers then hold against what
 was sent, layer by layer. Build the engine with
@@ -108,6 +109,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
         self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
         self._landed: torch.cuda.Event | None = None  # the trainer's event, recorded after each push's copies
+        # One event tells of one worker's copies: with several workers, each waits for its device in finish.
+        self._alone = vllm_config.parallel_config.world_size == 1
 
     def init_transfer_engine(self, init_info: Any) -> None:
         self._forget_slots()  # a new trainer engine numbers its slots anew
@@ -125,7 +128,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             super().update_weights(update_info)
             return
         info = self.parse_update_info(update_info)
-        if isinstance(info, KeptHandlesUpdateInfo) and info.landed_event is not None:
+        if isinstance(info, KeptHandlesUpdateInfo) and info.landed_event is not None and self._alone:
             self._landed = torch.cuda.Event.from_ipc_handle(self.device, info.landed_event)
         self.receive_weights(info)
         if self._landed is not None:
