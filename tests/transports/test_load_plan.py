@@ -79,3 +79,31 @@ def test_a_loader_that_computes_leaves_no_plan():
     assert plan.replayed == 0 and model.loader_calls == 10
     for name, tensor in loaded(incoming(1), scale_norm=True).items():
         assert torch.equal(dict(model.named_parameters())[name], tensor), name
+
+
+def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its_fills_in_place():
+    from lightning_vllm.transports.load_plan import replay
+
+    model, plan = FusedModel(), LoadPlan()
+    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    calls = model.loader_calls
+    tensors = incoming(4)
+    bound = [plan.bind(name, tensor) for name, tensor in tensors]  # resolved once, against these tensors
+    assert all(load is not None for load in bound)
+    with torch.no_grad():
+        model.embed.data[7] = 9.0  # padding written behind the plan's back
+        for _, tensor in tensors:
+            tensor.add_(1.0)  # written in place after binding: the bound views read the new values
+        replay(load for load in bound if load is not None)
+    assert model.loader_calls == calls
+    for name, tensor in loaded(tensors).items():
+        assert torch.equal(dict(model.named_parameters())[name], tensor), name
+
+
+def test_nothing_binds_without_a_plan_or_to_a_tensor_of_another_shape():
+    model, plan = FusedModel(), LoadPlan()
+    assert plan.bind("q", torch.zeros(6, 4)) is None
+    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    assert plan.bind("q", torch.zeros(6, 4)) is not None and plan.recorded == 1
+    assert plan.bind("q", torch.zeros(7, 4)) is None
+    assert plan.bind("q", torch.zeros(4, 6).t()) is None  # the same shape, other strides
