@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from typing_extensions import Self
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
+from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights, WeightSource
 
 _LANDED_POLL_SECONDS = 2e-5  # the copies of a push take milliseconds: a short poll is the wait's resolution
@@ -135,7 +136,8 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         deadline = time.monotonic() + self.landed_timeout_seconds
         while not self._landed.query():
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"The vLLM worker's copies of this push did not end within {self.landed_timeout_seconds:g} s."
+                raise WeightSyncTimeoutError(
+                    f"The vLLM worker's copies of this push did not end within {self.landed_timeout_seconds:g} s "
+                    "(timeout_seconds). Check that the engine is alive, or raise timeout_seconds."
                 )
             time.sleep(_LANDED_POLL_SECONDS)

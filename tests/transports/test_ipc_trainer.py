@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.transports import ipc_trainer
 from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine, KeptHandlesTrainerInitInfo
 from lightning_vllm.transports.ipc_worker import KeptHandlesUpdateInfo
@@ -126,5 +127,5 @@ def test_copies_that_never_end_give_an_error_within_the_timeout(engine):
     a, b = torch.zeros(2), torch.zeros(3)
     push(engine, {"a": a, "b": b})
     LandedEvent.pending, LandedEvent.queries = 10**9, 0
-    with pytest.raises(TimeoutError, match="did not end within 0.5 s"):
+    with pytest.raises(WeightSyncTimeoutError, match=r"did not end within 0.5 s \(timeout_seconds\)"):
         push(engine, {"a": a, "b": b})
