@@ -179,6 +179,9 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
                 replay(load for load in bound if load is not None)
             self.plan.replayed += 1
             return
+        for number in numbers:  # bound to the plans this load replaces
+            if number is not None:
+                self._bound.pop(number, None)
         held = [*self.model.parameters(), *self.model.buffers()]
         self._load(weights, lambda load: self.plan.record(load, weights, held))
 

@@ -113,6 +113,7 @@ class LoadPlan:
 
     def __init__(self) -> None:
         self._plans: dict[str, _TensorPlan] = {}
+        self._computed: set[str] = set()  # names whose load did more than copies and fills: not watched again
         self.replayed = 0  # loads replayed so far
         self.recorded = 0  # loads that went through the loaders, watched
 
@@ -153,9 +154,16 @@ class LoadPlan:
     ) -> None:
         """Load ``weights`` through ``load_weights``, watched: the plans of their names are replaced by what
         the load did (or dropped, if it did anything else than copies and fills)."""
-        for name, _ in weights:
+        names = [name for name, _ in weights]
+        for name in names:
             self._plans.pop(name, None)
-        self._plans.update(record_load(load_weights, weights, held))
+        if self._computed.intersection(names):  # watching it again would find the same: load it as it is
+            load_weights(weights)
+            return
+        plans = record_load(load_weights, weights, held)
+        if not plans:
+            self._computed.update(names)
+        self._plans.update(plans)
         self.recorded += 1
 
 

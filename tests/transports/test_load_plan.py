@@ -77,6 +77,7 @@ def test_a_loader_that_computes_leaves_no_plan():
     plan.load(model.load_weights, incoming(0), list(model.parameters()))
     plan.load(model.load_weights, incoming(1), list(model.parameters()))
     assert plan.replayed == 0 and model.loader_calls == 10
+    assert plan.recorded == 1  # watched once: the second load went through the loaders unwatched
     for name, tensor in loaded(incoming(1), scale_norm=True).items():
         assert torch.equal(dict(model.named_parameters())[name], tensor), name
 
