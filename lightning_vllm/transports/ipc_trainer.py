@@ -68,14 +68,13 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
 
     init_info_cls = KeptHandlesTrainerInitInfo
 
-    def __init__(self, *, landed_timeout_seconds: float = 60.0, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._shared: dict[str, _Shared] = {}
         self._numbers = itertools.count()
         self.handles_sent = 0  # handles exported so far (the rest named a slot)
-        self.landed_timeout_seconds = landed_timeout_seconds
+        self.landed_timeout_seconds = KeptHandlesTrainerInitInfo.landed_timeout_seconds  # set by trainer_init
         self._landed: torch.cuda.Event | None = None  # recorded by the worker after each push's copies
-        self._awaiting_copies = False
 
     @classmethod
     def trainer_init(cls, init_info: Any, *, client: Any, source: WeightSource | None = None) -> Self:
@@ -122,7 +121,6 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
             info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": handles}
             info.update(slots=slots, released=released, landed_event=landed_event)
             self.client.update_weights(info)
-            self._awaiting_copies = True
         return weight_refs
 
     def send_weights(self) -> None:
@@ -130,9 +128,8 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         (its record of our event): the worker answered the commit's calls while it copied. A tensor dropped
         meanwhile is not reused: PyTorch keeps memory another process maps until that one lets go."""
         super().send_weights()
-        if not self._awaiting_copies or self._landed is None:
+        if self.packed or not self.is_sender or self._landed is None:  # vLLM's packed path: the worker waited
             return
-        self._awaiting_copies = False
         deadline = time.monotonic() + self.landed_timeout_seconds
         while not self._landed.query():
             if time.monotonic() > deadline:

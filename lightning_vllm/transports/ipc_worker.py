@@ -40,6 +40,8 @@ was sent, layer by layer. Build the engine with
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 
-from lightning_vllm.transports.load_plan import BoundLoad, LoadPlan, replay
+from lightning_vllm.transports.load_plan import BoundLoad, LoadPlan
 
 
 @dataclass
@@ -174,16 +176,17 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             return
         numbers: list[int | None] = list(slots) if slots is not None else [None] * len(weights)
         bound = [self._bound_load(name, tensor, slot) for (name, tensor), slot in zip(weights, numbers)]
-        if all(load is not None for load in bound):
-            with torch.cuda.device(self.device), torch.no_grad():
-                replay(load for load in bound if load is not None)
-            self.plan.replayed += 1
-            return
-        for number in numbers:  # bound to the plans this load replaces
-            if number is not None:
-                self._bound.pop(number, None)
-        held = [*self.model.parameters(), *self.model.buffers()]
-        self._load(weights, lambda load: self.plan.record(load, weights, held))
+        with torch.cuda.device(self.device), self._loading():
+            load_weights = self.model.load_weights  # a vLLM model, not a bare Module
+            replayed = self.plan.load(load_weights, weights, self._held, bound)  # type: ignore[arg-type]
+        if not replayed:
+            for number in numbers:  # bound to the plans this load replaced
+                if number is not None:
+                    self._bound.pop(number, None)
+
+    def _held(self) -> list[torch.Tensor]:
+        """What a load may write: the model's parameters and buffers."""
+        return [*self.model.parameters(), *self.model.buffers()]
 
     def _tensor(self, name: str, handle: dict[str, tuple], slot: int | None) -> torch.Tensor:
         if slot is not None and not handle:
@@ -212,15 +215,17 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             self._bound[slot] = load
         return load
 
-    def _load(self, weights: list[tuple[str, torch.Tensor]], through: Any = None) -> None:
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with self._loading():
+            self.model.load_weights(weights)  # type: ignore[operator]  # a vLLM model, not a bare Module
+
+    @contextmanager
+    def _loading(self) -> Iterator[None]:
+        """As vLLM's IPC engine loads: without autograd, without vLLM's check that a push is complete."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        load_weights = self.model.load_weights  # a vLLM model, not a bare Module
         with disable_mtp_completeness_check(), torch.no_grad():
-            if through is None:
-                load_weights(weights)  # type: ignore[operator]
-            else:
-                through(load_weights)
+            yield
 
     def _forget_slots(self) -> None:
         self._slots, self._bound, self._opened, self._landed = {}, {}, [], None

@@ -105,8 +105,10 @@ class LoadPlan:
         ...     for _, tensor in weights:
         ...         model.weight.data.copy_(tensor)
         >>> plan = LoadPlan()
-        >>> plan.load(load, [("w", torch.ones(2, 2))], list(model.parameters()))  # recorded
-        >>> plan.load(load, [("w", torch.full((2, 2), 3.0))], list(model.parameters()))  # replayed
+        >>> plan.load(load, [("w", torch.ones(2, 2))], model.parameters)  # recorded
+        False
+        >>> plan.load(load, [("w", torch.full((2, 2), 3.0))], model.parameters)  # replayed
+        True
         >>> model.weight.tolist(), plan.replayed
         ([[3.0, 3.0], [3.0, 3.0]], 1)
     """
@@ -135,36 +137,38 @@ class LoadPlan:
         self,
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
         weights: list[tuple[str, torch.Tensor]],
-        held: Sequence[torch.Tensor],
-    ) -> None:
-        """Load ``weights`` into the model whose parameters and buffers are ``held``: replayed when every
-        tensor has a plan that fits it, else through ``load_weights``, recorded for the next time."""
-        bound = [self.bind(name, tensor) for name, tensor in weights]
+        held: Callable[[], Iterable[torch.Tensor]],
+        bound: Sequence[BoundLoad | None] | None = None,
+    ) -> bool:
+        """Load ``weights`` into the model whose parameters and buffers ``held()`` returns (asked only when
+        recording): replayed when every tensor has a plan that fits it, else through ``load_weights``, watched,
+        its plans replaced by what the load did (or dropped, if it did anything else than copies and fills).
+
+        Args:
+            bound: each tensor's load, bound already (a caller that keeps bindings between loads of the same
+                tensors); bound here when ``None``.
+
+        Returns:
+            Whether the load was replayed.
+        """
+        if bound is None:
+            bound = [self.bind(name, tensor) for name, tensor in weights]
         if weights and all(load is not None for load in bound):
             replay(load for load in bound if load is not None)
             self.replayed += 1
-            return
-        self.record(load_weights, weights, held)
-
-    def record(
-        self,
-        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
-        weights: list[tuple[str, torch.Tensor]],
-        held: Sequence[torch.Tensor],
-    ) -> None:
-        """Load ``weights`` through ``load_weights``, watched: the plans of their names are replaced by what
-        the load did (or dropped, if it did anything else than copies and fills)."""
+            return True
         names = [name for name, _ in weights]
         for name in names:
             self._plans.pop(name, None)
         if self._computed.intersection(names):  # watching it again would find the same: load it as it is
             load_weights(weights)
-            return
-        plans = record_load(load_weights, weights, held)
+            return False
+        plans = record_load(load_weights, weights, held())
         if not plans:
             self._computed.update(names)
         self._plans.update(plans)
         self.recorded += 1
+        return False
 
 
 def record_load(

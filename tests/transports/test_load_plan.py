@@ -47,12 +47,12 @@ def loaded(weights, **kwargs) -> dict[str, torch.Tensor]:
 
 def test_a_replayed_load_leaves_what_the_loaders_leave_without_running_them():
     model, plan = FusedModel(), LoadPlan()
-    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    plan.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     for seed in (1, 2):
         with torch.no_grad():
             model.embed.data[6] = 7.0  # padding written behind the plan's back: the replayed fill clears it
-        plan.load(model.load_weights, incoming(seed), list(model.parameters()))
+        plan.load(model.load_weights, incoming(seed), model.parameters)
         assert model.loader_calls == calls and plan.replayed == seed
         for name, tensor in loaded(incoming(seed)).items():
             assert torch.equal(dict(model.named_parameters())[name], tensor), name
@@ -60,22 +60,22 @@ def test_a_replayed_load_leaves_what_the_loaders_leave_without_running_them():
 
 def test_a_subset_replays_its_own_copies_and_a_new_shape_goes_through_the_loaders_again():
     model, plan = FusedModel(), LoadPlan()
-    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    plan.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     subset = [pair for pair in incoming(3) if pair[0] in ("k", "norm")]
-    plan.load(model.load_weights, subset, list(model.parameters()))
+    plan.load(model.load_weights, subset, model.parameters)
     assert model.loader_calls == calls
     assert torch.equal(model.qkv[6:9], subset[0][1]) and torch.equal(model.norm, subset[1][1])
     assert torch.equal(model.qkv[:6], dict(incoming(0))["q"])  # the others are left as they were
     smaller = [("embed", torch.ones(3, 4))]  # a vocabulary of another size: loaded, and recorded again
-    plan.load(model.load_weights, smaller, list(model.parameters()))
+    plan.load(model.load_weights, smaller, model.parameters)
     assert model.loader_calls == calls + 1 and torch.equal(model.embed[3:], torch.zeros(5, 4))
 
 
 def test_a_loader_that_computes_leaves_no_plan():
     model, plan = FusedModel(scale_norm=True), LoadPlan()
-    plan.load(model.load_weights, incoming(0), list(model.parameters()))
-    plan.load(model.load_weights, incoming(1), list(model.parameters()))
+    plan.load(model.load_weights, incoming(0), model.parameters)
+    plan.load(model.load_weights, incoming(1), model.parameters)
     assert plan.replayed == 0 and model.loader_calls == 10
     assert plan.recorded == 1  # watched once: the second load went through the loaders unwatched
     for name, tensor in loaded(incoming(1), scale_norm=True).items():
@@ -86,7 +86,7 @@ def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its
     from lightning_vllm.transports.load_plan import replay
 
     model, plan = FusedModel(), LoadPlan()
-    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    plan.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     tensors = incoming(4)
     bound = [plan.bind(name, tensor) for name, tensor in tensors]  # resolved once, against these tensors
@@ -104,7 +104,7 @@ def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its
 def test_nothing_binds_without_a_plan_or_to_a_tensor_of_another_shape():
     model, plan = FusedModel(), LoadPlan()
     assert plan.bind("q", torch.zeros(6, 4)) is None
-    plan.load(model.load_weights, incoming(0), list(model.parameters()))
+    plan.load(model.load_weights, incoming(0), model.parameters)
     assert plan.bind("q", torch.zeros(6, 4)) is not None and plan.recorded == 1
     assert plan.bind("q", torch.zeros(7, 4)) is None
     assert plan.bind("q", torch.zeros(4, 6).t()) is None  # the same shape, other strides
