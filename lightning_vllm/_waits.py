@@ -8,6 +8,8 @@ thread cannot keep the interpreter alive at exit.
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -19,24 +21,28 @@ _T = TypeVar("_T")
 
 
 class BackgroundCall(Generic[_T]):
-    """A call running on a daemon thread whose result is awaited with a timeout."""
+    """A call running on a daemon thread whose result is awaited with a timeout.
+
+    The thread comes from a small pool of idle ones (:class:`_Caller`): a push makes half a dozen bounded
+    calls, and starting a thread for each cost about a tenth of a millisecond, a push of an 8B model over
+    ``lightning_ipc`` taking ten (docs/gpu.md). A call that never returns keeps its thread; the next call
+    gets another.
+    """
 
     def __init__(self, fn: Callable[..., _T], *args: Any, what: str, **kwargs: Any) -> None:
         self.what = what
         self._result: _T | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(fn, args, kwargs), name=f"lightning-vllm: {what}", daemon=True
-        )
-        self._thread.start()
+        _Caller.take().hand(self, fn, args, kwargs)
 
-    def _run(self, fn: Callable[..., _T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _run(self, fn: Callable[..., _T], args: tuple[Any, ...], kwargs: dict[str, Any], caller: _Caller) -> None:
         try:
             self._result = fn(*args, **kwargs)
         except BaseException as error:  # re-raised in the waiting thread by result()
             self._error = error
         finally:
+            caller.idle()  # (first: a caller woken below may hand it its next call)
             self._done.set()
 
     def done(self) -> bool:
@@ -61,6 +67,56 @@ class BackgroundCall(Generic[_T]):
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
+
+
+class _Caller(threading.Thread):
+    """A daemon thread that runs the calls handed to it, one at a time, named after the one it runs; idle, it
+    waits in a pool of at most ``_MAX_IDLE`` for the next (thread-local state, a CUDA stream set and not
+    restored say, would carry over: the calls of this package restore what they set)."""
+
+    _pool: list[_Caller] = []
+    _lock = threading.Lock()
+    _MAX_IDLE = 8
+
+    def __init__(self) -> None:
+        super().__init__(name=_IDLE, daemon=True)
+        self._calls: queue.SimpleQueue[tuple[BackgroundCall[Any], Callable[..., Any], tuple, dict] | None] = (
+            queue.SimpleQueue()
+        )
+        self.start()
+
+    @classmethod
+    def take(cls) -> _Caller:
+        """An idle caller, or a new one."""
+        with cls._lock:
+            while cls._pool:
+                caller = cls._pool.pop()
+                if caller.is_alive():
+                    return caller
+        return cls()
+
+    def hand(self, call: BackgroundCall[Any], fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        self._calls.put((call, fn, args, kwargs))
+
+    def idle(self) -> None:
+        """Back to the pool (or, the pool full, let the thread end)."""
+        self.name = _IDLE
+        with self._lock:
+            if len(self._pool) < self._MAX_IDLE:
+                self._pool.append(self)
+                return
+        self._calls.put(None)
+
+    def run(self) -> None:
+        while (handed := self._calls.get()) is not None:
+            call, fn, args, kwargs = handed
+            self.name = f"lightning-vllm: {call.what}"
+            call._run(fn, args, kwargs, self)
+
+
+_IDLE = "lightning-vllm: idle caller"
+# A forked child has none of the parent's threads: its pool starts empty.
+os.register_at_fork(after_in_child=_Caller._pool.clear)
 
 
 def call_with_timeout(

@@ -15,7 +15,7 @@ LAYERS: dict[str, list[str]] = {
     "what is sent": [
         "weights", "weights.base", "weights.model", "weights.changes", "weights.lora_merge", "weights.fsdp",
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
-        "weights.layer_sums",
+        "weights.layer_sums", "weights.survey",
         "lora", "lora.adapter", "lora.serving", "lora.worker", "lora.cpu_ops",
     ],
     "how bytes move": [

@@ -9,7 +9,8 @@ It builds Llama-3-8B's shape in bf16 on the GPU (random weights) and a real ``vl
 same shape from dummy weights (the GPU tier's engine settings: Triton attention, eager, vLLM's
 kernels as torch-native stand-ins), then times, as medians of ``--rounds``:
 
-* ``copy``: ``copy_`` of every tensor into a buffer of its own, allocated once (the floor: one copy);
+* ``copy``: ``copy_`` of every tensor into a buffer of its own, allocated once (the floor: one copy); and the
+  same as one ``torch._foreach_copy_`` (``batched_copy_over_copy``);
 * for each backend of ``--backends`` (one engine each; ``lightning_ipc``: our engines, which keep the handles
   open and load with one batched copy, ``transports/ipc_trainer.py`` and ``ipc_worker.py``; ``ipc``: vLLM's,
   which loads through its layer-wise reload):
@@ -78,11 +79,15 @@ def timed(fn, rounds: int) -> list[float]:
     return seconds
 
 
-def copy_floor(tensors: list[torch.Tensor], rounds: int) -> list[float]:
-    """Seconds of a ``copy_`` of every tensor into a buffer of its own, allocated once (warmed first)."""
+def copy_floor(tensors: list[torch.Tensor], rounds: int, batched: bool = False) -> list[float]:
+    """Seconds of a ``copy_`` of every tensor into a buffer of its own, allocated once (warmed first); ``batched``:
+    one ``torch._foreach_copy_`` of them all instead (what a replay would be with no tensor copied alone)."""
     buffers = [torch.empty_like(tensor) for tensor in tensors]
 
     def copy() -> None:
+        if batched:
+            torch._foreach_copy_(buffers, tensors)
+            return
         for buffer, tensor in zip(buffers, tensors):
             buffer.copy_(tensor)
 
@@ -108,6 +113,7 @@ CONTROL_CALLS = (
     "start_weight_update",
     "update_weights",
     "finish_weight_update",
+    "update_weights_in_one_call",
     "pause_generation",
     "resume_generation",
     "reset_prefix_cache",
@@ -266,6 +272,7 @@ def main() -> None:
     tensors = [parameter.detach() for parameter in model.parameters()]
     num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
     copy_seconds = copy_floor(tensors, args.rounds)
+    batched_copy_seconds = copy_floor(tensors, args.rounds, batched=True)
     results: dict[str, object] = {"parameters": sum(t.numel() for t in tensors), "bytes": num_bytes}
     results["sums"] = sums_figures(tensors, args.rounds)
     calls = time_control_calls()
@@ -297,6 +304,7 @@ def main() -> None:
     copy_median = statistics.median(copy_seconds)
     results["copy_seconds"] = copy_seconds
     figures: dict[str, float] = {"copy_seconds": copy_median, "copy_gb_per_second": num_bytes / copy_median / 1e9}
+    figures["batched_copy_over_copy"] = statistics.median(batched_copy_seconds) / copy_median
     for backend in args.backends.split(","):
         verified = statistics.median(results[f"{backend}_push"]["seconds"])  # type: ignore[index]
         unverified = statistics.median(results[f"{backend}_unverified_push"]["seconds"])  # type: ignore[index]

@@ -50,6 +50,10 @@ class GroupPlan:
     sends_as_held: bool = False
     """Every tensor is already in the engine's serving dtype on the trainer: a backend may hand the
     engine the trainer's own tensors rather than copies."""
+    updates_in_one_call: bool = False
+    """The engine's workers can start, load and finish an update in one call
+    (``engine_client.UpdatesInOneCall``), for a backend whose workers need nothing more from the trainer
+    while they load."""
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,14 @@ class InPlaceIPCBackend(IPCBackend):
         return super().join(plan, client, wire)
 
     def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
-        """As ``ipc``'s; the wait for the worker's copies after the commit is bounded by ``timeout_seconds``."""
+        """As ``ipc``'s; the wait for the worker's copies after the commit is bounded by ``timeout_seconds``, and
+        an engine that can take the update in one call (start, load, finish) is sent it so."""
         from lightning_vllm.transports.ipc_trainer import KeptHandlesTrainerInitInfo
 
         info = super().init_info(plan)
         assert isinstance(info, KeptHandlesTrainerInitInfo)
         info.landed_timeout_seconds = plan.timeout_seconds
+        info.updates_in_one_call = plan.updates_in_one_call
         return info
 
     def init_info_class(self) -> type[IPCTrainerInitInfo]:

@@ -29,7 +29,7 @@ from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.core.landing_check import LandingCheck
 from lightning_vllm.core.stats import PushTiming
-from lightning_vllm.engine_client import TimedClient
+from lightning_vllm.engine_client import TimedClient, UpdatesInOneCall
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
 from lightning_vllm.engines.failures import raise_if_dead
@@ -146,6 +146,7 @@ class EngineConnection:
             timeout_seconds=options.timeout_seconds,
             largest_tensor_bytes=max((wire_bytes({name: meta}) for name, meta in wire.items()), default=0),
             sends_as_held=all(metadata[name][0] == dtype for name, (dtype, _) in wire.items()),
+            updates_in_one_call=isinstance(engine, UpdatesInOneCall),
         )
         # A trainer killed inside an earlier push's commit window (between pause and
         # resume) left the engine paused; a new connection is where that ends.

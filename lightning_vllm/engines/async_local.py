@@ -21,6 +21,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
+from lightning_vllm.engine_client import UpdatesInOneCall
 from lightning_vllm.engines.base import (
     ChecksIPCHandles,
     Generation,
@@ -38,7 +39,7 @@ _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums):
+class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, UpdatesInOneCall):
     """Engine target for a ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     Args:
@@ -96,6 +97,16 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.run(self.async_llm.finish_weight_update(weight_version))
+
+    def update_weights_in_one_call(self, update_info: dict[str, Any], weight_version: str | None) -> None:
+        from lightning_vllm.transports.ipc_worker import update_in_one_call
+
+        async def update() -> None:
+            await self.async_llm.collective_rpc(update_in_one_call, kwargs={"update_info": update_info})
+            if weight_version is not None:
+                await self.async_llm.update_weight_version(weight_version)
+
+        self.run(update())
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.run(self.async_llm.shutdown_weight_transfer_engine())

@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
+from lightning_vllm.engine_client import UpdatesInOneCall
 from lightning_vllm.engines.base import (
     ChecksBackgroundPushes,
     ChecksIPCHandles,
@@ -22,7 +23,7 @@ from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_d
 from lightning_vllm.engines.serialization import ipc_handles_problem
 
 
-class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles, ReportsLayerSums):
+class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles, ReportsLayerSums, UpdatesInOneCall):
     """Engine target for a ``vllm.LLM``.
 
     ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.
@@ -82,6 +83,14 @@ class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         with self._generating:
             self.llm.finish_weight_update(weight_version=weight_version)
+
+    def update_weights_in_one_call(self, update_info: dict[str, Any], weight_version: str | None) -> None:
+        from lightning_vllm.transports.ipc_worker import update_in_one_call
+
+        with self._generating:  # (it finishes the update, as finish_weight_update)
+            self.llm.collective_rpc(update_in_one_call, kwargs={"update_info": update_info})
+            if weight_version is not None:
+                self.llm.update_weight_version(weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()

@@ -152,18 +152,20 @@ def lora_policy(weights: Any, model_attribute: str | None = None, required: bool
 
 
 def _lora_policy(weights: Any, model_attribute: str | None) -> torch.nn.Module | None:
-    from lightning_vllm.weights.fsdp import holds_fsdp_units
-    from lightning_vllm.weights.lora_merge import has_lora
     from lightning_vllm.weights.model import find_hf_model
-    from lightning_vllm.weights.zero3 import is_zero3_partitioned
+    from lightning_vllm.weights.survey import survey
 
-    if not isinstance(weights, torch.nn.Module) or holds_fsdp_units(weights):
+    if not isinstance(weights, torch.nn.Module):
+        return None
+    outer = survey(weights)
+    if outer.fsdp_units:
         return None
     try:
         model = find_hf_model(weights, model_attribute)
     except ValueError:
         return None
-    if not has_lora(model) or is_zero3_partitioned(model) or not hasattr(model, "peft_config"):
+    found = outer if model is weights else survey(model)
+    if not found.lora_layers or found.zero3_parameters or not hasattr(model, "peft_config"):
         return None
     return model
 

@@ -40,10 +40,13 @@ class KeptHandlesTrainerInitInfo(IPCTrainerInitInfo):
 
     Attributes:
         landed_timeout_seconds: the longest the trainer waits, after the commit, for the worker's copies.
+        updates_in_one_call: the engine takes start, update and finish as one call
+            (``engine_client.UpdatesInOneCall``); else vLLM's three.
     """
 
     backend: ClassVar[str] = "lightning_ipc"
     landed_timeout_seconds: float = 60.0
+    updates_in_one_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class _Shared:
 
 
 def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)  # (a torch.Size equals its tuple)
 
 
 class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
@@ -74,20 +77,30 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         self._numbers = itertools.count()
         self.handles_sent = 0  # handles exported so far (the rest named a slot)
         self.landed_timeout_seconds = KeptHandlesTrainerInitInfo.landed_timeout_seconds  # set by trainer_init
+        self.updates_in_one_call = False  # set by trainer_init
         self._landed: torch.cuda.Event | None = None  # recorded by the worker after each push's copies
+        self._kept: dict[str, Any] | None = None  # the last update info whose every tensor named a kept slot
 
     @classmethod
     def trainer_init(cls, init_info: Any, *, client: Any, source: WeightSource | None = None) -> Self:
         engine = super().trainer_init(init_info, client=client, source=source)
         engine.landed_timeout_seconds = init_info.landed_timeout_seconds
+        engine.updates_in_one_call = init_info.updates_in_one_call
         return engine
 
     def _send_unpacked(self, source: WeightSource) -> list[torch.Tensor]:
         """Each tensor as a kept slot or a new handle, in one update call; the strong references the caller
         keeps past ``finish_weight_update`` (tensors made contiguous here exist only there)."""
+        info, weight_refs = self._update_info(source)
+        if self.is_sender:
+            self.client.update_weights(info)
+        return weight_refs
+
+    def _update_info(self, source: WeightSource) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The update info of ``source`` (the fields of ``KeptHandlesUpdateInfo``, as vLLM's RPC carries them:
+        ``dataclasses.asdict`` would deep-copy every handle, milliseconds on an 8B model), and the tensors it
+        names. A push whose every tensor is the last one's, in its kept slot, reuses the last info."""
         names: list[str] = []
-        dtype_names: list[str] = []
-        shapes: list[list[int]] = []
         handles: list[dict[str, tuple]] = []
         slots: list[int] = []
         released: list[int] = []
@@ -107,27 +120,39 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
             else:
                 handles.append({})
             names.append(name)
-            dtype_names.append(str(weight.dtype).split(".")[-1])
-            shapes.append(list(weight.shape))
             slots.append(shared.slot)
             weight_refs.append(weight)
         landed_event = None
         if self._landed is None:
             self._landed = torch.cuda.Event(interprocess=True)
             landed_event = self._landed.ipc_handle()
-        if self.is_sender:
-            # The fields of KeptHandlesUpdateInfo, as vLLM's RPC carries them (dataclasses.asdict would deep-copy
-            # every handle: milliseconds on an 8B model).
-            info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": handles}
-            info.update(slots=slots, released=released, landed_event=landed_event)
-            self.client.update_weights(info)
-        return weight_refs
+        kept = not released and landed_event is None and not any(handles)
+        if kept and self._kept is not None and self._kept["slots"] == slots:
+            return self._kept, weight_refs  # (the same slots name the same tensors, names, dtypes and shapes)
+        info: dict[str, Any] = {
+            "names": names,
+            "dtype_names": [str(weight.dtype).split(".")[-1] for weight in weight_refs],
+            "shapes": [list(weight.shape) for weight in weight_refs],
+            "ipc_handles": handles,
+        }
+        info.update(slots=slots, released=released, landed_event=landed_event)
+        self._kept = info if kept else None
+        return info, weight_refs
 
     def send_weights(self) -> None:
-        """vLLM's (start, the update, the commit), then a wait until the worker's copies of this push are done
-        (its record of our event): the worker answered the commit's calls while it copied. A tensor dropped
-        meanwhile is not reused: PyTorch keeps memory another process maps until that one lets go."""
-        super().send_weights()
+        """vLLM's (start, the update, the commit; or all three in one call, where the engine takes it), then a
+        wait until the worker's copies of this push are done (its record of our event): the worker answered the
+        commit's calls while it copied. A tensor dropped meanwhile is not reused: PyTorch keeps memory another
+        process maps until that one lets go."""
+        if self.packed or not self.is_sender or not self.updates_in_one_call:
+            super().send_weights()
+        else:
+            assert self.source is not None
+            info, weight_refs = self._update_info(self.source)
+            client: Any = self.client  # lightning-vllm's (engine_client.TimedClient), which takes it
+            client.update_weights_in_one_call(info)
+            self._post_send_sync()
+            del weight_refs
         if self.packed or not self.is_sender or self._landed is None:  # vLLM's packed path: the worker waited
             return
         deadline = time.monotonic() + self.landed_timeout_seconds

@@ -49,7 +49,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 
-from lightning_vllm.transports.load_plan import BoundLoad, LoadPlan
+from lightning_vllm.transports.load_plan import BoundLoad, LoadPlan, Replay
 
 
 @dataclass
@@ -76,6 +76,16 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
             raise ValueError(
                 f"`slots` should be of the same size as `names`: got {len(self.slots)} and {len(self.names)}"
             )
+
+
+def update_in_one_call(worker: Any, update_info: dict[str, Any]) -> None:
+    """vLLM's ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` on ``worker``, sent as one
+    ``collective_rpc`` (``engine_client.UpdatesInOneCall``): the worker's own methods, so its bookkeeping (one
+    update at a time, an update that failed ends) is vLLM's. For a worker that loads while the call runs: the
+    CUDA IPC engines, whose tensors are on the trainer's GPU before the call."""
+    worker.start_weight_update()
+    worker.update_weights(update_info)
+    worker.finish_weight_update()
 
 
 def loads_as_held(vllm_config: Any) -> bool:
@@ -111,6 +121,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
         self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
         self._landed: torch.cuda.Event | None = None  # the trainer's event, recorded after each push's copies
+        # The last push's replay and its slots: a push naming the same slots, and no new handle, runs it again.
+        self._replay: tuple[tuple[int, ...], Replay] | None = None
         # One event tells of one worker's copies: with several workers, each waits for its device in finish.
         self._alone = vllm_config.parallel_config.world_size == 1
 
@@ -162,7 +174,15 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             return
         assert isinstance(update_info.ipc_handles, list)
         slots = update_info.slots if isinstance(update_info, KeptHandlesUpdateInfo) else None
-        for slot in update_info.released if isinstance(update_info, KeptHandlesUpdateInfo) else ():
+        released = update_info.released if isinstance(update_info, KeptHandlesUpdateInfo) else []
+        kept = slots is not None and not released and not any(update_info.ipc_handles)
+        if kept and self._replay is not None and self._replay[0] == tuple(slots or ()) and self._loads_in_place():
+            # The tensors opened and bound at an earlier push, holding new values: its copies, again.
+            with torch.cuda.device(self.device):
+                self.plan.rerun(self._replay[1])
+            return
+        self._replay = None
+        for slot in released:
             self._slots.pop(slot, None)
             self._bound.pop(slot, None)
         weights = [
@@ -178,11 +198,13 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         bound = [self._bound_load(name, tensor, slot) for (name, tensor), slot in zip(weights, numbers)]
         with torch.cuda.device(self.device), self._loading():
             load_weights = self.model.load_weights  # a vLLM model, not a bare Module
-            replayed = self.plan.load(load_weights, weights, self._held, bound)  # type: ignore[arg-type]
-        if not replayed:
+            replay = self.plan.load(load_weights, weights, self._held, bound)  # type: ignore[arg-type]
+        if replay is None:
             for number in numbers:  # bound to the plans this load replaced
                 if number is not None:
                     self._bound.pop(number, None)
+        elif slots is not None:
+            self._replay = (tuple(slots), replay)
 
     def _held(self) -> list[torch.Tensor]:
         """What a load may write: the model's parameters and buffers."""
@@ -228,7 +250,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             yield
 
     def _forget_slots(self) -> None:
-        self._slots, self._bound, self._opened, self._landed = {}, {}, [], None
+        self._slots, self._bound, self._opened, self._landed, self._replay = {}, {}, [], None, None
 
     def shutdown(self) -> None:
         self._forget_slots()

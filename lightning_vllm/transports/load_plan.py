@@ -7,7 +7,8 @@ is the same at every push of tensors of the same shapes: copy a view of each inc
 tensor into a view of a parameter, and fill padding with a constant. :func:`record_load`
 watches one load (a ``TorchDispatchMode`` sees every tensor operation) and keeps exactly
 that, per incoming tensor; :meth:`LoadPlan.bind` resolves the copies against one incoming
-tensor, and :func:`replay` runs bound loads as a few batched copies (``torch._foreach_copy_``).
+tensor, and :class:`Replay` runs bound loads as PyTorch's copies: a ``copy_`` per large tensor, small ones
+batched (``torch._foreach_copy_``).
 
 Binding is what makes kept CUDA IPC handles pay (``ipc_worker.py``): a trainer's tensor whose
 storage stays put between pushes (an optimizer step writes in place) is bound once, and each
@@ -61,27 +62,55 @@ class BoundLoad:
     steps: tuple[tuple[torch.Tensor, torch.Tensor | Any, bool], ...]  # (destination, source or value, is_copy)
 
 
-def replay(loads: Iterable[BoundLoad]) -> None:
-    """Run ``loads`` in order on the current stream: each run of copies as one ``torch._foreach_copy_``,
-    each fill where it was made (a padding fill after the copy it follows)."""
-    destinations: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
+_BATCHED_BELOW_BYTES = 1 << 20
+"""Copies smaller than this go in ``torch._foreach_copy_`` batches (one launch for many norms); larger ones are
+a ``copy_`` each, PyTorch's copy kernel, whose speed is the floor a push is measured against, and whose launch
+(microseconds) is hidden behind the previous copy on the device."""
 
-    def flush() -> None:
-        if destinations:
-            torch._foreach_copy_(destinations, sources)
-            destinations.clear()
-            sources.clear()
 
-    for load in loads:
-        for destination, source, is_copy in load.steps:
-            if is_copy:
-                destinations.append(destination)
-                sources.append(source)
+class Replay:
+    """Bound loads made into the calls that run them, in order: a ``copy_`` per large copy, a ``_foreach_copy_``
+    per run of small ones, a ``fill_`` where one was made (a padding fill after the copy it follows). Built once,
+    run at every push of the same tensors (``ipc_worker.py`` keeps it while the trainer's slots stay put)."""
+
+    def __init__(self, loads: Iterable[BoundLoad]) -> None:
+        self.calls: list[tuple[str, Any, Any]] = []  # ("copy" | "batch" | "fill", destination(s), source(s) or value)
+        destinations: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+
+        def flush() -> None:
+            if destinations:
+                self.calls.append(("batch", list(destinations), list(sources)))
+                destinations.clear()
+                sources.clear()
+
+        for load in loads:
+            for destination, source, is_copy in load.steps:
+                if not is_copy:
+                    flush()
+                    self.calls.append(("fill", destination, source))
+                elif destination.numel() * destination.element_size() >= _BATCHED_BELOW_BYTES:
+                    flush()
+                    self.calls.append(("copy", destination, source))
+                else:
+                    destinations.append(destination)
+                    sources.append(source)
+        flush()
+
+    def run(self) -> None:
+        """Queue every call on the current stream."""
+        for kind, destination, source in self.calls:
+            if kind == "copy":
+                destination.copy_(source)
+            elif kind == "batch":
+                torch._foreach_copy_(destination, source)
             else:
-                flush()
                 destination.fill_(source)
-    flush()
+
+
+def replay(loads: Iterable[BoundLoad]) -> None:
+    """Run ``loads`` in order on the current stream (see :class:`Replay`)."""
+    Replay(loads).run()
 
 
 @dataclass
@@ -105,9 +134,10 @@ class LoadPlan:
         ...     for _, tensor in weights:
         ...         model.weight.data.copy_(tensor)
         >>> plan = LoadPlan()
-        >>> plan.load(load, [("w", torch.ones(2, 2))], model.parameters)  # recorded
-        False
-        >>> plan.load(load, [("w", torch.full((2, 2), 3.0))], model.parameters)  # replayed
+        >>> plan.load(load, [("w", torch.ones(2, 2))], model.parameters) is None  # through the loaders, recorded
+        True
+        >>> replayed = plan.load(load, [("w", torch.full((2, 2), 3.0))], model.parameters)  # without them
+        >>> replayed is not None
         True
         >>> model.weight.tolist(), plan.replayed
         ([[3.0, 3.0], [3.0, 3.0]], 1)
@@ -139,7 +169,7 @@ class LoadPlan:
         weights: list[tuple[str, torch.Tensor]],
         held: Callable[[], Iterable[torch.Tensor]],
         bound: Sequence[BoundLoad | None] | None = None,
-    ) -> bool:
+    ) -> Replay | None:
         """Load ``weights`` into the model whose parameters and buffers ``held()`` returns (asked only when
         recording): replayed when every tensor has a plan that fits it, else through ``load_weights``, watched,
         its plans replaced by what the load did (or dropped, if it did anything else than copies and fills).
@@ -149,26 +179,32 @@ class LoadPlan:
                 tensors); bound here when ``None``.
 
         Returns:
-            Whether the load was replayed.
+            The replay that loaded them (:meth:`rerun` runs it again for the same tensors), or ``None``: they
+            went through ``load_weights``.
         """
         if bound is None:
             bound = [self.bind(name, tensor) for name, tensor in weights]
         if weights and all(load is not None for load in bound):
-            replay(load for load in bound if load is not None)
-            self.replayed += 1
-            return True
+            replay = Replay(load for load in bound if load is not None)
+            self.rerun(replay)
+            return replay
         names = [name for name, _ in weights]
         for name in names:
             self._plans.pop(name, None)
         if self._computed.intersection(names):  # watching it again would find the same: load it as it is
             load_weights(weights)
-            return False
+            return None
         plans = record_load(load_weights, weights, held())
         if not plans:
             self._computed.update(names)
         self._plans.update(plans)
         self.recorded += 1
-        return False
+        return None
+
+    def rerun(self, replay: Replay) -> None:
+        """Run ``replay`` (made by :meth:`load`) again: the same tensors, holding new values."""
+        replay.run()
+        self.replayed += 1
 
 
 def record_load(

@@ -41,6 +41,19 @@ def canonical_name(name: str) -> str:
         >>> canonical_name("module.lm_head.weight")
         'lm_head.weight'
     """
+    found = _canonical_names.get(name)
+    if found is None:  # (a push names every tensor: on an 8B model, 291 regexes took 0.2 ms each push)
+        if len(_canonical_names) > _MAX_REMEMBERED_NAMES:
+            _canonical_names.clear()
+        found = _canonical_names[name] = _without_wrappers(name)
+    return found
+
+
+_canonical_names: dict[str, str] = {}
+_MAX_REMEMBERED_NAMES = 1 << 17
+
+
+def _without_wrappers(name: str) -> str:
     name = _WRAPPER_SEGMENT.sub("", name).lstrip(".")
     stripped = True
     while stripped:

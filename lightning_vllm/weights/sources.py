@@ -17,10 +17,11 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, mater
 
 from lightning_vllm.weights.base import ForeignWeights, Weights
 from lightning_vllm.weights.changes import Stamp, stamps_of
-from lightning_vllm.weights.fsdp import FSDPWeights, holds_fsdp_units
-from lightning_vllm.weights.lora_merge import has_lora, lora_parameters, merge_inputs, merged_lora_weights
+from lightning_vllm.weights.fsdp import FSDPWeights
+from lightning_vllm.weights.lora_merge import lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
-from lightning_vllm.weights.zero3 import ZeRO3Weights, is_zero3_partitioned
+from lightning_vllm.weights.survey import survey
+from lightning_vllm.weights.zero3 import ZeRO3Weights
 
 
 def _check_unique(names: list[str], origin: str) -> None:
@@ -157,12 +158,14 @@ def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> 
     if isinstance(policy_or_weights, WeightSource):
         return ForeignWeights(policy_or_weights)
     if isinstance(policy_or_weights, torch.nn.Module):
-        if holds_fsdp_units(policy_or_weights):  # FSDP1: names and shapes from its flat parameters
+        outer = survey(policy_or_weights)
+        if outer.fsdp_units:  # FSDP1: names and shapes from its flat parameters
             return FSDPWeights(policy_or_weights, model_attribute)
         model = find_hf_model(policy_or_weights, model_attribute)
-        if is_zero3_partitioned(model):  # ZeRO-3: full shapes from the placeholders
+        found = outer if model is policy_or_weights else survey(model)
+        if found.zero3_parameters:  # ZeRO-3: full shapes from the placeholders
             return ZeRO3Weights(model)
-        return LoraMergedWeights(model) if has_lora(model) else ModuleWeights(model)
+        return LoraMergedWeights(model) if found.lora_layers else ModuleWeights(model)
     if isinstance(policy_or_weights, Mapping) or hasattr(policy_or_weights, "flatten_keys"):
         return MappingWeights(policy_or_weights)
     raise TypeError(

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from gpu_helpers import digests_equal, engine_digest, model_digest
-from helpers import tiny_qwen2
+from helpers import half_way, raises, tiny_qwen2
 
 from lightning_vllm import VLLMUpdater
 
@@ -32,11 +32,23 @@ def worker_state(llm: Any) -> tuple[int, int]:
     return tuple(state)
 
 
+def kept_replay_slots(llm: Any) -> int:
+    """How many slots the worker's kept replay names (0: none kept)."""
+
+    def read(worker: Any) -> int:  # runs in vLLM's worker
+        kept = worker.weight_transfer_engine._replay
+        return 0 if kept is None else len(kept[0])
+
+    (found,) = llm.collective_rpc(read)
+    return int(found)
+
+
 def test_handles_go_once_while_storages_stay_put_and_again_when_one_moves(lightning_ipc_llm):
     model = tiny_qwen2(seed=61).cuda()
     updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120, changed_only=False)
     updater.push_weights(model)
     engine = trainer_engine(updater)
+    assert engine.updates_in_one_call  # an in-process vllm.LLM takes start, update and finish as one RPC
     num_tensors = engine.handles_sent
     assert num_tensors == len(list(model.parameters()))
     slots, replayed = worker_state(lightning_ipc_llm)
@@ -49,6 +61,7 @@ def test_handles_go_once_while_storages_stay_put_and_again_when_one_moves(lightn
         assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model)), step
         assert engine.handles_sent == num_tensors
     assert worker_state(lightning_ipc_llm) == (num_tensors, replayed + 3)
+    assert kept_replay_slots(lightning_ipc_llm) == num_tensors  # the same slots: the last push's copies, run again
     up_proj = model.model.layers[0].mlp.up_proj.weight
     up_proj.data = up_proj.data.clone() + 0.5  # a storage that moved: one new handle, the old slot released
     updater.push_weights(model)
@@ -69,6 +82,39 @@ def test_tensors_computed_for_each_push_get_new_handles_and_the_old_slots_are_re
         num_tensors = len(model.state_dict())
         assert trainer_engine(updater).handles_sent == num_tensors * (push + 1)
         assert worker_state(lightning_ipc_llm)[0] == num_tensors  # the last push's, the earlier ones released
+    updater.close()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
+    updater.push_weights(tiny_qwen2(seed=0).cuda())  # the shared engine serves what it started from again
+    updater.close()
+
+
+def test_a_push_that_fails_on_either_side_of_the_one_call_leaves_the_engine_serving_and_the_next_push_lands(
+    lightning_ipc_llm,
+):
+    model = tiny_qwen2(seed=63).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120, changed_only=False)
+    updater.push_weights(model)
+    before = engine_digest(lightning_ipc_llm)
+    # The trainer's side: its source fails half way through, before the call.
+    with pytest.raises(RuntimeError, match="could not be read"):
+        updater.push_weights(half_way(model, raises(RuntimeError("the policy could not be read"))))
+    assert digests_equal(engine_digest(lightning_ipc_llm), before)
+
+    # The worker's side: it lost its slots (as after a restart), so the slot-only update it is sent fails inside
+    # the one call; vLLM's worker ends that update, and the next push joins again and sends every handle.
+    def forget(worker: Any) -> None:  # runs in vLLM's worker
+        worker.weight_transfer_engine._forget_slots()
+
+    updater.push_weights(model)
+    lightning_ipc_llm.collective_rpc(forget)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01)
+    with pytest.raises(Exception, match="has not opened"):
+        updater.push_weights(model)
+    updater.push_weights(model)
+    assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
+    assert lightning_ipc_llm.get_weight_version() == str(updater.weight_version)
     updater.close()
     updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
     updater.push_weights(tiny_qwen2(seed=0).cuda())  # the shared engine serves what it started from again

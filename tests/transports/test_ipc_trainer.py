@@ -37,6 +37,10 @@ class RecordingClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append("finish")
 
+    def update_weights_in_one_call(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("one call")
+        self.updates.append(update_info)
+
 
 class LandedEvent:
     """Stands in for the trainer's interprocess CUDA event: done after ``pending`` queries."""
@@ -55,8 +59,14 @@ class LandedEvent:
         return LandedEvent.queries > LandedEvent.pending
 
 
+@pytest.fixture(params=[False, True], ids=["three calls", "one call"])
+def in_one_call(request: pytest.FixtureRequest) -> bool:
+    """Whether the engine takes start, update and finish as one call (``engine_client.UpdatesInOneCall``)."""
+    return bool(request.param)
+
+
 @pytest.fixture
-def engine(monkeypatch: pytest.MonkeyPatch) -> KeptHandlesIPCTrainerEngine:
+def engine(monkeypatch: pytest.MonkeyPatch, in_one_call: bool) -> KeptHandlesIPCTrainerEngine:
     monkeypatch.setattr(LandedEvent, "pending", 0)
     monkeypatch.setattr(LandedEvent, "queries", 0)
     monkeypatch.setattr(torch.cuda, "Event", LandedEvent)
@@ -66,7 +76,7 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> KeptHandlesIPCTrainerEngine:
     # A handle says which storage and view it was made of.
     monkeypatch.setattr(ipc_trainer, "reduce_tensor", lambda tensor: (None, ("handle", tensor.data_ptr())))
     return KeptHandlesIPCTrainerEngine.trainer_init(
-        KeptHandlesTrainerInitInfo(packed=False, rank=0, landed_timeout_seconds=0.5),
+        KeptHandlesTrainerInitInfo(packed=False, rank=0, landed_timeout_seconds=0.5, updates_in_one_call=in_one_call),
         client=RecordingClient(),
         source=MappingWeights({"a": torch.zeros(2), "b": torch.zeros(3)}),
     )
@@ -88,7 +98,8 @@ def test_a_handle_goes_once_while_the_storage_stays_put(engine):
     second = push(engine, {"a": a, "b": b})
     assert second.ipc_handles == [{}, {}] and second.slots == [0, 1] and second.released == []
     assert engine.handles_sent == 2
-    assert engine.client.calls == ["init", "start", "update", "finish", "start", "update", "finish"]
+    one_push = ["one call"] if engine.updates_in_one_call else ["start", "update", "finish"]
+    assert engine.client.calls == ["init", *one_push, *one_push]
 
 
 def test_a_tensor_that_moved_or_changed_its_view_gets_a_new_slot_and_the_old_one_is_released(engine):
@@ -129,3 +140,15 @@ def test_copies_that_never_end_give_an_error_within_the_timeout(engine):
     LandedEvent.pending, LandedEvent.queries = 10**9, 0
     with pytest.raises(WeightSyncTimeoutError, match=r"did not end within 0.5 s \(timeout_seconds\)"):
         push(engine, {"a": a, "b": b})
+
+
+def test_a_push_of_the_same_tensors_in_their_kept_slots_sends_the_last_update_again(engine):
+    a, b = torch.zeros(2), torch.zeros(3)
+    push(engine, {"a": a, "b": b})
+    second = push(engine, {"a": a, "b": b})
+    third = push(engine, {"a": a, "b": b})
+    assert engine.client.updates[-1] is engine.client.updates[-2]  # nothing rebuilt per tensor
+    assert third == second and third.ipc_handles == [{}, {}] and third.landed_event is None
+    moved = push(engine, {"a": a, "b": b.clone()})  # one moved: a new update, with its handle
+    assert moved.released == [1] and moved.ipc_handles[1] != {}
+    assert push(engine, {"a": a}).names == ["a"]  # a subset: its own update

@@ -108,3 +108,50 @@ def test_nothing_binds_without_a_plan_or_to_a_tensor_of_another_shape():
     assert plan.bind("q", torch.zeros(6, 4)) is not None and plan.recorded == 1
     assert plan.bind("q", torch.zeros(7, 4)) is None
     assert plan.bind("q", torch.zeros(4, 6).t()) is None  # the same shape, other strides
+
+
+class LargeAndSmall(torch.nn.Module):
+    """Two parameters of a mebibyte each (copied alone) around small ones (batched), and a padding fill."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(2, 1024, 256), requires_grad=False)
+        self.small = torch.nn.Parameter(torch.zeros(3, 4), requires_grad=False)
+        self.padded = torch.nn.Parameter(torch.zeros(6), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name.startswith("big"):
+                self.big.data[int(name[-1])].copy_(tensor)
+            elif name.startswith("small"):
+                self.small.data[int(name[-1])].copy_(tensor)
+            else:
+                self.padded.data[:4].copy_(tensor)
+                self.padded.data[4:].fill_(0)
+
+
+def test_a_replay_copies_large_tensors_alone_batches_the_small_and_runs_again_on_new_values():
+    model, plan = LargeAndSmall(), LoadPlan()
+    names = ["small0", "big0", "small1", "small2", "padded", "big1"]
+
+    def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(seed)
+        shape = {"b": (1024, 256), "s": (4,), "p": (4,)}
+        return [(name, torch.randn(shape[name[0]], generator=generator)) for name in names]
+
+    assert plan.load(model.load_weights, tensors(0), model.parameters) is None  # recorded
+    incoming = tensors(1)
+    replay = plan.load(model.load_weights, incoming, model.parameters)
+    assert replay is not None
+    assert [kind for kind, _, _ in replay.calls] == ["batch", "copy", "batch", "fill", "copy"]
+    assert len(replay.calls[2][1]) == 3  # small1, small2 and padded's copy: one launch
+    for _, tensor in incoming:
+        tensor.mul_(-1.0)  # the same tensors, new values (an optimizer step)
+    with torch.no_grad():
+        model.padded.data[5] = 3.0  # padding written behind the plan's back
+    plan.rerun(replay)
+    assert plan.replayed == 2
+    expected = LargeAndSmall()
+    expected.load_weights(incoming)
+    for (name, held), (_, wanted) in zip(model.named_parameters(), expected.named_parameters()):
+        assert torch.equal(held, wanted), name
