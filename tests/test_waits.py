@@ -61,3 +61,68 @@ def test_a_client_made_for_one_push_commits_that_push_s_version():
     client.committing("3").finish_weight_update("4")  # an explicit version wins
     assert inner.committed == [None, "3", "4"]
     assert client.weight_version is None  # the original is unchanged
+
+
+def test_calls_reuse_idle_threads_and_one_that_never_returns_keeps_its_own():
+    def caller_thread() -> threading.Thread:
+        return threading.current_thread()
+
+    first = call_with_timeout(caller_thread, timeout=5, what="a first call")
+    assert first is not threading.current_thread() and first.daemon
+    assert call_with_timeout(caller_thread, timeout=5, what="a second call") is first  # idle again: reused
+    never = threading.Event()
+    with pytest.raises(WeightSyncTimeoutError):
+        call_with_timeout(never.wait, timeout=0.05, what="a call that hangs")
+    stuck = [thread for thread in threading.enumerate() if thread.name == "lightning-vllm: a call that hangs"]
+    assert len(stuck) == 1  # named after what it waits for
+    other = call_with_timeout(caller_thread, timeout=5, what="a call after it")
+    assert other is not stuck[0]  # the hung thread is not handed new calls
+    never.set()
+    deadline = time.monotonic() + 5
+    while stuck[0].name != "lightning-vllm: idle caller" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stuck[0].name == "lightning-vllm: idle caller"  # once it returned, back in the pool
+
+
+def test_at_most_a_few_idle_threads_are_kept_after_many_calls_at_once():
+    from lightning_vllm._waits import BackgroundCall
+
+    release = threading.Event()
+    before = threading.active_count()
+    calls = [BackgroundCall(release.wait, 5, what=f"call {index}") for index in range(20)]
+    release.set()
+    for call in calls:
+        call.result(timeout=5)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before + 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before + 8
+
+
+class OneCallRecorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def update_weights_in_one_call(self, update_info, weight_version):
+        self.calls.append(("one call", weight_version))
+
+
+def test_an_update_in_one_call_commits_the_push_s_version_inside_its_commit_window():
+    from contextlib import contextmanager
+
+    from lightning_vllm.engine_client import AbandonedClient, UpdatesInOneCall
+    from lightning_vllm.errors import WeightSyncError
+
+    inner = OneCallRecorder()
+    assert isinstance(inner, UpdatesInOneCall)
+
+    @contextmanager
+    def window():
+        inner.calls.append(("window", None))
+        yield
+        inner.calls.append(("reset", None))
+
+    TimedClient(inner, timeout=5).committing("7", window).update_weights_in_one_call({"names": []})
+    assert inner.calls == [("window", None), ("one call", "7"), ("reset", None)]
+    with pytest.raises(WeightSyncError, match="had already failed"):
+        AbandonedClient("The push").update_weights_in_one_call({"names": []})

@@ -105,8 +105,17 @@ def timed_pushes(updater, model: torch.nn.Module, rounds: int, calls: dict[str, 
     for values in calls.values():
         values.clear()
     stats = []
-    seconds = timed(lambda: stats.append(updater.push_weights(model)), rounds)
+
+    def push() -> None:
+        PUSH_STARTS.append(time.perf_counter())
+        stats.append(updater.push_weights(model))
+
+    seconds = timed(push, rounds)
     return seconds, sorted(stats, key=lambda each: each.seconds)[len(stats) // 2]
+
+
+PUSH_STARTS: list[float] = []  # when each timed push began (time.perf_counter: CLOCK_MONOTONIC, one clock per host)
+CALL_STARTS: dict[str, list[float]] = {}  # when each control call began, by name
 
 
 CONTROL_CALLS = (
@@ -130,6 +139,7 @@ def time_control_calls() -> dict[str, list[float]]:
 
         def timed_call(self, *args, _call=call, _name=name, **kwargs):
             start = time.perf_counter()
+            CALL_STARTS.setdefault(_name, []).append(start)
             try:
                 return _call(self, *args, **kwargs)
             finally:
@@ -174,17 +184,17 @@ def time_worker_updates(llm) -> None:
             try:
                 return original(update_info)
             finally:
-                engine.timed_updates.append(time.perf_counter() - started)
+                engine.timed_updates.append((started, time.perf_counter() - started))
 
         engine.update_weights = timed
 
     llm.collective_rpc(instrument)
 
 
-def worker_update_seconds(llm) -> list[float]:
-    """The worker's ``update_weights`` seconds since the last call (and forgets them)."""
+def worker_update_seconds(llm) -> list[tuple[float, float]]:
+    """When the worker's ``update_weights`` began and its seconds, since the last call (and forgets them)."""
 
-    def read(worker) -> list[float]:  # runs in vLLM's worker
+    def read(worker) -> list[tuple[float, float]]:  # runs in vLLM's worker
         seconds = list(getattr(worker.weight_transfer_engine, "timed_updates", []))
         worker.weight_transfer_engine.timed_updates = []
         return seconds
@@ -199,8 +209,24 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     from lightning_vllm import VLLMUpdater
 
     updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, **options)
+    CALL_STARTS.clear()
+    PUSH_STARTS.clear()
     seconds, middle = timed_pushes(updater, model, rounds, calls)
-    worker_seconds = worker_update_seconds(llm)[-rounds:]  # the timed pushes' (the first joined the group)
+    worker_updates = worker_update_seconds(llm)[-rounds:]  # the timed pushes' (the first joined the group)
+    worker_seconds = [spent for _, spent in worker_updates]
+    # Where the push's time goes before the copies can start: the trainer until it calls the engine, then the
+    # call until the worker's update begins (one clock: the same host).
+    name = "update_weights_in_one_call" if CALL_STARTS.get("update_weights_in_one_call") else "update_weights"
+    call_starts, push_starts = CALL_STARTS.get(name, [])[-rounds:], PUSH_STARTS[-rounds:]
+    timeline = {}
+    if len(call_starts) == len(push_starts) == len(worker_updates) == rounds:
+        timeline = {
+            "trainer_until_the_call_seconds": statistics.median(c - p for c, p in zip(call_starts, push_starts)),
+            "call_until_the_worker_seconds": statistics.median(w - c for (w, _), c in zip(worker_updates, call_starts)),
+            "worker_update_ends_after_push_start_seconds": statistics.median(
+                w + spent - p for (w, spent), p in zip(worker_updates, push_starts)
+            ),
+        }
     landed = digests_equal(engine_digest(llm), model_digest(model))
     # lightning_ipc's trainer engine counts the handles it exported (the rest named a kept slot).
     trainer_engine = updater._engine_set.connections[0].sender.engine  # type: ignore[attr-defined]
@@ -223,6 +249,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
         "check_seconds": middle.timing.check_seconds,
         "gb_per_second": middle.gb_per_second,
         "calls": {name: statistics.median(values) for name, values in calls.items() if values},
+        "timeline": timeline,
     }
 
 
@@ -330,6 +357,8 @@ def main() -> None:
             print(f"{label}_landed_exactly={result['landed_exactly']}")
             print(f"{label}_handles_sent={result['handles_sent']} {label}_loads_replayed={result['loads_replayed']}")
             print(f"{label}_worker_update_seconds={result['worker_update_seconds']}")
+            for name, value in result["timeline"].items():
+                print(f"{label}_{name}={value:.4g}")
             for name, value in result["calls"].items():
                 print(f"{label}_{name}_seconds={value:.4g}")
     args.out.mkdir(parents=True, exist_ok=True)

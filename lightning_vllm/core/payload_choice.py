@@ -22,12 +22,16 @@ from lightning_vllm.lora.serving import adapter_problems, choose_view_of_problem
 from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import weights_from
 from lightning_vllm.weights.payload import Payload, PushView
+from lightning_vllm.weights.survey import Surveys
 
 
-def policy_of(weights: Any, options: UpdaterOptions) -> torch.nn.Module | None:
+def policy_of(weights: Any, options: UpdaterOptions, surveys: Surveys | None = None) -> torch.nn.Module | None:
     """The PEFT LoRA policy inside ``weights`` whose adapter could go alone, else ``None`` (a ready
-    ``WeightSource`` is sent as it is). Found once per push: it walks the module tree."""
-    return None if isinstance(weights, WeightSource) else lora_policy(weights, options.model_attribute)
+    ``WeightSource`` is sent as it is). Found once per push: it walks the module tree (``surveys``: the
+    push's, which :func:`payload_for` reads again)."""
+    if isinstance(weights, WeightSource):
+        return None
+    return lora_policy(weights, options.model_attribute, surveys=surveys or Surveys())
 
 
 def needs_facts(policy: torch.nn.Module | None, options: UpdaterOptions) -> bool:
@@ -68,11 +72,17 @@ def choose_view(
     return choose_view_of_problems(options.lora, [*problems, *extra_problems], engines_have_base)
 
 
-def payload_for(weights: Any, policy: torch.nn.Module | None, view: PushView, options: UpdaterOptions) -> Payload:
+def payload_for(
+    weights: Any,
+    policy: torch.nn.Module | None,
+    view: PushView,
+    options: UpdaterOptions,
+    surveys: Surveys | None = None,
+) -> Payload:
     """The payload of ``weights`` (whose LoRA policy is ``policy``) sent as ``view``: its tensors, its LoRA
-    adapter's config and its stamps."""
+    adapter's config and its stamps (``surveys``: the push's, :func:`policy_of`'s)."""
     if view == "merged":
-        source = weights_from(weights, options.model_attribute)
+        source = weights_from(weights, options.model_attribute, surveys or Surveys())
         return Payload(source, view, stamps=source.stamps() if options.changed_only else None)
     assert policy is not None, "an adapter view is chosen for a LoRA policy only"
     source, config = adapter_source(policy, with_base=view == "base_and_adapter")
@@ -99,5 +109,6 @@ def choose_payload(
         EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
         ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy.
     """
-    policy = policy_of(weights, options)
-    return payload_for(weights, policy, choose_view(weights, policy, options, facts, extra_problems), options)
+    surveys = Surveys()
+    policy = policy_of(weights, options, surveys)
+    return payload_for(weights, policy, choose_view(weights, policy, options, facts, extra_problems), options, surveys)

@@ -33,6 +33,7 @@ from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
 from lightning_vllm.weights.payload import Payload, PushView
 from lightning_vllm.weights.shares import EveryRankSend
+from lightning_vllm.weights.survey import Surveys
 
 _OPTION_NAMES = frozenset(field.name for field in fields(UpdaterOptions))
 
@@ -326,7 +327,8 @@ class WeightSync:
         if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
             return weights
 
-        policy = policy_of(weights, self._options)  # (once: it walks the module tree)
+        surveys = Surveys()  # each module of the policy walked once
+        policy = policy_of(weights, self._options, surveys)
 
         def decide() -> PushView:
             facts: list[EngineFacts] = []
@@ -336,7 +338,7 @@ class WeightSync:
                 facts = list(self.engine_facts(engines).values())
             return choose_view(weights, policy, self._options, facts, self.adapter_consumer_problems())
 
-        return payload_for(weights, policy, decide() if agree is None else agree(decide), self._options)
+        return payload_for(weights, policy, decide() if agree is None else agree(decide), self._options, surveys)
 
     @property
     def lora_request(self) -> Any:

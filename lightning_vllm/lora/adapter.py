@@ -15,7 +15,7 @@ which is what vLLM's LoRA loader parses. vLLM's own ``PEFTHelper`` judges the co
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_te
 
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import canonical_name
+from lightning_vllm.weights.survey import Survey, survey
 
 log = logging.getLogger(__name__)
 
@@ -136,35 +137,39 @@ NOT_A_LORA_POLICY = (
 )
 
 
-def lora_policy(weights: Any, model_attribute: str | None = None, required: bool = False) -> torch.nn.Module | None:
+def lora_policy(
+    weights: Any,
+    model_attribute: str | None = None,
+    required: bool = False,
+    surveys: Callable[[torch.nn.Module], Survey] = survey,
+) -> torch.nn.Module | None:
     """The PEFT LoRA model inside ``weights`` whose adapter can be sent alone, else ``None``.
 
     That is a PEFT model with LoRA layers, plain, under DDP or sharded with FSDP2;
-    FSDP1 and ZeRO-3 wrappers are sent merged.
+    FSDP1 and ZeRO-3 wrappers are sent merged. ``surveys``: how a module is surveyed (a push's
+    :class:`~lightning_vllm.weights.survey.Surveys` walks each module once).
 
     Raises:
         ValueError: ``required`` and there is none (``lora="adapter"``).
     """
-    model = _lora_policy(weights, model_attribute)
+    model = _lora_policy(weights, model_attribute, surveys)
     if model is None and required:
         raise ValueError(NOT_A_LORA_POLICY)
     return model
 
 
-def _lora_policy(weights: Any, model_attribute: str | None) -> torch.nn.Module | None:
+def _lora_policy(
+    weights: Any, model_attribute: str | None, surveys: Callable[[torch.nn.Module], Survey]
+) -> torch.nn.Module | None:
     from lightning_vllm.weights.model import find_hf_model
-    from lightning_vllm.weights.survey import survey
 
-    if not isinstance(weights, torch.nn.Module):
-        return None
-    outer = survey(weights)
-    if outer.fsdp_units:
+    if not isinstance(weights, torch.nn.Module) or surveys(weights).fsdp_units:
         return None
     try:
         model = find_hf_model(weights, model_attribute)
     except ValueError:
         return None
-    found = outer if model is weights else survey(model)
+    found = surveys(model)
     if not found.lora_layers or found.zero3_parameters or not hasattr(model, "peft_config"):
         return None
     return model

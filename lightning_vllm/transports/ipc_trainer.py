@@ -107,7 +107,7 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         weight_refs: list[torch.Tensor] = []
         assert isinstance(source, Weights), "lightning-vllm hands its trainer engines a Weights"
         for name, tensor in source.iter_full():
-            weight = tensor.detach()
+            weight = tensor.detach() if tensor.requires_grad else tensor  # (sources yield detached tensors)
             shared = self._shared.get(name)
             if shared is None or not shared.holds(weight):
                 if shared is not None:

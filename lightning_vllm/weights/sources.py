@@ -20,7 +20,7 @@ from lightning_vllm.weights.changes import Stamp, stamps_of
 from lightning_vllm.weights.fsdp import FSDPWeights
 from lightning_vllm.weights.lora_merge import lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
-from lightning_vllm.weights.survey import survey
+from lightning_vllm.weights.survey import Survey, survey
 from lightning_vllm.weights.zero3 import ZeRO3Weights
 
 
@@ -80,7 +80,18 @@ class ModuleWeights(_ParameterWeights):
 
     Dense parameters are yielded as they are (no copy); FSDP shards are gathered
     with ``full_tensor()`` one parameter at a time.
+
+    Args:
+        module: the model.
+        parameters: its ``named_parameters()``, when a walk found them already (``survey.Survey``).
     """
+
+    def __init__(self, module: torch.nn.Module, parameters: list[tuple[str, torch.nn.Parameter]] | None = None) -> None:
+        self._given = parameters
+        super().__init__(module)
+
+    def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._given) if self._given is not None else iter(self.module.named_parameters())
 
 
 class LoraMergedWeights(_ParameterWeights):
@@ -141,7 +152,9 @@ def _flatten(weights: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return flat
 
 
-def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> Weights:
+def weights_from(
+    policy_or_weights: Any, model_attribute: str | None = None, surveys: Callable[[torch.nn.Module], Survey] = survey
+) -> Weights:
     """The source for what ``push_weights`` was given.
 
     Args:
@@ -149,6 +162,8 @@ def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> 
             one, a ``dict`` of tensors, a TensorDict, or a ready vLLM ``WeightSource`` (of vLLM
             0.32's API or 0.33's).
         model_attribute: the LightningModule attribute holding the model, if not found automatically.
+        surveys: how a module is surveyed (a push's :class:`~lightning_vllm.weights.survey.Surveys` walks each
+            module once for all its questions).
 
     Raises:
         TypeError: for anything else.
@@ -158,14 +173,13 @@ def weights_from(policy_or_weights: Any, model_attribute: str | None = None) -> 
     if isinstance(policy_or_weights, WeightSource):
         return ForeignWeights(policy_or_weights)
     if isinstance(policy_or_weights, torch.nn.Module):
-        outer = survey(policy_or_weights)
-        if outer.fsdp_units:  # FSDP1: names and shapes from its flat parameters
+        if surveys(policy_or_weights).fsdp_units:  # FSDP1: names and shapes from its flat parameters
             return FSDPWeights(policy_or_weights, model_attribute)
         model = find_hf_model(policy_or_weights, model_attribute)
-        found = outer if model is policy_or_weights else survey(model)
+        found = surveys(model)
         if found.zero3_parameters:  # ZeRO-3: full shapes from the placeholders
             return ZeRO3Weights(model)
-        return LoraMergedWeights(model) if found.lora_layers else ModuleWeights(model)
+        return LoraMergedWeights(model) if found.lora_layers else ModuleWeights(model, found.parameters)
     if isinstance(policy_or_weights, Mapping) or hasattr(policy_or_weights, "flatten_keys"):
         return MappingWeights(policy_or_weights)
     raise TypeError(

@@ -5,17 +5,16 @@ Which source reads a policy (``sources.weights_from``), and whether its LoRA ada
 each walked the tree, and ``isinstance`` against PEFT's ``LoraLayer`` (an ABC) is slow: on an 8B
 model's ~420 modules the questions of one push cost about 2 ms of trainer Python, a fifth of the
 copy a colocated push makes (docs/gpu.md). :func:`survey` answers the three in one walk, checking
-each module *type* once.
+each module *type* once, and lists the parameters on the way (``ModuleWeights`` sends them); a push
+keeps its surveys in a :class:`Surveys`, so that each module is walked once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from lightning_vllm.weights.model import submodules
 
 
 @dataclass(frozen=True)
@@ -26,11 +25,34 @@ class Survey:
         fsdp_units: an FSDP1 unit (``FullyShardedDataParallel``) is inside, or is the module.
         lora_layers: a PEFT LoRA layer is inside.
         zero3_parameters: a parameter partitioned by ZeRO-3 (it carries a ``ds_id``) is inside.
+        parameters: ``module.named_parameters()``, in its order.
     """
 
     fsdp_units: bool
     lora_layers: bool
     zero3_parameters: bool
+    parameters: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list, repr=False, compare=False)
+
+
+class Surveys:
+    """The surveys of one push: each module walked once, however many questions the push asks of it.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> surveys = Surveys()
+        >>> surveys(net) is surveys(net)
+        True
+    """
+
+    def __init__(self) -> None:
+        self._found: dict[int, tuple[torch.nn.Module, Survey]] = {}
+
+    def __call__(self, module: torch.nn.Module) -> Survey:
+        found = self._found.get(id(module))
+        if found is None or found[0] is not module:
+            found = self._found[id(module)] = (module, survey(module))
+        return found[1]
 
 
 _FSDP_UNIT, _LORA_LAYER = 1, 2
@@ -59,18 +81,36 @@ def _lora_layer_class() -> Any:
 
 
 def survey(module: torch.nn.Module) -> Survey:
-    """What kind of weights ``module`` holds, in one walk over its modules.
+    """What kind of weights ``module`` holds, and its named parameters, in one walk over its modules.
 
     Example::
 
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
         >>> survey(net)
         Survey(fsdp_units=False, lora_layers=False, zero3_parameters=False)
+        >>> [name for name, _ in survey(net).parameters]
+        ['0.weight', '0.bias']
     """
     kinds = 0
     zero3 = False
-    for child in submodules(module):
-        kinds |= _kind(type(child))
-        if not zero3:
-            zero3 = any(hasattr(param, "ds_id") for param in child._parameters.values() if param is not None)
-    return Survey(bool(kinds & _FSDP_UNIT), bool(kinds & _LORA_LAYER), zero3)
+    parameters: list[tuple[str, torch.nn.Parameter]] = []
+    seen_modules: set[int] = set()
+    seen_parameters: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    # named_parameters()'s order and sharing rules (pre-order, each module and each parameter once), its names
+    # built once per module.
+    while stack:
+        prefix, current = stack.pop()
+        if id(current) in seen_modules:
+            continue
+        seen_modules.add(id(current))
+        kinds |= _kind(type(current))
+        for name, param in current._parameters.items():
+            if param is None or id(param) in seen_parameters:
+                continue
+            seen_parameters.add(id(param))
+            parameters.append((prefix + name, param))
+            zero3 = zero3 or hasattr(param, "ds_id")
+        children = [(f"{prefix}{name}.", child) for name, child in current._modules.items() if child is not None]
+        stack.extend(reversed(children))
+    return Survey(bool(kinds & _FSDP_UNIT), bool(kinds & _LORA_LAYER), zero3, parameters)

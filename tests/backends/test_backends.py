@@ -111,6 +111,10 @@ def test_lightning_ipc_names_our_trainer_engine_in_vllms_factory():
     info = trainer_init_info("lightning_ipc", master_port=None, sends_as_held=True, timeout_seconds=7.0)
     assert isinstance(info, IPCTrainerInitInfo) and info.backend == "lightning_ipc" and not info.packed
     assert info.landed_timeout_seconds == 7.0  # the wait for the worker's copies, bounded as the push is
+    assert not info.updates_in_one_call  # vLLM's three calls, unless the engine takes them as one
+    assert trainer_init_info(
+        "lightning_ipc", master_port=None, sends_as_held=True, updates_in_one_call=True
+    ).updates_in_one_call
     with pytest.raises(RuntimeError, match="accelerator"):  # vLLM's IPC engine needs a GPU; registering came first
         backend_named("lightning_ipc").join(GroupPlan(**SETTINGS, master_port=None), None, {})
     assert WeightTransferTrainerFactory._registry["lightning_ipc"]() is KeptHandlesIPCTrainerEngine

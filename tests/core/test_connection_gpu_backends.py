@@ -260,3 +260,28 @@ def test_a_transfer_that_outlives_its_timeout_cannot_reach_the_engine_afterwards
     slow.set()  # the old transfer wakes up, and vLLM's engine would now finish "its" update
     time.sleep(0.3)
     assert engine.calls == ["start", "finish 1", "resume"] and engine.version == "1"  # nothing of the old one
+
+
+@pytest.mark.parametrize("takes_one_call", [False, True])
+def test_the_group_plan_says_whether_the_engine_takes_an_update_in_one_call(
+    takes_one_call, monkeypatch, trainer_has_cuda
+):
+    from lightning_vllm.backends.ipc import InPlaceIPCBackend
+    from lightning_vllm.engine_client import UpdatesInOneCall
+
+    class OneCallEngine(GPUEngine, UpdatesInOneCall):
+        def update_weights_in_one_call(self, update_info, weight_version):
+            raise AssertionError("not called when the group forms")
+
+    model = tiny_qwen2()
+    engine = (OneCallEngine if takes_one_call else GPUEngine)(model, "lightning_ipc")
+    plans = []
+
+    def join(self, plan, client, wire):
+        plans.append(plan)
+        raise RuntimeError("joined no further")
+
+    monkeypatch.setattr(InPlaceIPCBackend, "join", join)
+    with pytest.raises(RuntimeError, match="joined no further"):
+        EngineConnection.open(engine, source_metadata(ModuleWeights(model)), replace(SETTINGS, backend="auto"))
+    assert plans[0].updates_in_one_call is takes_one_call
