@@ -116,6 +116,32 @@ def timed_pushes(updater, model: torch.nn.Module, rounds: int, calls: dict[str, 
 
 PUSH_STARTS: list[float] = []  # when each timed push began (time.perf_counter: CLOCK_MONOTONIC, one clock per host)
 CALL_STARTS: dict[str, list[float]] = {}  # when each control call began, by name
+STAGES: dict[str, list[float]] = {}  # when each stage of the trainer's side of a push was reached, by name
+
+
+def mark_stages() -> None:
+    """Note when a push's trainer side reaches each of its stages (``STAGES``): checked (``WeightSync.prepare``
+    returned), handed to the sender, the update info begun and built."""
+    from lightning_vllm.backends.vllm_engines import VLLMEngineSender
+    from lightning_vllm.core.weight_sync import WeightSync
+    from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine
+
+    def marked(owner, name, before=None, after=None):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if before:
+                STAGES.setdefault(before, []).append(time.perf_counter())
+            result = original(*args, **kwargs)
+            if after:
+                STAGES.setdefault(after, []).append(time.perf_counter())
+            return result
+
+        setattr(owner, name, call)
+
+    marked(WeightSync, "prepare", after="1_checked")
+    marked(VLLMEngineSender, "send", before="2_sender")
+    marked(KeptHandlesIPCTrainerEngine, "_update_info", before="3_update_info", after="4_update_info_built")
 
 
 CONTROL_CALLS = (
@@ -147,6 +173,16 @@ def time_control_calls() -> dict[str, list[float]]:
 
         setattr(LocalLLMEngine, name, timed_call)
     return seconds
+
+
+def python_speed(model: torch.nn.Module, rounds: int) -> dict[str, float]:
+    """Seconds of pure-Python work of a push on this host's CPU, to compare hosts: one survey of the model
+    (``weights/survey.py``: one walk over its modules and parameters), medians of ``rounds`` x 10."""
+    import timeit
+
+    from lightning_vllm.weights.survey import survey
+
+    return {"survey_seconds": statistics.median(timeit.repeat(lambda: survey(model), number=10, repeat=rounds)) / 10}
 
 
 def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
@@ -211,6 +247,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, **options)
     CALL_STARTS.clear()
     PUSH_STARTS.clear()
+    STAGES.clear()
     seconds, middle = timed_pushes(updater, model, rounds, calls)
     worker_updates = worker_update_seconds(llm)[-rounds:]  # the timed pushes' (the first joined the group)
     worker_seconds = [spent for _, spent in worker_updates]
@@ -227,6 +264,11 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
                 w + spent - p for (w, spent), p in zip(worker_updates, push_starts)
             ),
         }
+        for stage, times in sorted(STAGES.items()):
+            if len(times) >= rounds:
+                timeline[f"stage_{stage}_after_push_start_seconds"] = statistics.median(
+                    t - p for t, p in zip(times[-rounds:], push_starts)
+                )
     landed = digests_equal(engine_digest(llm), model_digest(model))
     # lightning_ipc's trainer engine counts the handles it exported (the rest named a kept slot).
     trainer_engine = updater._engine_set.connections[0].sender.engine  # type: ignore[attr-defined]
@@ -303,6 +345,8 @@ def main() -> None:
     results: dict[str, object] = {"parameters": sum(t.numel() for t in tensors), "bytes": num_bytes}
     results["sums"] = sums_figures(tensors, args.rounds)
     calls = time_control_calls()
+    mark_stages()
+    results["python_speed"] = python_speed(model, args.rounds)
     for backend in args.backends.split(","):
         llm = gpu_llm(
             model_dir,
@@ -349,6 +393,7 @@ def main() -> None:
     # The product's default: pushes without the check (verify_pushes=False).
     figures["ipc_push_over_copy"] = figures[f"{first}_unverified_push_over_copy"]
     figures.update({name: value for name, value in results["sums"].items()})  # type: ignore[union-attr]
+    figures.update({name: value for name, value in results["python_speed"].items()})  # type: ignore[union-attr]
     results["figures"] = figures
     for name, value in figures.items():
         print(f"{name}={value:.4g}")

@@ -21,6 +21,7 @@ from lightning_vllm.backends import check_requested
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.core.engine_set import EngineSelection, EngineSet
 from lightning_vllm.core.facts import EngineFacts
+from lightning_vllm.core.kept_choice import KeptChoice
 from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for, policy_of
 from lightning_vllm.core.push import Push
 from lightning_vllm.core.stats import SyncStats
@@ -87,6 +88,7 @@ class WeightSync:
         self.versions = WeightVersions()
         self._post_hooks: list[Callable[[], Any]] = []
         self.last_sync: SyncStats | None = None
+        self._kept: KeptChoice | None = None  # the last push's choice and checks, for the next push of its model
 
     @property
     def options(self) -> UpdaterOptions:
@@ -208,6 +210,7 @@ class WeightSync:
 
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""
+        self._kept = None
         self._engine_set.close()
 
     # -- versions and hooks ------------------------------------------------------
@@ -285,13 +288,21 @@ class WeightSync:
             raise ValueError(NO_WEIGHTS)
         self._require_engines()
         targets = self._engine_set.resolve(engines)
-        payload = self.choose_payload(weights, targets)
+        if self._kept is not None:  # the same model as last time, unchanged: the same choice, checked already
+            connections, unreachable = self._engine_set.connected(targets)
+            kept = self._kept.payload_for(weights, connections, unreachable, peers, self._options.changed_only)
+            if kept is not None:
+                return Push(kept, list(connections), unreachable, peers, self._engine_set, self._landed)
+            self._kept = None
+        surveys = Surveys()
+        payload = self.choose_payload(weights, targets, surveys=surveys)
         offered = source_metadata(payload.weights)
         if self.model_metadata is None:  # (an adapter view set it from the merged weights)
             self.model_metadata = offered
         connections, unreachable = self._engine_set.connected(targets)
         for connection in connections.values():  # every check before the first byte moves
             connection.check(payload, offered, peers)
+        self._kept = KeptChoice.of(weights, surveys.made(weights), payload, offered, connections, unreachable, peers)
         return Push(payload, list(connections), unreachable, peers, self._engine_set, self._landed)
 
     # -- what a push carries ------------------------------------------------------
@@ -314,10 +325,12 @@ class WeightSync:
         weights: Any,
         engines: EngineSelection = None,
         agree: Callable[[Callable[[], PushView]], PushView] | None = None,
+        surveys: Surveys | None = None,
     ) -> Payload:
         """What a push of ``weights`` carries (``core/payload_choice.py``): its tensors, its LoRA adapter and its
         stamps, chosen once. A LoRA policy's choice reads the engines' facts, connecting to them first
         (:meth:`engine_facts`); ``agree`` lets the trainer's ranks take one rank's decision.
+        ``surveys``: the push's surveys of the policy's modules (each walked once).
 
         Raises:
             EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
@@ -327,7 +340,7 @@ class WeightSync:
         if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
             return weights
 
-        surveys = Surveys()  # each module of the policy walked once
+        surveys = surveys or Surveys()  # each module of the policy walked once
         policy = policy_of(weights, self._options, surveys)
 
         def decide() -> PushView:

@@ -84,11 +84,19 @@ class ModuleWeights(_ParameterWeights):
     Args:
         module: the model.
         parameters: its ``named_parameters()``, when a walk found them already (``survey.Survey``).
+        declared: their metadata, when known already (a push's choice kept for the next: ``core/kept_choice.py``).
     """
 
-    def __init__(self, module: torch.nn.Module, parameters: list[tuple[str, torch.nn.Parameter]] | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        parameters: list[tuple[str, torch.nn.Parameter]] | None = None,
+        declared: list[ParamMeta] | None = None,
+    ) -> None:
         self._given = parameters
         super().__init__(module)
+        if declared is not None:
+            self.__dict__["metadata"] = declared  # (where the cached property ``metadata`` keeps what it read)
 
     def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._given) if self._given is not None else iter(self.module.named_parameters())
