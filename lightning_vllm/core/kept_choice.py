@@ -26,7 +26,6 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.core.connection import EngineConnection
-from lightning_vllm.weights.model import ModelMetadata
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend
 from lightning_vllm.weights.sources import ModuleWeights
@@ -45,7 +44,6 @@ class KeptChoice:
     model: weakref.ref[Any]
     parameters: tuple[tuple[str, weakref.ref[Any]], ...]
     declared: list[ParamMeta]  # the source's metadata (names, dtypes, shapes: no tensor)
-    offered: ModelMetadata
     checked: tuple[tuple[int, EngineConnection], ...]
 
     @classmethod
@@ -54,7 +52,6 @@ class KeptChoice:
         pushed: Any,
         survey: Survey | None,
         payload: Payload,
-        offered: ModelMetadata,
         connections: Mapping[int, EngineConnection],
         unreachable: Mapping[int, BaseException],
         peers: EveryRankSend | None,
@@ -79,7 +76,6 @@ class KeptChoice:
             model=weakref.ref(source.module),
             parameters=tuple((name, weakref.ref(param)) for name, param in source.named_parameters()),
             declared=source.metadata,
-            offered=offered,
             checked=tuple(connections.items()),
         )
 

@@ -302,7 +302,7 @@ class WeightSync:
         connections, unreachable = self._engine_set.connected(targets)
         for connection in connections.values():  # every check before the first byte moves
             connection.check(payload, offered, peers)
-        self._kept = KeptChoice.of(weights, surveys.made(weights), payload, offered, connections, unreachable, peers)
+        self._kept = KeptChoice.of(weights, surveys.made(weights), payload, connections, unreachable, peers)
         return Push(payload, list(connections), unreachable, peers, self._engine_set, self._landed)
 
     # -- what a push carries ------------------------------------------------------

@@ -40,10 +40,9 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 from lightning_vllm.core.versions import PushPoint, VersionState
 from lightning_vllm.errors import PushAborted, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.fsdp import holds_fsdp_units
 from lightning_vllm.weights.payload import Payload, PushView
 from lightning_vllm.weights.shares import RankShares
-from lightning_vllm.weights.zero3 import is_zero3_partitioned
+from lightning_vllm.weights.survey import survey
 
 if TYPE_CHECKING:
     from lightning_vllm.core.stats import SyncStats
@@ -63,11 +62,8 @@ def is_sharded(module: torch.nn.Module) -> bool:
     ZeRO-3 partitions)."""
     from torch.distributed.tensor import DTensor
 
-    return (
-        holds_fsdp_units(module)
-        or is_zero3_partitioned(module)
-        or any(isinstance(param, DTensor) for param in module.parameters())
-    )
+    found = survey(module)
+    return found.fsdp_units or found.zero3_parameters or any(isinstance(p, DTensor) for _, p in found.parameters)
 
 
 class TrainerRanks:

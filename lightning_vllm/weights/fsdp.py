@@ -17,19 +17,13 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.model import canonical_name, submodules
+from lightning_vllm.weights.model import canonical_name
 
 
 def _fsdp_class() -> Any:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return FullyShardedDataParallel
-
-
-def holds_fsdp_units(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is, or holds, an FSDP1 unit."""
-    fsdp = _fsdp_class()
-    return any(isinstance(child, fsdp) for child in submodules(module))
 
 
 class FSDPWeights(Weights):

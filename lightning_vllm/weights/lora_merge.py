@@ -15,8 +15,6 @@ from typing import Any, cast
 import torch
 from vllm.distributed.weight_transfer.base import materialize_full_tensor
 
-from lightning_vllm.weights.model import submodules
-
 # Parameters that belong to adapters, or to the frozen copy PEFT keeps beside a
 # trained module (modules_to_save): never sent.
 _ADAPTER_MARKERS = (
@@ -29,15 +27,6 @@ _ADAPTER_MARKERS = (
 )
 _BASE_SUFFIX = ".base_layer.weight"
 _SAVED_MODULE = ".modules_to_save."
-
-
-def has_lora(module: torch.nn.Module) -> bool:
-    """Whether any PEFT LoRA layer is inside ``module``."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return False
-    return any(isinstance(child, LoraLayer) for child in submodules(module))
 
 
 def is_adapter_parameter(name: str) -> bool:

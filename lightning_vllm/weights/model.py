@@ -9,7 +9,7 @@ DDP, ``base_model.model.`` and ``.base_layer`` from PEFT. They are removed here.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -62,38 +62,6 @@ def _without_wrappers(name: str) -> str:
             if name.startswith(prefix):
                 name, stripped = name[len(prefix) :], True
     return name
-
-
-def submodules(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """``module`` and every module inside it, each once, without building their names.
-
-    The same modules as ``module.modules()``, in another order, several times faster: a push asks
-    of an 8B model's ~1,000 modules whether any is FSDP, LoRA or ZeRO-3, and ``modules()`` builds a
-    dotted name for each, which took milliseconds per push.
-
-    Example::
-
-        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-        >>> sorted(type(child).__name__ for child in submodules(net))
-        ['Linear', 'ReLU', 'Sequential']
-    """
-    seen: set[int] = set()
-    stack = [module]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        stack.extend(child for child in current._modules.values() if child is not None)
-
-
-def holds_parameter(module: torch.nn.Module, predicate: Callable[[torch.nn.Parameter], bool]) -> bool:
-    """Whether any parameter inside ``module`` satisfies ``predicate`` (``any(map(predicate, module.parameters()))``,
-    walking the modules with :func:`submodules`)."""
-    return any(
-        predicate(param) for child in submodules(module) for param in child._parameters.values() if param is not None
-    )
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -16,12 +16,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, layerwise_groups
 
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.model import canonical_name, holds_parameter
-
-
-def is_zero3_partitioned(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds parameters partitioned by ZeRO-3 (they carry a ``ds_id``)."""
-    return holds_parameter(module, lambda param: hasattr(param, "ds_id"))
+from lightning_vllm.weights.model import canonical_name
 
 
 class ZeRO3Weights(Weights):

@@ -1,4 +1,5 @@
-"""What a module tree holds, found in one walk: the same answers as asking each question on its own."""
+"""What a module tree holds, found in one walk (FSDP1 units, LoRA layers, ZeRO-3 partitions, the parameters), and
+whether it is still so."""
 
 from __future__ import annotations
 
@@ -6,24 +7,22 @@ import torch
 from helpers import lora_policy, tiny_qwen2
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from lightning_vllm.weights.fsdp import holds_fsdp_units
-from lightning_vllm.weights.lora_merge import has_lora
 from lightning_vllm.weights.survey import Survey, survey
-from lightning_vllm.weights.zero3 import is_zero3_partitioned
 
 
-def asked_one_by_one(module: torch.nn.Module) -> Survey:
-    return Survey(holds_fsdp_units(module), has_lora(module), is_zero3_partitioned(module))
-
-
-def test_a_plain_model_holds_none_of_them():
+def test_a_plain_model_holds_none_of_them_and_its_parameters_are_listed_as_named_parameters_lists_them():
     model = tiny_qwen2()
-    assert survey(model) == asked_one_by_one(model) == Survey(False, False, False)
+    assert survey(model) == Survey(False, False, False)
+    assert [(name, id(param)) for name, param in survey(model).parameters] == [
+        (name, id(param)) for name, param in model.named_parameters()
+    ]
+    tied = tiny_qwen2(tie_word_embeddings=True)  # a parameter held twice is listed once, as named_parameters does
+    assert [name for name, _ in survey(tied).parameters] == [name for name, _ in tied.named_parameters()]
 
 
 def test_lora_layers_are_found_inside_a_peft_model_and_around_it():
     policy = lora_policy()
-    assert survey(policy) == asked_one_by_one(policy) == Survey(False, True, False)
+    assert survey(policy) == Survey(False, True, False)
     holder = torch.nn.ModuleDict({"policy": policy, "head": torch.nn.Linear(2, 2)})
     assert survey(holder).lora_layers and not survey(holder["head"]).lora_layers
 
@@ -31,7 +30,7 @@ def test_lora_layers_are_found_inside_a_peft_model_and_around_it():
 def test_a_zero3_partitioned_parameter_is_found_by_its_ds_id():
     model = tiny_qwen2()
     model.model.layers[1].mlp.up_proj.weight.ds_id = 7  # what DeepSpeed's ZeRO-3 sets on each parameter it owns
-    assert survey(model) == asked_one_by_one(model) == Survey(False, False, True)
+    assert survey(model) == Survey(False, False, True)
 
 
 def test_an_fsdp1_unit_is_found_by_its_type_at_any_depth():
@@ -39,7 +38,7 @@ def test_an_fsdp1_unit_is_found_by_its_type_at_any_depth():
     unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
     torch.nn.Module.__init__(unit)
     tree = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(unit))
-    assert survey(tree) == asked_one_by_one(tree) == Survey(True, False, False)
+    assert survey(tree) == Survey(True, False, False)
     assert survey(unit).fsdp_units
 
 
