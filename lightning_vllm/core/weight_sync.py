@@ -288,8 +288,10 @@ class WeightSync:
             raise ValueError(NO_WEIGHTS)
         self._require_engines()
         targets = self._engine_set.resolve(engines)
+        # (Asked once: an engine that cannot be reached must not be waited for twice.)
+        reached: tuple[dict[int, EngineConnection], dict[int, BaseException]] | None = None
         if self._kept is not None:  # the same model as last time, unchanged: the same choice, checked already
-            connections, unreachable = self._engine_set.connected(targets)
+            reached = connections, unreachable = self._engine_set.connected(targets)
             kept = self._kept.payload_for(weights, connections, unreachable, peers, self._options.changed_only)
             if kept is not None:
                 return Push(kept, list(connections), unreachable, peers, self._engine_set, self._landed)
@@ -299,7 +301,7 @@ class WeightSync:
         offered = source_metadata(payload.weights)
         if self.model_metadata is None:  # (an adapter view set it from the merged weights)
             self.model_metadata = offered
-        connections, unreachable = self._engine_set.connected(targets)
+        connections, unreachable = reached or self._engine_set.connected(targets)
         for connection in connections.values():  # every check before the first byte moves
             connection.check(payload, offered, peers)
         self._kept = KeptChoice.of(weights, surveys.made(weights), payload, connections, unreachable, peers)

@@ -108,11 +108,6 @@ class Replay:
                 destination.fill_(source)
 
 
-def replay(loads: Iterable[BoundLoad]) -> None:
-    """Run ``loads`` in order on the current stream (see :class:`Replay`)."""
-    Replay(loads).run()
-
-
 @dataclass
 class _TensorPlan:
     shape: tuple[int, ...]

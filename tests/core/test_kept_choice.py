@@ -110,3 +110,23 @@ def test_new_options_or_a_new_connection_check_anew(surveys):
     sync._engine_set.forget(0)  # as after a failed push: a new connection
     sync.push(model)
     assert len(surveys) == 3 and engine.holds(model)
+
+
+def test_an_engine_that_cannot_be_reached_is_tried_once_per_push():
+    from lightning_vllm import PartialPushError, WeightSyncError
+
+    model = tiny_qwen2(seed=26)
+    engines = [FakeEngine(model), FakeEngine(model)]
+    sync = WeightSync(engines, options=UpdaterOptions(changed_only=False))
+    sync.push(model)
+    attempts = []
+
+    def gone() -> str:
+        attempts.append(1)
+        raise WeightSyncError("engine 1 is restarting")
+
+    engines[1].transfer_backend = gone  # type: ignore[method-assign]
+    sync._engine_set.forget(1)  # as after a failed push: the next push joins it again
+    with pytest.raises(PartialPushError, match="engine 1 is restarting"):
+        sync.push(model)
+    assert attempts == [1] and engines[0].holds(model)

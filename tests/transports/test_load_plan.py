@@ -83,7 +83,7 @@ def test_a_loader_that_computes_leaves_no_plan():
 
 
 def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its_fills_in_place():
-    from lightning_vllm.transports.load_plan import replay
+    from lightning_vllm.transports.load_plan import Replay
 
     model, plan = FusedModel(), LoadPlan()
     plan.load(model.load_weights, incoming(0), model.parameters)
@@ -95,7 +95,7 @@ def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its
         model.embed.data[7] = 9.0  # padding written behind the plan's back
         for _, tensor in tensors:
             tensor.add_(1.0)  # written in place after binding: the bound views read the new values
-        replay(load for load in bound if load is not None)
+        Replay(load for load in bound if load is not None).run()
     assert model.loader_calls == calls
     for name, tensor in loaded(tensors).items():
         assert torch.equal(dict(model.named_parameters())[name], tensor), name
