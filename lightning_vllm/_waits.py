@@ -29,19 +29,24 @@ class BackgroundCall(Generic[_T]):
     gets another.
     """
 
-    def __init__(self, fn: Callable[..., _T], *args: Any, what: str, **kwargs: Any) -> None:
+    def __init__(
+        self, fn: Callable[..., _T], *args: Any, what: str, waited_until: float | None = None, **kwargs: Any
+    ) -> None:
         self.what = what
+        self.waited_until = waited_until  # (time.monotonic) when its waiter gives up, if it says; see _watched
         self._result: _T | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
         _Caller.take().hand(self, fn, args, kwargs)
 
     def _run(self, fn: Callable[..., _T], args: tuple[Any, ...], kwargs: dict[str, Any], caller: _Caller) -> None:
+        _watched.until = self.waited_until
         try:
             self._result = fn(*args, **kwargs)
         except BaseException as error:  # re-raised in the waiting thread by result()
             self._error = error
         finally:
+            _watched.until = None
             caller.idle()  # (first: a caller woken below may hand it its next call)
             self._done.set()
 
@@ -115,6 +120,8 @@ class _Caller(threading.Thread):
 
 
 _IDLE = "lightning-vllm: idle caller"
+# On a caller's thread, ``until``: when the waiter of the call it runs gives up (None: no waiter says).
+_watched = threading.local()
 # A forked child has none of the parent's threads: its pool starts empty.
 os.register_at_fork(after_in_child=_Caller._pool.clear)
 
@@ -124,10 +131,19 @@ def call_with_timeout(
 ) -> _T:
     """Run ``fn(*args, **kwargs)`` and wait for it at most ``timeout`` seconds.
 
+    A call made on the thread of a bounded call whose waiter gives up no later than this wait would (a transfer's
+    control calls, inside ``call_watched``) runs right here: a thread of its own would bound nothing more, and each
+    hand-off to another thread costs a context switch, about 0.1 ms here and several times that on a GPU host's
+    busy CPU (docs/gpu.md). The waiter's own timeout, and its error, stand for it.
+
     Raises:
         WeightSyncTimeoutError: ``fn`` did not return in time (it keeps running on a daemon thread).
     """
-    return BackgroundCall(fn, *args, what=what, **kwargs).result(timeout, hint)
+    until = time.monotonic() + timeout
+    watched_until = getattr(_watched, "until", None)
+    if watched_until is not None and watched_until <= until:
+        return fn(*args, **kwargs)
+    return BackgroundCall(fn, *args, what=what, waited_until=until, **kwargs).result(timeout, hint)
 
 
 def call_watched(
@@ -135,8 +151,8 @@ def call_watched(
 ) -> _T:
     """Like :func:`call_with_timeout`, asking ``check()`` every ``interval`` seconds while ``fn`` runs:
     ``check`` raises to end the wait early (the other side is known to be gone)."""
-    call = BackgroundCall(fn, what=what)
     deadline = time.monotonic() + timeout
+    call = BackgroundCall(fn, what=what, waited_until=deadline)
     while not call.wait(interval) and time.monotonic() < deadline:
         check()
     return call.result(max(0.0, deadline - time.monotonic()), hint)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lightning_vllm._waits import call_with_timeout, wait_polling
+from lightning_vllm._waits import call_watched, call_with_timeout, wait_polling
 from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.errors import WeightSyncTimeoutError
 
@@ -126,3 +126,33 @@ def test_an_update_in_one_call_commits_the_push_s_version_inside_its_commit_wind
     assert inner.calls == [("window", None), ("one call", "7"), ("reset", None)]
     with pytest.raises(WeightSyncError, match="had already failed"):
         AbandonedClient("The push").update_weights_in_one_call({"names": []})
+
+
+def test_a_call_made_inside_a_bounded_call_runs_on_its_thread_when_the_outer_wait_ends_first():
+    threads: dict[str, threading.Thread] = {}
+
+    def transfer() -> None:  # as a transfer's control call, inside call_watched
+        threads["transfer"] = threading.current_thread()
+        call_with_timeout(lambda: threads.setdefault("same wait", threading.current_thread()), timeout=5, what="x")
+        call_with_timeout(lambda: threads.setdefault("longer wait", threading.current_thread()), timeout=60, what="x")
+        # A shorter wait than the outer one is still its own: it times out by itself.
+        with pytest.raises(WeightSyncTimeoutError, match="a short wait"):
+            call_with_timeout(time.sleep, 1, timeout=0.05, what="a short wait")
+        threads["short wait"] = threading.current_thread()
+
+    call_watched(transfer, timeout=5, what="the transfer", check=lambda: None, interval=0.5)
+    assert threads["transfer"] is not threading.current_thread()
+    assert threads["same wait"] is threads["longer wait"] is threads["short wait"] is threads["transfer"]
+
+
+def test_a_call_inside_a_bounded_call_that_hangs_is_ended_by_the_outer_wait():
+    hung = threading.Event()
+
+    def transfer() -> None:
+        call_with_timeout(hung.wait, 10, timeout=30, what="the engine to answer")
+
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError, match="the transfer"):
+        call_watched(transfer, timeout=0.2, what="the transfer", check=lambda: None, interval=0.05)
+    assert time.monotonic() - started < 2
+    hung.set()

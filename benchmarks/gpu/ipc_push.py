@@ -121,7 +121,11 @@ STAGES: dict[str, list[float]] = {}  # when each stage of the trainer's side of 
 
 def mark_stages() -> None:
     """Note when a push's trainer side reaches each of its stages (``STAGES``): checked (``WeightSync.prepare``
-    returned), handed to the sender, the update info begun and built."""
+    returned), handed to the sender, on the transfer thread, the update info begun and built, the worker's copies
+    known to have landed, the sender and the push returned."""
+    from vllm import LLM
+
+    from lightning_vllm import VLLMUpdater
     from lightning_vllm.backends.vllm_engines import VLLMEngineSender
     from lightning_vllm.core.weight_sync import WeightSync
     from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine
@@ -140,8 +144,13 @@ def mark_stages() -> None:
         setattr(owner, name, call)
 
     marked(WeightSync, "prepare", after="1_checked")
-    marked(VLLMEngineSender, "send", before="2_sender")
-    marked(KeptHandlesIPCTrainerEngine, "_update_info", before="3_update_info", after="4_update_info_built")
+    marked(VLLMEngineSender, "send", before="2_sender", after="7_sender_returned")
+    marked(KeptHandlesIPCTrainerEngine, "send_weights", before="3_transfer_thread", after="6_landed")
+    marked(KeptHandlesIPCTrainerEngine, "_update_info", before="4_update_info", after="5_update_info_built")
+    marked(VLLMUpdater, "push_weights", after="8_push_returned")
+    # The commit's calls, made while the worker's copies run (lightning_ipc's worker returns once they are queued).
+    marked(LLM, "update_weight_version", before="5b_version_call", after="5c_version_set")
+    marked(LLM, "reset_prefix_cache", after="5d_prefix_cache_reset")
 
 
 CONTROL_CALLS = (
@@ -211,16 +220,23 @@ def time_worker_updates(llm) -> None:
     def instrument(worker) -> None:  # runs in vLLM's worker (cloudpickled: defined here)
         import time
 
+        import torch
+
         engine = worker.weight_transfer_engine
         original = engine.update_weights
         engine.timed_updates = []
+        engine.device_spans = []  # CUDA events around each update's queued work: the copies' device time
 
         def timed(update_info):
             started = time.perf_counter()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
             try:
                 return original(update_info)
             finally:
+                end.record()
                 engine.timed_updates.append((started, time.perf_counter() - started))
+                engine.device_spans.append((begin, end))
 
         engine.update_weights = timed
 
@@ -238,6 +254,21 @@ def worker_update_seconds(llm) -> list[tuple[float, float]]:
     return llm.collective_rpc(read)[0]
 
 
+def worker_device_seconds(llm) -> list[float]:
+    """The device time of the work each ``update_weights`` queued (its copies), since the last call (and forgets
+    them): against the copy floor, whether the worker's copies run at the floor's speed."""
+
+    def read(worker) -> list[float]:  # runs in vLLM's worker
+        import torch
+
+        spans = list(getattr(worker.weight_transfer_engine, "device_spans", []))
+        worker.weight_transfer_engine.device_spans = []
+        torch.cuda.synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in spans]
+
+    return llm.collective_rpc(read)[0]
+
+
 def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[str, object]:
     """``rounds`` timed pushes of ``model`` into ``llm`` with ``options``, the last checked by digest."""
     from gpu_helpers import digests_equal, engine_digest, model_digest
@@ -251,6 +282,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     seconds, middle = timed_pushes(updater, model, rounds, calls)
     worker_updates = worker_update_seconds(llm)[-rounds:]  # the timed pushes' (the first joined the group)
     worker_seconds = [spent for _, spent in worker_updates]
+    device_seconds = worker_device_seconds(llm)[-rounds:]
     # Where the push's time goes before the copies can start: the trainer until it calls the engine, then the
     # call until the worker's update begins (one clock: the same host).
     name = "update_weights_in_one_call" if CALL_STARTS.get("update_weights_in_one_call") else "update_weights"
@@ -282,6 +314,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     return {
         "handles_sent": handles_sent,
         "worker_update_seconds": statistics.median(worker_seconds) if worker_seconds else None,
+        "worker_device_seconds": statistics.median(device_seconds) if device_seconds else None,
         "loads_replayed": llm.collective_rpc(replayed)[0],
         "seconds": seconds,
         "landed_exactly": landed,
@@ -402,6 +435,7 @@ def main() -> None:
             print(f"{label}_landed_exactly={result['landed_exactly']}")
             print(f"{label}_handles_sent={result['handles_sent']} {label}_loads_replayed={result['loads_replayed']}")
             print(f"{label}_worker_update_seconds={result['worker_update_seconds']}")
+            print(f"{label}_worker_device_seconds={result['worker_device_seconds']}")
             for name, value in result["timeline"].items():
                 print(f"{label}_{name}={value:.4g}")
             for name, value in result["calls"].items():

@@ -47,6 +47,9 @@ class ReplayedWeights(Weights):
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.weights.iter_full()
 
+    def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
+        return self.weights.held_tensors()
+
 
 class ReplayedClient:
     """The control-plane client vLLM's trainer engine keeps from ``trainer_init``: each push loads its

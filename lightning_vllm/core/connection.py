@@ -31,7 +31,13 @@ from lightning_vllm.core.landing_check import LandingCheck
 from lightning_vllm.core.stats import PushTiming
 from lightning_vllm.engine_client import TimedClient, UpdatesInOneCall
 from lightning_vllm.engines import EngineTarget
-from lightning_vllm.engines.base import FollowsUpdaterTimeout, PolicyAdapter, ServesLoraAdapters, version_number
+from lightning_vllm.engines.base import (
+    FollowsUpdaterTimeout,
+    GeneratesOnlyInCalls,
+    PolicyAdapter,
+    ServesLoraAdapters,
+    version_number,
+)
 from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
@@ -90,9 +96,12 @@ class EngineConnection:
         self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
         self.has_policy_base = False
         self.last_num_bytes = 0
+        self._wire_bytes = wire_bytes(wire)  # (summed once: a push of every tensor sends these)
         self.last_timing = PushTiming()  # where the last push's seconds went
         self._commit_seconds = self._pause_seconds = 0.0
         self._paused_at: float | None = None
+        # (Asked once: an engine that generates only inside its calls has nothing to pause.)
+        self._pauses = not (isinstance(engine, GeneratesOnlyInCalls) and engine.generates_only_in_calls())
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
         self.landing = LandingCheck(engine, options.verify_pushes, options.timeout_seconds)
         # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
@@ -287,7 +296,7 @@ class EngineConnection:
             self.has_policy_base = True  # the base weights went with the adapter
         self.sent.landed(wire, stamps)
         self.landing.landed(committed=True)
-        self.last_num_bytes = wire_bytes(wire)
+        self.last_num_bytes = self._wire_bytes if wire is self.wire else wire_bytes(wire)
         return self.last_num_bytes
 
     def differing_layers(self) -> list[str]:
@@ -318,18 +327,22 @@ class EngineConnection:
                 self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
             self._commit_seconds = time.perf_counter() - started
         except BaseException:
-            if pause:  # asked without waiting: a frozen engine must not double the wait
+            if pause and self._pauses:  # asked without waiting: a frozen engine must not double the wait
                 BackgroundCall(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
             raise
         if pause:
             self._resume()
 
     def _pause(self) -> None:
+        if not self._pauses:
+            return
         what = f"{self.engine.description} to pause generation"
         self._paused_at = time.perf_counter()
         self._call(self.engine.pause_generation, self.options.pause_mode, what=what)
 
     def _resume(self) -> None:
+        if not self._pauses:
+            return
         self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
         if self._paused_at is not None:
             self._pause_seconds += time.perf_counter() - self._paused_at

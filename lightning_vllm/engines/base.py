@@ -94,6 +94,18 @@ class ChecksBackgroundPushes(Protocol):
 
 
 @runtime_checkable
+class GeneratesOnlyInCalls(Protocol):
+    """Capability of an engine target that generates only inside its own ``generate`` calls, which it serializes
+    with the calls that commit a push (an in-process ``vllm.LLM``): nothing runs between calls to pause, and a push
+    makes no pause or resume call. Each would be a bounded call, a hand-off to another thread: about 0.1 ms here,
+    several times that on a GPU host's busy CPU (docs/gpu.md)."""
+
+    def generates_only_in_calls(self) -> bool:
+        """Whether it does now (``pause_generation`` and ``resume_generation`` then do nothing)."""
+        ...
+
+
+@runtime_checkable
 class ChecksIPCHandles(Protocol):
     """Capability of an engine target that can tell, before any byte moves, whether it will take
     vLLM's CUDA IPC handles (the ``ipc`` backend; see ``engines/serialization.py``)."""

@@ -12,6 +12,7 @@ from lightning_vllm.engine_client import UpdatesInOneCall
 from lightning_vllm.engines.base import (
     ChecksBackgroundPushes,
     ChecksIPCHandles,
+    GeneratesOnlyInCalls,
     Generation,
     PauseMode,
     ReportsLayerSums,
@@ -23,7 +24,14 @@ from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_d
 from lightning_vllm.engines.serialization import ipc_handles_problem
 
 
-class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles, ReportsLayerSums, UpdatesInOneCall):
+class LocalLLMEngine(
+    EngineConfigFacts,
+    ChecksBackgroundPushes,
+    ChecksIPCHandles,
+    GeneratesOnlyInCalls,
+    ReportsLayerSums,
+    UpdatesInOneCall,
+):
     """Engine target for a ``vllm.LLM``.
 
     ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.
@@ -101,6 +109,9 @@ class LocalLLMEngine(EngineConfigFacts, ChecksBackgroundPushes, ChecksIPCHandles
     def reset_prefix_cache(self) -> None:
         with self._generating:
             self.llm.reset_prefix_cache()
+
+    def generates_only_in_calls(self) -> bool:
+        return True
 
     def pause_generation(self, mode: PauseMode) -> None:
         """Nothing to pause: ``vllm.LLM`` generates only inside ``generate`` calls."""

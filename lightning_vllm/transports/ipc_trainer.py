@@ -80,6 +80,7 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         self.updates_in_one_call = False  # set by trainer_init
         self._landed: torch.cuda.Event | None = None  # recorded by the worker after each push's copies
         self._kept: dict[str, Any] | None = None  # the last update info whose every tensor named a kept slot
+        self._kept_views: list[tuple[Any, ...]] = []  # the views of its tensors, in its order
 
     @classmethod
     def trainer_init(cls, init_info: Any, *, client: Any, source: WeightSource | None = None) -> Self:
@@ -100,6 +101,8 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         """The update info of ``source`` (the fields of ``KeptHandlesUpdateInfo``, as vLLM's RPC carries them:
         ``dataclasses.asdict`` would deep-copy every handle, milliseconds on an 8B model), and the tensors it
         names. A push whose every tensor is the last one's, in its kept slot, reuses the last info."""
+        if (last := self._kept_info(source)) is not None:
+            return last, []  # (no tensor computed for this push: the source holds them all)
         names: list[str] = []
         handles: list[dict[str, tuple]] = []
         slots: list[int] = []
@@ -137,7 +140,22 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         }
         info.update(slots=slots, released=released, landed_event=landed_event)
         self._kept = info if kept else None
+        self._kept_views = [self._shared[name].view for name in names] if kept else []
         return info, weight_refs
+
+    def _kept_info(self, source: WeightSource) -> dict[str, Any] | None:
+        """The last update info, when every tensor of ``source`` is the last push's, in its kept slot, read from the
+        tensors the source holds (``Weights.held_tensors``) without running ``iter_full``; ``None`` otherwise.
+
+        Equal views name the same memory: PyTorch keeps a storage a worker maps until the worker lets go, so no
+        other tensor can be at its address meanwhile; and a tensor of the dtype and place that was sent as held
+        is sent as held again (nothing converts it)."""
+        if self._kept is None or not isinstance(source, Weights) or (held := source.held_tensors()) is None:
+            return None
+        names, tensors = held
+        if names != self._kept["names"] or list(map(_view, tensors)) != self._kept_views:
+            return None
+        return self._kept
 
     def send_weights(self) -> None:
         """vLLM's (start, the update, the commit; or all three in one call, where the engine takes it), then a

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
 from lightning_vllm.weights.base import ForeignWeights, Weights
@@ -37,12 +38,14 @@ def _check_unique(names: list[str], origin: str) -> None:
 class _ParameterWeights(Weights):
     """The parameters of a module under their checkpoint names; subclasses say which and how read."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, names: list[str] | None = None) -> None:
         self.module = module
         # Found once: a source serves one push, and walking an 8B model's modules costs milliseconds each time.
         self._found = list(self._parameters())
-        self._names = [canonical_name(name) for name, _ in self._found]
-        _check_unique(self._names, type(module).__name__)
+        if names is None:
+            names = [canonical_name(name) for name, _ in self._found]
+            _check_unique(names, type(module).__name__)
+        self._names = names  # (given: found, and checked, by an earlier source of the same parameters)
 
     def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name as in the module, parameter)`` of every tensor sent, in send order."""
@@ -56,6 +59,15 @@ class _ParameterWeights(Weights):
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(checkpoint name, parameter)`` of every tensor sent, in send order; nothing is read or gathered."""
         return zip(self._names, (param for _, param in self._found))
+
+    def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
+        """The parameters, when they are what is sent (not merged) and none is a shard (nothing gathered)."""
+        if type(self)._tensors is not _ParameterWeights._tensors:
+            return None
+        params = [param for _, param in self._found]
+        if any(isinstance(param, DTensor) for param in params):
+            return None
+        return self._names, params
 
     def declare(self) -> list[ParamMeta]:
         # A DTensor (FSDP2) reports its global shape here, so nothing is gathered.
@@ -94,7 +106,7 @@ class ModuleWeights(_ParameterWeights):
         declared: list[ParamMeta] | None = None,
     ) -> None:
         self._given = parameters
-        super().__init__(module)
+        super().__init__(module, names=None if declared is None else [meta.name for meta in declared])
         if declared is not None:
             self.__dict__["metadata"] = declared  # (where the cached property ``metadata`` keeps what it read)
 
@@ -282,6 +294,17 @@ class WireWeights(Weights):
         # The source's own grouping (a base-then-adapter source keeps the two apart), minus what is not sent.
         kept = ([name for name in group if name in self.wire_dtypes] for group in self.source.groups())
         return [group for group in kept if group]
+
+    def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
+        """The source's, those the engine loads, unless each tensor is tallied as it goes (:meth:`iter_full`)."""
+        held = None if self.tally is not None else self.source.held_tensors()
+        if held is None:
+            return None
+        names, tensors = held
+        if all(map(self.wire_dtypes.__contains__, names)):
+            return held
+        kept = [(name, tensor) for name, tensor in zip(names, tensors) if name in self.wire_dtypes]
+        return [name for name, _ in kept], [tensor for _, tensor in kept]
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.source.iter_full():

@@ -157,6 +157,20 @@ def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_wire_dtypes_and_c
     assert engine.version == "2" and len(broadcasts) == 2
 
 
+def test_an_engine_that_generates_only_inside_its_calls_is_not_asked_to_pause():
+    from lightning_vllm.engines.base import GeneratesOnlyInCalls
+
+    class InProcessEngine(GPUEngine, GeneratesOnlyInCalls):  # as an in-process vllm.LLM
+        def generates_only_in_calls(self) -> bool:
+            return True
+
+    model = tiny_qwen2()
+    engine = InProcessEngine(model, "nccl")
+    connection = nccl_connection(engine, model, lambda source, meta: None)
+    connection.push(Payload(ModuleWeights(model)), version=1)
+    assert engine.version == "1" and engine.paused == 0 and engine.calls == ["start", "finish 1"]
+
+
 def test_an_nccl_transfer_that_never_ends_is_an_error_within_the_timeout_and_commits_nothing():
     model = tiny_qwen2()
     engine = GPUEngine(model, "nccl")

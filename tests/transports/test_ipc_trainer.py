@@ -14,7 +14,7 @@ from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.transports import ipc_trainer
 from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine, KeptHandlesTrainerInitInfo
 from lightning_vllm.transports.ipc_worker import KeptHandlesUpdateInfo
-from lightning_vllm.weights import MappingWeights
+from lightning_vllm.weights import MappingWeights, ModuleWeights, WireWeights
 
 
 class RecordingClient:
@@ -152,3 +152,49 @@ def test_a_push_of_the_same_tensors_in_their_kept_slots_sends_the_last_update_ag
     moved = push(engine, {"a": a, "b": b.clone()})  # one moved: a new update, with its handle
     assert moved.released == [1] and moved.ipc_handles[1] != {}
     assert push(engine, {"a": a}).names == ["a"]  # a subset: its own update
+
+
+def push_module(engine: KeptHandlesIPCTrainerEngine, module: torch.nn.Module, **wire: Any) -> KeptHandlesUpdateInfo:
+    """A push of ``module``'s parameters, as a connection hands them over (through the engine's wire)."""
+    source = ModuleWeights(module)
+    engine.source = WireWeights(source, {meta.name: (meta.dtype, meta.shape) for meta in source.metadata}, **wire)
+    engine.send_weights()
+    return KeptHandlesUpdateInfo(**engine.client.updates[-1])  # type: ignore[attr-defined]
+
+
+def test_the_tensors_a_source_holds_are_checked_against_the_kept_slots_without_being_read(engine, monkeypatch):
+    net = torch.nn.Linear(3, 3)
+    push_module(engine, net)
+    push_module(engine, net)  # every tensor in its kept slot: the update is kept
+    read = []
+    monkeypatch.setattr(ModuleWeights, "iter_full", lambda self: read.append(self) or iter(()))
+    with torch.no_grad():
+        net.weight.add_(1)  # an optimizer step writes in place
+    kept = push_module(engine, net)
+    assert read == [] and engine.client.updates[-1] is engine.client.updates[-2]
+    assert kept.ipc_handles == [{}, {}] and kept.slots == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda net: setattr(net.weight, "data", net.weight.data.clone()), id="new storage"),
+        pytest.param(lambda net: setattr(net.weight, "data", net.weight.data.t()), id="same address, another view"),
+    ],
+)
+def test_a_held_tensor_that_moved_or_changed_its_view_is_sent_anew(engine, change):
+    net = torch.nn.Linear(3, 3)
+    push_module(engine, net)
+    push_module(engine, net)
+    change(net)
+    moved = push_module(engine, net)
+    assert moved.released == [0] and moved.slots == [2, 1] and moved.ipc_handles[0] != {} and moved.ipc_handles[1] == {}
+    assert engine.client.updates[-1] is not engine.client.updates[-2]
+
+
+def test_a_push_that_tallies_what_it_sends_reads_every_tensor(engine):
+    net = torch.nn.Linear(3, 3)
+    tallied: list[str] = []
+    for _ in range(3):
+        push_module(engine, net, tally=lambda name, tensor: tallied.append(name))
+    assert tallied == ["weight", "bias"] * 3  # (the check after the push sums what was sent)

@@ -5,7 +5,14 @@ import torch
 from helpers import tiny_qwen2
 from tensordict import TensorDict
 
-from lightning_vllm.weights import LoraMergedWeights, MappingWeights, ModuleWeights, source_metadata, weights_from
+from lightning_vllm.weights import (
+    LoraMergedWeights,
+    MappingWeights,
+    ModuleWeights,
+    WireWeights,
+    source_metadata,
+    weights_from,
+)
 
 
 def test_module_weights_are_yielded_without_copies():
@@ -83,3 +90,32 @@ def test_lora_weights_are_merged_under_base_names_without_touching_the_model():
 def test_lora_metadata_matches_the_base_model():
     model = lora_model()
     assert source_metadata(weights_from(model)) == source_metadata(ModuleWeights(tiny_qwen2()))
+
+
+def test_a_source_names_the_tensors_it_holds_only_when_it_sends_them_as_held():
+    model = tiny_qwen2(tie_word_embeddings=True)
+    names, tensors = ModuleWeights(model).held_tensors()
+    assert names == [name for name, _ in ModuleWeights(model).iter_full()]
+    assert all(held is param for held, param in zip(tensors, model.parameters()))
+    assert weights_from(lora_model()).held_tensors() is None  # merged: computed for the push
+    assert MappingWeights({"w": torch.ones(2)}).held_tensors() is None  # (not said: the default)
+    wire = {name: (torch.bfloat16, None) for name in names if name != "model.norm.weight"}
+    shown = WireWeights(ModuleWeights(model), wire)  # converted on the way: still the tensors read
+    assert shown.held_tensors()[0] == [name for name, _ in shown.iter_full()]
+    tallied = WireWeights(ModuleWeights(model), wire, tally=lambda name, tensor: None)
+    assert tallied.held_tensors() is None  # each tensor is read as it goes
+
+
+def test_a_sharded_parameter_is_not_held_whole(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        net = torch.nn.Linear(2, 2)
+        net.weight = torch.nn.Parameter(distribute_tensor(net.weight.detach(), init_device_mesh("cpu", (1,))))
+        assert ModuleWeights(net).held_tensors() is None  # gathered for the push
+    finally:
+        dist.destroy_process_group()
