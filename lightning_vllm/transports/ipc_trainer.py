@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -81,6 +82,10 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         self._landed: torch.cuda.Event | None = None  # recorded by the worker after each push's copies
         self._kept: dict[str, Any] | None = None  # the last update info whose every tensor named a kept slot
         self._kept_views: list[tuple[Any, ...]] = []  # the views of its tensors, in its order
+        self._copies_pending = False  # the last push's copies may still run on the worker
+        # Set by a caller that waits for the copies itself (wait_until_landed), on its own thread: send_weights
+        # then returns while they run.
+        self.caller_waits = False
 
     @classmethod
     def trainer_init(cls, init_info: Any, *, client: Any, source: WeightSource | None = None) -> Self:
@@ -159,9 +164,10 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
 
     def send_weights(self) -> None:
         """vLLM's (start, the update, the commit; or all three in one call, where the engine takes it), then a
-        wait until the worker's copies of this push are done (its record of our event): the worker answered the
-        commit's calls while it copied. A tensor dropped meanwhile is not reused: PyTorch keeps memory another
-        process maps until that one lets go."""
+        wait until the worker's copies of this push are done (:meth:`wait_until_landed`), unless the caller waits
+        for them itself (``caller_waits``): the worker answered the commit's calls while it copied. A tensor
+        dropped meanwhile is not reused: PyTorch keeps memory another process maps until that one lets go."""
+        self._copies_pending = False
         if self.packed or not self.is_sender or not self.updates_in_one_call:
             super().send_weights()
         else:
@@ -171,13 +177,37 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
             client.update_weights_in_one_call(info)
             self._post_send_sync()
             del weight_refs
-        if self.packed or not self.is_sender or self._landed is None:  # vLLM's packed path: the worker waited
+        # (vLLM's packed path, and a worker without our event, waited for the device before answering.)
+        self._copies_pending = not self.packed and self.is_sender and self._landed is not None
+        if not self.caller_waits:
+            self.wait_until_landed()
+
+    def wait_until_landed(
+        self, check: Callable[[], None] = lambda: None, check_seconds: float = 0.1, deadline: float | None = None
+    ) -> None:
+        """Wait until the worker's copies of the last push are done (its record of our event), until ``deadline``
+        (``time.monotonic()``; by default ``landed_timeout_seconds`` from now), calling ``check`` every
+        ``check_seconds`` (it raises to end the wait: the engine died). Returns at once when there is nothing to
+        wait for.
+
+        Raises:
+            WeightSyncTimeoutError: the copies did not end in time.
+        """
+        if not self._copies_pending:
             return
-        deadline = time.monotonic() + self.landed_timeout_seconds
+        self._copies_pending = False
+        assert self._landed is not None
+        now = time.monotonic()
+        deadline = now + self.landed_timeout_seconds if deadline is None else deadline
+        next_check = now + check_seconds
         while not self._landed.query():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise WeightSyncTimeoutError(
                     f"The vLLM worker's copies of this push did not end within {self.landed_timeout_seconds:g} s "
                     "(timeout_seconds). Check that the engine is alive, or raise timeout_seconds."
                 )
+            if now > next_check:
+                check()
+                next_check = now + check_seconds
             time.sleep(_LANDED_POLL_SECONDS)

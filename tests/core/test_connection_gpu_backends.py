@@ -299,3 +299,34 @@ def test_the_group_plan_says_whether_the_engine_takes_an_update_in_one_call(
     with pytest.raises(RuntimeError, match="joined no further"):
         EngineConnection.open(engine, source_metadata(ModuleWeights(model)), replace(SETTINGS, backend="auto"))
     assert plans[0].updates_in_one_call is takes_one_call
+
+
+def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_within_the_push_s_timeout():
+    from lightning_vllm.backends.base import Outgoing
+
+    class CopyingEngine:  # a trainer engine whose workers copy after send_weights returns (lightning_ipc's)
+        caller_waits = False
+
+        def __init__(self) -> None:
+            self.threads: dict[str, threading.Thread] = {}
+
+        def send_weights(self) -> None:
+            self.threads["send"] = threading.current_thread()
+
+        def wait_until_landed(self, check, check_seconds, deadline) -> None:
+            self.threads["wait"] = threading.current_thread()
+            self.check, self.deadline = check, deadline
+
+        def shutdown(self) -> None: ...
+
+    model = tiny_qwen2()
+    wire = source_metadata(ModuleWeights(model))
+    engine = CopyingEngine()
+    sender = VLLMEngineSender(engine, ReplayedWeights(DeclaredWeights(wire)), ReplayedClient(None), None, 5.0)
+    assert engine.caller_waits
+    alive = lambda: None  # noqa: E731
+    started = time.monotonic()
+    sender.send(Outgoing(ModuleWeights(model), client=None, check_alive=alive))
+    assert engine.threads["send"] is not threading.current_thread()  # the transfer's own thread
+    assert engine.threads["wait"] is threading.current_thread()
+    assert engine.check is alive and started + 5.0 <= engine.deadline <= time.monotonic() + 5.0

@@ -5,6 +5,7 @@ worker's half runs on the GPU tier (``tests/gpu/test_gpu_lightning_ipc.py``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -198,3 +199,37 @@ def test_a_push_that_tallies_what_it_sends_reads_every_tensor(engine):
     for _ in range(3):
         push_module(engine, net, tally=lambda name, tensor: tallied.append(name))
     assert tallied == ["weight", "bias"] * 3  # (the check after the push sums what was sent)
+
+
+def test_a_caller_that_waits_for_the_copies_itself_gets_send_weights_back_while_they_run(engine):
+    engine.caller_waits = True  # as the sender does (backends/vllm_engines.py), on the pushing thread
+    a, b = torch.zeros(2), torch.zeros(3)
+    push(engine, {"a": a, "b": b})
+    engine.wait_until_landed()
+    LandedEvent.pending, LandedEvent.queries = 3, 0
+    push(engine, {"a": a, "b": b})
+    assert LandedEvent.queries == 0  # returned with the copies running
+    engine.wait_until_landed()
+    assert LandedEvent.queries == 4
+    engine.wait_until_landed()  # nothing pending: no wait
+    assert LandedEvent.queries == 4
+
+
+def test_the_callers_wait_ends_at_its_deadline_or_when_its_check_finds_the_engine_dead(engine):
+    engine.caller_waits = True
+    a, b = torch.zeros(2), torch.zeros(3)
+    push(engine, {"a": a, "b": b})
+    engine.wait_until_landed()
+    LandedEvent.pending, LandedEvent.queries = 10**9, 0
+    push(engine, {"a": a, "b": b})
+    started = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError, match="did not end"):
+        engine.wait_until_landed(deadline=started + 0.1)
+    assert time.monotonic() - started < 0.4  # (the engine's own bound is 0.5 s)
+
+    def dead() -> None:
+        raise RuntimeError("the engine core died")
+
+    push(engine, {"a": a, "b": b})
+    with pytest.raises(RuntimeError, match="died"):
+        engine.wait_until_landed(dead, check_seconds=0.01)
