@@ -136,3 +136,34 @@ def test_ipc_buffers_grow_to_hold_the_largest_tensor():
     info = trainer_init_info("ipc", master_port=None, largest_tensor_bytes=3 << 20)
     assert info.packed_buffer_size_bytes == 3 << 20
     assert trainer_init_info("ipc", master_port=None, largest_tensor_bytes=1).packed_buffer_size_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("raised_by", ["the trainer's init", "the worker's init, as the cause"])
+def test_nccl_into_a_worker_on_the_trainers_gpu_is_refused_naming_what_to_use(raised_by, monkeypatch):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    # vLLM's NCCL wrapper passes NCCL's last error on (seen on an H200, docs/gpu.md).
+    nccl_said = RuntimeError(
+        "NCCL error: invalid usage (run with NCCL_DEBUG=WARN for details)\nLast error:\n"
+        "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60"
+    )
+
+    def trainer_init(init_info, *, client, source=None):
+        if raised_by == "the trainer's init":
+            raise nccl_said
+        raise RuntimeError("the engine failed to initialise its weight-transfer engine") from nccl_said
+
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", staticmethod(trainer_init))
+    plan = GroupPlan(**{**SETTINGS, "master_port": 29555})
+    with pytest.raises(
+        EngineConfigError, match="backend='nccl' with a vLLM worker on the trainer's own GPU"
+    ) as refused:
+        backend_named("nccl").join(plan, client=None, wire={})
+    assert "'lightning_ipc'" in str(refused.value) and "CUDA_VISIBLE_DEVICES" in str(refused.value)
+
+    def other_failure(init_info, *, client, source=None):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", staticmethod(other_failure))
+    with pytest.raises(RuntimeError, match="unhandled system error"):  # anything else is raised as it is
+        backend_named("nccl").join(plan, client=None, wire={})
