@@ -1,0 +1,107 @@
+"""``nccl`` into vLLM's own engine on a GPU of its own: the trainer on GPU 0 and a ``vllm.LLM`` on GPU 1.
+
+NCCL puts each rank of a group on a GPU of its own, so this needs two GPUs; with one, every test here is
+skipped, saying so (``test_gpu_refusals.py`` checks, on one GPU, that an engine on the trainer's own GPU is
+refused). Written before a host with two GPUs was lent: not run yet (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gpu_helpers import (
+    FIGURES,
+    digests_equal,
+    engine_core_pid,
+    engine_digest,
+    gpu_llm,
+    gpu_trainer,
+    hf_greedy,
+    hf_prompt_logprobs,
+    kill,
+    model_digest,
+    stop_llm,
+)
+from helpers import TinyCausalLM, half_way, max_abs_diff, tiny_qwen2, token_batches, vllm_greedy, vllm_prompt_logprobs
+
+from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightSyncError
+from lightning_vllm._waits import call_with_timeout
+from lightning_vllm.engines.base import version_number
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="nccl into vLLM's own engine needs two GPUs, the trainer on one and the engine on another: NCCL puts "
+        "each rank of a group on a GPU of its own",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def nccl_llm(gpu_model_dir: Path) -> Iterator[Any]:
+    """A ``vllm.LLM`` over ``nccl`` whose engine core sees the second GPU only; the trainer keeps the first.
+
+    CUDA is in use here before the engine is built, so vLLM spawns its engine core, which reads
+    ``CUDA_VISIBLE_DEVICES`` as it starts: set for that start only.
+    """
+    torch.zeros(1, device="cuda:0")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[1] if visible else "1"
+    try:
+        llm = gpu_llm(gpu_model_dir, backend="nccl")
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    yield llm
+    stop_llm(llm)
+
+
+def test_fit_pushes_over_nccl_land_within_the_engines_own_float32_floor(nccl_llm, tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from
+    served_before, version = vllm_prompt_logprobs(nccl_llm), version_number(nccl_llm.get_weight_version())
+    floor = max_abs_diff(served_before, hf_prompt_logprobs(module.hf))  # the engine's kernels against HF's
+    module.hf.cpu()
+    sync = VLLMWeightSync(engine=nccl_llm, every_n_train_steps=2, push_on_fit_start=False)
+
+    gpu_trainer(tmp_path, [sync], max_steps=6).fit(module, token_batches(num_batches=6))
+
+    before_sync = max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
+    after_sync = max_abs_diff(vllm_prompt_logprobs(nccl_llm), hf_prompt_logprobs(module.hf))
+    FIGURES.update(nccl_fit_floor=floor, nccl_fit_gap_before_sync=before_sync, nccl_fit_gap_after_sync=after_sync)
+    assert digests_equal(engine_digest(nccl_llm), model_digest(module.hf))  # every weight landed exactly
+    assert after_sync <= 2 * floor, (after_sync, floor)
+    assert before_sync >= 100 * floor, (before_sync, floor)
+    assert vllm_greedy(nccl_llm) == hf_greedy(module.hf)
+    assert nccl_llm.get_weight_version() == str(sync.weight_version) == str(version + 3)  # steps 2, 4, 6
+
+
+def test_the_engine_core_killed_mid_push_over_nccl_is_an_error_within_the_timeout_and_no_gpu_hangs(nccl_llm):
+    """Last in this file: it ends the engine."""
+    model = tiny_qwen2(seed=8).cuda()
+    timeout = 20.0
+    updater = VLLMUpdater(engine=nccl_llm, timeout_seconds=timeout, bucket_size_bytes=1 << 20)
+    updater.push_weights(model)
+    pid = engine_core_pid(nccl_llm)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        updater.push_weights(half_way(model, lambda: kill(pid)))
+    elapsed = time.monotonic() - started
+    FIGURES.update(nccl_kill_error_seconds=elapsed)
+    print(f"engine core killed mid-push over nccl: {type(raised.value).__name__} after {elapsed:.1f} s: {raised.value}")
+    assert elapsed < timeout + 5
+
+    def the_trainers_gpu_answers() -> None:
+        torch.ones(1, device="cuda:0").add_(1)
+        torch.cuda.synchronize(0)
+
+    # A broadcast left waiting for the dead rank would hold the trainer's stream: bounded, not a hang.
+    call_with_timeout(the_trainers_gpu_answers, timeout=30, what="the trainer's GPU to answer after the kill")
