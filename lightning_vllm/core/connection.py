@@ -334,16 +334,15 @@ class EngineConnection:
             self._resume()
 
     def _pause(self) -> None:
-        if not self._pauses:
-            return
-        what = f"{self.engine.description} to pause generation"
+        # Timed either way: an engine that generates only inside its calls holds generation for the window too.
         self._paused_at = time.perf_counter()
-        self._call(self.engine.pause_generation, self.options.pause_mode, what=what)
+        if self._pauses:
+            what = f"{self.engine.description} to pause generation"
+            self._call(self.engine.pause_generation, self.options.pause_mode, what=what)
 
     def _resume(self) -> None:
-        if not self._pauses:
-            return
-        self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
+        if self._pauses:
+            self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
         if self._paused_at is not None:
             self._pause_seconds += time.perf_counter() - self._paused_at
             self._paused_at = None
