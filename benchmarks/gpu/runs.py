@@ -22,14 +22,12 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +41,9 @@ from engine import ReceiverEngine  # noqa: E402
 from hf_models import MODELS, build_model, mismatches, model_digests  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
+from nccl_floor import MASTER_ADDRESS, timed_broadcasts  # noqa: E402
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
-
-MASTER_ADDRESS = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -266,35 +263,10 @@ class MemoryLogger(Logger):
         return [m[key] for m in self.metrics if key in m]
 
 
-def free_port() -> int:
-    with socket.create_server((MASTER_ADDRESS, 0)) as probe:
-        return int(probe.getsockname()[1])
-
-
 def raw_broadcast(engine: ReceiverEngine, num_bytes: int, rounds: int, device: torch.device) -> list[float]:
     """Seconds of ``rounds`` bare ``PyNcclCommunicator`` broadcasts of ``num_bytes`` to the receiver (after one
     untimed), in a group of their own: the floor of a push of that many bytes between these two processes."""
-    from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
-    port = free_port()
-    pool = ThreadPoolExecutor(max_workers=1)
-    try:
-        receiving = pool.submit(engine.raw_broadcast, MASTER_ADDRESS, port, num_bytes, rounds + 1)
-        comm = stateless_init_process_group(MASTER_ADDRESS, port, 0, 2, device.index)
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        seconds = []
-        for _ in range(rounds + 1):
-            start = time.perf_counter()
-            comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-            torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-        receiving.result(timeout=120)
-        comm.destroy()
-    finally:
-        pool.shutdown(wait=False)
-    del buffer
-    torch.cuda.empty_cache()
-    return seconds[1:]
+    return timed_broadcasts(engine.raw_broadcast, num_bytes, rounds, device)
 
 
 def gbps(num_bytes: int | None, seconds: float | None) -> float | None:

@@ -7,7 +7,6 @@ refused). Written before a host with two GPUs was lent: not run yet (docs/gpu.md
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from gpu_helpers import (
     digests_equal,
     engine_core_pid,
     engine_digest,
+    engines_start_on_second_gpu,
     gpu_llm,
     gpu_trainer,
     hf_greedy,
@@ -46,21 +46,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def nccl_llm(gpu_model_dir: Path) -> Iterator[Any]:
-    """A ``vllm.LLM`` over ``nccl`` whose engine core sees the second GPU only; the trainer keeps the first.
-
-    CUDA is in use here before the engine is built, so vLLM spawns its engine core, which reads
-    ``CUDA_VISIBLE_DEVICES`` as it starts: set for that start only.
-    """
-    torch.zeros(1, device="cuda:0")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[1] if visible else "1"
-    try:
+    """A ``vllm.LLM`` over ``nccl`` whose engine core sees the second GPU only; the trainer keeps the first."""
+    with engines_start_on_second_gpu():
         llm = gpu_llm(gpu_model_dir, backend="nccl")
-    finally:
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES")
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
     yield llm
     stop_llm(llm)
 
