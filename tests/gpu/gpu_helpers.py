@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,6 +89,23 @@ def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def push_killed_half_way(llm: Any, timeout: float) -> tuple[BaseException, float]:
+    """A push into ``llm`` whose source kills its engine core half way (after a push that lands, 1 MiB buckets:
+    several chunks): the error it raised, which must be a ``WeightSyncError``, and its seconds."""
+    import pytest
+
+    from lightning_vllm import VLLMUpdater, WeightSyncError
+
+    model = helpers.tiny_qwen2(seed=8).cuda()
+    updater = VLLMUpdater(engine=llm, timeout_seconds=timeout, bucket_size_bytes=1 << 20)
+    updater.push_weights(model)
+    pid = engine_core_pid(llm)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        updater.push_weights(helpers.half_way(model, lambda: kill(pid)))
+    return raised.value, time.monotonic() - started
 
 
 def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> list[list[float]]:

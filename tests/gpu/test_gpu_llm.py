@@ -12,14 +12,13 @@ import torch
 from gpu_helpers import (
     FIGURES,
     digests_equal,
-    engine_core_pid,
     engine_digest,
     engine_gpu_memory,
     gpu_trainer,
     hf_greedy,
     hf_prompt_logprobs,
-    kill,
     model_digest,
+    push_killed_half_way,
 )
 from helpers import (
     PROMPTS,
@@ -39,7 +38,6 @@ from lightning_vllm import (
     EngineConfigError,
     VLLMUpdater,
     VLLMWeightSync,
-    WeightSyncError,
     WeightSyncTimeoutError,
     generate,
 )
@@ -241,17 +239,10 @@ def test_a_hundred_pushes_leave_gpu_memory_flat_on_both_sides(ipc_llm):
 
 
 def test_the_engine_core_killed_mid_push_is_an_error_within_the_timeout(ipc_llm):
-    model = tiny_qwen2(seed=8).cuda()
     timeout = 20.0
-    updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=timeout, bucket_size_bytes=1 << 20)
-    updater.push_weights(model)
-    pid = engine_core_pid(ipc_llm)
-    started = time.monotonic()
-    with pytest.raises(WeightSyncError) as raised:
-        updater.push_weights(half_way(model, lambda: kill(pid)))
-    elapsed = time.monotonic() - started
+    error, elapsed = push_killed_half_way(ipc_llm, timeout)
     FIGURES.update(kill_error_seconds=elapsed)
-    print(f"engine core killed mid-push: {type(raised.value).__name__} after {elapsed:.1f} s: {raised.value}")
+    print(f"engine core killed mid-push: {type(error).__name__} after {elapsed:.1f} s: {error}")
     assert elapsed < timeout + 5
     torch.ones(1, device="cuda").add_(1)  # the trainer's GPU still answers
     torch.cuda.synchronize()

@@ -7,7 +7,6 @@ refused). Written before a host with two GPUs was lent: not run yet (docs/gpu.md
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,20 +16,19 @@ import torch
 from gpu_helpers import (
     FIGURES,
     digests_equal,
-    engine_core_pid,
     engine_digest,
     engines_start_on_second_gpu,
     gpu_llm,
     gpu_trainer,
     hf_greedy,
     hf_prompt_logprobs,
-    kill,
     model_digest,
+    push_killed_half_way,
     stop_llm,
 )
-from helpers import TinyCausalLM, half_way, max_abs_diff, tiny_qwen2, token_batches, vllm_greedy, vllm_prompt_logprobs
+from helpers import TinyCausalLM, max_abs_diff, tiny_qwen2, token_batches, vllm_greedy, vllm_prompt_logprobs
 
-from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightSyncError
+from lightning_vllm import VLLMWeightSync
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.engines.base import version_number
 
@@ -74,17 +72,10 @@ def test_fit_pushes_over_nccl_land_within_the_engines_own_float32_floor(nccl_llm
 
 def test_the_engine_core_killed_mid_push_over_nccl_is_an_error_within_the_timeout_and_no_gpu_hangs(nccl_llm):
     """Last in this file: it ends the engine."""
-    model = tiny_qwen2(seed=8).cuda()
     timeout = 20.0
-    updater = VLLMUpdater(engine=nccl_llm, timeout_seconds=timeout, bucket_size_bytes=1 << 20)
-    updater.push_weights(model)
-    pid = engine_core_pid(nccl_llm)
-    started = time.monotonic()
-    with pytest.raises(WeightSyncError) as raised:
-        updater.push_weights(half_way(model, lambda: kill(pid)))
-    elapsed = time.monotonic() - started
+    error, elapsed = push_killed_half_way(nccl_llm, timeout)
     FIGURES.update(nccl_kill_error_seconds=elapsed)
-    print(f"engine core killed mid-push over nccl: {type(raised.value).__name__} after {elapsed:.1f} s: {raised.value}")
+    print(f"engine core killed mid-push over nccl: {type(error).__name__} after {elapsed:.1f} s: {error}")
     assert elapsed < timeout + 5
 
     def the_trainers_gpu_answers() -> None:
