@@ -91,6 +91,36 @@ def kill(pid: int) -> None:
         pass
 
 
+def fit_lands_within_the_floor(llm: Any, tmp_path: Path, figures_prefix: str = "") -> tuple[Trainer, int]:
+    """``Trainer.fit`` of 6 steps with ``VLLMWeightSync`` pushing into ``llm`` every 2, then what it must show:
+    every weight landed exactly (digests), the served logprobs within 2x the engine's own float32 floor (measured
+    first: its kernels against HF's on the same weights) and the same greedy tokens, while before the sync they
+    were at least 100x the floor away; versions 1..3 after the one the engine served. Returns the trainer and
+    that version. ``figures_prefix`` names the figures it records."""
+    from lightning_vllm import VLLMWeightSync
+    from lightning_vllm.engines.base import version_number
+
+    module = helpers.TinyCausalLM(helpers.tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from
+    served_before, version = helpers.vllm_prompt_logprobs(llm), version_number(llm.get_weight_version())
+    floor = helpers.max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
+    module.hf.cpu()
+    sync = VLLMWeightSync(engine=llm, every_n_train_steps=2, push_on_fit_start=False)
+
+    trainer = gpu_trainer(tmp_path, [sync], max_steps=6)
+    trainer.fit(module, helpers.token_batches(num_batches=6))
+
+    before_sync = helpers.max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
+    after_sync = helpers.max_abs_diff(helpers.vllm_prompt_logprobs(llm), hf_prompt_logprobs(module.hf))
+    figures = {"fit_floor": floor, "fit_gap_before_sync": before_sync, "fit_gap_after_sync": after_sync}
+    FIGURES.update({figures_prefix + name: value for name, value in figures.items()})
+    assert digests_equal(engine_digest(llm), model_digest(module.hf))  # every weight landed exactly
+    assert after_sync <= 2 * floor, (after_sync, floor)
+    assert before_sync >= 100 * floor, (before_sync, floor)
+    assert helpers.vllm_greedy(llm) == hf_greedy(module.hf)
+    assert llm.get_weight_version() == str(sync.weight_version) == str(version + 3)  # steps 2, 4, 6
+    return trainer, version
+
+
 def push_killed_half_way(llm: Any, timeout: float) -> tuple[BaseException, float]:
     """A push into ``llm`` whose source kills its engine core half way (after a push that lands, 1 MiB buckets:
     several chunks): the error it raised, which must be a ``WeightSyncError``, and its seconds."""

@@ -11,13 +11,11 @@ import pytest
 import torch
 from gpu_helpers import (
     FIGURES,
-    digests_equal,
-    engine_digest,
     engine_gpu_memory,
+    fit_lands_within_the_floor,
     gpu_trainer,
     hf_greedy,
     hf_prompt_logprobs,
-    model_digest,
     push_killed_half_way,
 )
 from helpers import (
@@ -55,25 +53,7 @@ def serves(llm, model: torch.nn.Module, bound: float = 2 * 2.0e-4) -> float:
 
 
 def test_fit_pushes_land_within_the_engines_own_float32_floor(ipc_llm, tmp_path):
-    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from (or serves again)
-    served_before, version = vllm_prompt_logprobs(ipc_llm), version_number(ipc_llm.get_weight_version())
-    floor = max_abs_diff(
-        served_before, hf_prompt_logprobs(module.hf)
-    )  # the engine's own kernels against HF's, same GPU
-    module.hf.cpu()
-    sync = VLLMWeightSync(engine=ipc_llm, every_n_train_steps=2, push_on_fit_start=False)
-
-    trainer = gpu_trainer(tmp_path, [sync], max_steps=6)
-    trainer.fit(module, token_batches(num_batches=6))
-
-    before_sync = max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
-    after_sync = max_abs_diff(vllm_prompt_logprobs(ipc_llm), hf_prompt_logprobs(module.hf))
-    FIGURES.update(fit_floor=floor, fit_gap_before_sync=before_sync, fit_gap_after_sync=after_sync)
-    assert digests_equal(engine_digest(ipc_llm), model_digest(module.hf))  # every weight landed exactly
-    assert after_sync <= 2 * floor, (after_sync, floor)
-    assert before_sync >= 100 * floor, (before_sync, floor)
-    assert vllm_greedy(ipc_llm) == hf_greedy(module.hf)
-    assert ipc_llm.get_weight_version() == str(sync.weight_version) == str(version + 3)  # steps 2, 4, 6
+    trainer, version = fit_lands_within_the_floor(ipc_llm, tmp_path)
     versions = [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/weight_version")]
     assert versions == [version + 1.0, version + 2.0, version + 3.0]
     assert len(tensorboard_scalars(trainer.logger.log_dir, "vllm/sync_seconds")) == 3

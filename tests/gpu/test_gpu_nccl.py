@@ -15,22 +15,14 @@ import pytest
 import torch
 from gpu_helpers import (
     FIGURES,
-    digests_equal,
-    engine_digest,
     engines_start_on_second_gpu,
+    fit_lands_within_the_floor,
     gpu_llm,
-    gpu_trainer,
-    hf_greedy,
-    hf_prompt_logprobs,
-    model_digest,
     push_killed_half_way,
     stop_llm,
 )
-from helpers import TinyCausalLM, max_abs_diff, tiny_qwen2, token_batches, vllm_greedy, vllm_prompt_logprobs
 
-from lightning_vllm import VLLMWeightSync
 from lightning_vllm._waits import call_with_timeout
-from lightning_vllm.engines.base import version_number
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,22 +44,7 @@ def nccl_llm(gpu_model_dir: Path) -> Iterator[Any]:
 
 
 def test_fit_pushes_over_nccl_land_within_the_engines_own_float32_floor(nccl_llm, tmp_path):
-    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from
-    served_before, version = vllm_prompt_logprobs(nccl_llm), version_number(nccl_llm.get_weight_version())
-    floor = max_abs_diff(served_before, hf_prompt_logprobs(module.hf))  # the engine's kernels against HF's
-    module.hf.cpu()
-    sync = VLLMWeightSync(engine=nccl_llm, every_n_train_steps=2, push_on_fit_start=False)
-
-    gpu_trainer(tmp_path, [sync], max_steps=6).fit(module, token_batches(num_batches=6))
-
-    before_sync = max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
-    after_sync = max_abs_diff(vllm_prompt_logprobs(nccl_llm), hf_prompt_logprobs(module.hf))
-    FIGURES.update(nccl_fit_floor=floor, nccl_fit_gap_before_sync=before_sync, nccl_fit_gap_after_sync=after_sync)
-    assert digests_equal(engine_digest(nccl_llm), model_digest(module.hf))  # every weight landed exactly
-    assert after_sync <= 2 * floor, (after_sync, floor)
-    assert before_sync >= 100 * floor, (before_sync, floor)
-    assert vllm_greedy(nccl_llm) == hf_greedy(module.hf)
-    assert nccl_llm.get_weight_version() == str(sync.weight_version) == str(version + 3)  # steps 2, 4, 6
+    fit_lands_within_the_floor(nccl_llm, tmp_path, figures_prefix="nccl_")
 
 
 def test_the_engine_core_killed_mid_push_over_nccl_is_an_error_within_the_timeout_and_no_gpu_hangs(nccl_llm):
