@@ -44,6 +44,50 @@ def tiny_qwen2(seed: int = 0, tie_word_embeddings: bool = False) -> Qwen2ForCaus
     return Qwen2ForCausalLM(config).float().eval()
 
 
+NUM_EXPERTS = 4
+MOE_FAMILIES = {
+    # per family: what its config calls the MoE sizes; each has 4 routed experts, 2 of them per token
+    "qwen2_moe": dict(
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=NUM_EXPERTS, num_experts_per_tok=2
+    ),
+    "qwen3_moe": dict(moe_intermediate_size=64, num_experts=NUM_EXPERTS, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=NUM_EXPERTS, num_experts_per_tok=2),
+    "deepseek_v3": dict(
+        moe_intermediate_size=64, n_routed_experts=NUM_EXPERTS, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc", kv_lora_rank=512, q_lora_rank=32,
+        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,  # (576: the one MLA size vLLM on CPU runs)
+    ),
+    "glm4_moe": dict(
+        moe_intermediate_size=64, n_routed_experts=NUM_EXPERTS, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1,
+    ),
+}  # fmt: skip
+"""Tiny Mixture-of-Experts families, each a model transformers 5 holds with its experts fused in memory."""
+
+
+def tiny_moe(family: str = "qwen3_moe", seed: int = 0):
+    """A 2-layer float32 MoE model of ``family`` (a ``model_type`` of :data:`MOE_FAMILIES`): hidden size 128, 2
+    heads of 64, 4 experts of 64, 2 of them per token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        **MOE_FAMILIES[family],
+    )
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
 def lora_policy(seed: int = 0):
     """A PEFT LoRA policy (rank 8 on the attention and MLP projections) whose adapter starts non-zero."""
     import torch

@@ -15,14 +15,15 @@ LAYERS: dict[str, list[str]] = {
     "what is sent": [
         "weights", "weights.base", "weights.model", "weights.changes", "weights.lora_merge", "weights.fsdp",
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
-        "weights.layer_sums", "weights.survey",
+        "weights.layer_sums", "weights.survey", "weights.hf_conversion", "weights.checkpoint_layout",
         "lora", "lora.adapter", "lora.serving", "lora.worker", "lora.cpu_ops",
     ],
     "how bytes move": [
         "transports", "transports.buckets", "transports.busy_wait", "transports.staging",
         "transports.load_plan", "transports.ipc_worker", "transports.ipc_trainer",
         "transports.plugin",
-        "transports.gloo", "transports.gloo.tied_embedding_fix", "transports.gloo.messages",
+        "transports.gloo", "transports.gloo.tied_embedding_fix", "transports.gloo.moe_prepack_fix",
+        "transports.gloo.messages",
         "transports.gloo.group", "transports.gloo.shares", "transports.gloo.receiver", "transports.gloo.trainer",
         "transports.gloo.worker",
     ],

@@ -18,6 +18,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, mater
 
 from lightning_vllm.weights.base import ForeignWeights, Weights
 from lightning_vllm.weights.changes import Stamp, stamps_of
+from lightning_vllm.weights.checkpoint_layout import in_checkpoint_layout
 from lightning_vllm.weights.fsdp import FSDPWeights
 from lightning_vllm.weights.lora_merge import lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
@@ -193,13 +194,15 @@ def weights_from(
     if isinstance(policy_or_weights, WeightSource):
         return ForeignWeights(policy_or_weights)
     if isinstance(policy_or_weights, torch.nn.Module):
+        # Each in the layout of the model's checkpoint, which vLLM loads (a MoE model's experts one by one).
         if surveys(policy_or_weights).fsdp_units:  # FSDP1: names and shapes from its flat parameters
-            return FSDPWeights(policy_or_weights, model_attribute)
+            return in_checkpoint_layout(FSDPWeights(policy_or_weights, model_attribute), policy_or_weights)
         model = find_hf_model(policy_or_weights, model_attribute)
         found = surveys(model)
         if found.zero3_parameters:  # ZeRO-3: full shapes from the placeholders
-            return ZeRO3Weights(model)
-        return LoraMergedWeights(model) if found.lora_layers else ModuleWeights(model, found.parameters)
+            return in_checkpoint_layout(ZeRO3Weights(model), model)
+        source = LoraMergedWeights(model) if found.lora_layers else ModuleWeights(model, found.parameters)
+        return in_checkpoint_layout(source, model)
     if isinstance(policy_or_weights, Mapping) or hasattr(policy_or_weights, "flatten_keys"):
         return MappingWeights(policy_or_weights)
     raise TypeError(

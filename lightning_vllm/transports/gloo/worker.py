@@ -14,6 +14,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from lightning_vllm.lora.adapter import ADAPTER_PREFIX
 from lightning_vllm.lora.worker import ReceivedAdapter
 from lightning_vllm.transports.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
+from lightning_vllm.transports.gloo.moe_prepack_fix import cpu_experts_repacked
 from lightning_vllm.transports.gloo.receiver import GlooReceiver, NamedTensors, PostedUpdate
 from lightning_vllm.transports.gloo.tied_embedding_fix import tied_embeddings_refreshed
 
@@ -103,7 +104,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             adapter = ReceivedAdapter(self.model, self.vllm_config, pending.adapter, adapter_tensors)
             received = [[(name, t) for name, t in batch if not name.startswith(ADAPTER_PREFIX)] for batch in received]
         if any(received):
-            with tied_embeddings_refreshed(self.model):
+            with tied_embeddings_refreshed(self.model), cpu_experts_repacked(self.model):
                 initialize_layerwise_reload(self.model)
                 with disable_mtp_completeness_check():
                     for tensors in received:
