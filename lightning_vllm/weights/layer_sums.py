@@ -30,6 +30,9 @@ RELATIVE_TOLERANCE = 1e-12
 """How far two float64 sums of the same values, added in other orders, may drift, relative to
 their scale (measured: well under 1e-14 for an 8B model's layers)."""
 
+# The parts of a MoE block vLLM holds as modules of their own: each is a layer of its own here, so that a check
+# names the routed experts (one fused tensor per projection in vLLM) apart from the router and the shared experts.
+_MOE_PARTS = frozenset({"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"})
 _CHUNK_ELEMENTS = 1 << 24  # an eager float64 chunk: 128 MiB, whatever the tensor's size
 # The fused kernel reduces rows of this many elements in parallel, then the row sums: a reduction of a
 # whole tensor to one number in one pass would run on a handful of the GPU's cores.
@@ -69,19 +72,26 @@ class LayerSums:
 
 def layer_of(name: str) -> str:
     """The layer a tensor belongs to, in names both sides share: the block after a decoder
-    layer's index, else the module (LoRA's ``base_layer`` wrapper left out).
+    layer's index (in a MoE block, each routed expert, the router or the shared experts), else the
+    module (LoRA's ``base_layer`` wrapper left out). vLLM holds a block's routed experts fused, one
+    row of a tensor each: :func:`held_layer_sums` sums them row by row, as ``experts.{i}``.
 
     Example::
 
         >>> layer_of("model.layers.3.self_attn.q_proj.weight"), layer_of("model.layers.3.self_attn.qkv_proj.weight")
         ('model.layers.3.self_attn', 'model.layers.3.self_attn')
+        >>> layer_of("model.layers.3.mlp.experts.7.up_proj.weight"), layer_of("model.layers.3.mlp.experts.w13_weight")
+        ('model.layers.3.mlp.experts.7', 'model.layers.3.mlp.experts')
         >>> layer_of("model.embed_tokens.base_layer.weight"), layer_of("lm_head.weight")
         ('model.embed_tokens', 'lm_head')
     """
     parts = [part for part in name.split(".") if part != "base_layer"]
     for position, part in enumerate(parts[:-1]):
         if part.isdigit():
-            return ".".join(parts[: min(position + 2, len(parts) - 1)])
+            end = position + 2
+            if parts[end : end + 1] and parts[end] in _MOE_PARTS:
+                end += 2 if parts[end + 1 : end + 2] and parts[end + 1].isdigit() else 1  # (an expert's index)
+            return ".".join(parts[: min(end, len(parts) - 1)])
     return ".".join(parts[:-1]) or name
 
 
@@ -252,6 +262,17 @@ def _to_floats(sums: list[torch.Tensor]) -> list[list[float]]:
     return floats
 
 
+def _fused_experts(module: torch.nn.Module, parameter: torch.Tensor) -> int:
+    """How many routed experts ``parameter`` holds as rows (vLLM's fused MoE ``w13_weight``, ``w2_weight``), else 0."""
+    experts = getattr(module, "global_num_experts", None)
+    return experts if isinstance(experts, int) and parameter.dim() >= 2 and parameter.shape[0] == experts else 0
+
+
+def _moe_tp_size(module: torch.nn.Module) -> int:
+    config = getattr(module, "moe_config", None)
+    return int(getattr(config, "tp_size", 1) or 1)
+
+
 REPACKED = "held in another form than loaded (vLLM's CPU build repacks linear layers for oneDNN)"
 
 
@@ -276,9 +297,15 @@ def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
         if layer in unverifiable:
             continue
-        kind = "sharded" if getattr(module, "tp_size", 1) > 1 else "replicated"
-        key = (kind, layer)
-        sums[key] = sums[key] + tensor_sums(parameter) if key in sums else tensor_sums(parameter)
+        experts = _fused_experts(module, parameter)
+        if experts and getattr(module, "use_ep", False):
+            unverifiable[layer] = "its experts are spread over expert-parallel ranks"
+            continue
+        kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
+        rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else [(layer, parameter)]
+        for row_layer, values in rows:
+            key = (kind, row_layer)
+            sums[key] = sums[key] + tensor_sums(values) if key in sums else tensor_sums(values)
     report: dict[str, dict[str, Any]] = {"sharded": {}, "replicated": {}, "unverifiable": unverifiable}
     if sums:
         keys = list(sums)

@@ -22,7 +22,11 @@ def test_a_layer_is_the_block_after_the_decoder_layers_index_or_the_module():
     assert layer_of("model.layers.11.mlp.gate_proj.weight") == "model.layers.11.mlp"
     assert layer_of("model.layers.11.mlp.gate_up_proj.base_layer.weight") == "model.layers.11.mlp"
     assert layer_of("model.layers.2.input_layernorm.weight") == "model.layers.2.input_layernorm"
-    assert layer_of("model.layers.2.mlp.experts.7.w1.weight") == "model.layers.2.mlp"  # vLLM fuses the experts
+    # vLLM fuses a block's routed experts into one module, an expert a row: each expert is a layer (the engine's
+    # side sums its rows apart), apart from the router.
+    assert layer_of("model.layers.2.mlp.experts.7.w1.weight") == "model.layers.2.mlp.experts.7"
+    assert layer_of("model.layers.2.mlp.experts.w13_weight") == "model.layers.2.mlp.experts"
+    assert layer_of("model.layers.2.mlp.gate.weight") == "model.layers.2.mlp.gate"
     assert layer_of("model.norm.weight") == "model.norm"
     assert layer_of("lm_head.weight") == "lm_head"
     assert layer_of("bias") == "bias"
