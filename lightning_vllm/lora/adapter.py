@@ -178,10 +178,12 @@ def _lora_policy(
 def adapter_source(model: torch.nn.Module, with_base: bool) -> tuple[Weights, dict[str, Any]]:
     """What an adapter push of ``model`` sends (its adapter, after its base weights if ``with_base``),
     and the adapter's config."""
+    from lightning_vllm.weights.checkpoint_layout import in_checkpoint_layout
     from lightning_vllm.weights.sources import LoraBaseWeights
 
     adapter = AdapterWeights(model)
-    source = WithAdapter(LoraBaseWeights(model), adapter) if with_base else adapter
+    # (The base in its checkpoint's layout, as vLLM loads it: a MoE policy's experts one by one.)
+    source = WithAdapter(in_checkpoint_layout(LoraBaseWeights(model), model), adapter) if with_base else adapter
     return source, adapter.adapter_config
 
 

@@ -28,14 +28,15 @@ from helpers import (
 )
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync, generate
-from lightning_vllm.errors import LandedWeightsMismatchError
+from lightning_vllm.errors import EngineConfigError, LandedWeightsMismatchError
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def moe_llm(tmp_path_factory):
-    """A vLLM engine serving a tiny Qwen3-MoE over gloo (the test probe in its workers)."""
+    """A vLLM engine serving a tiny Qwen3-MoE over gloo (the test probe in its workers). Without LoRA, unlike the
+    other test engines: vLLM's CPU build reaches Triton, which it lacks, in a MoE layer with LoRA (docs/moe.md)."""
     directory = save_model(tiny_moe("qwen3_moe", seed=0), tmp_path_factory.mktemp("tiny-qwen3-moe"))
     engine = build_llm(directory, backend="gloo", worker_extension_cls="worker_probe.WorkerProbe")
     yield engine
@@ -131,4 +132,21 @@ def test_the_landing_check_names_a_corrupted_expert(moe_llm):
     assert caught.value.layers == {0: ["model.layers.1.mlp.experts.0"]}
     updater.push_weights(model)  # the check's failure makes the next push send everything again
     assert_serves(moe_llm, model)
+    updater.close()
+
+
+def test_a_lora_policy_on_the_attention_goes_merged(moe_llm):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(6)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    policy = get_peft_model(tiny_moe("qwen3_moe", seed=6), config)
+    with pytest.raises(EngineConfigError, match="built without LoRA"):
+        VLLMUpdater(engine=moe_llm, lora="adapter").push_weights(policy)
+    updater = VLLMUpdater(engine=moe_llm)  # lora="auto": merged, since the engine serves no adapter
+    updater.push_weights(policy)
+    assert updater.last_sync.num_bytes == sum(p.numel() * 4 for p in tiny_moe("qwen3_moe").parameters())
+    merged = get_peft_model(tiny_moe("qwen3_moe", seed=6), config)
+    merged.load_state_dict(policy.state_dict())
+    assert_serves(moe_llm, merged.merge_and_unload())
     updater.close()
