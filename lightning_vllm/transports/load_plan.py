@@ -68,6 +68,59 @@ a ``copy_`` each, PyTorch's copy kernel, whose speed is the floor a push is meas
 (microseconds) is hidden behind the previous copy on the device."""
 
 
+def merged_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(destination, source)`` copies, those that continue one another in both memories made one.
+
+    A MoE layer's experts arrive as views of one fused tensor per projection (``weights/checkpoint_layout.py``) and
+    land in vLLM's fused expert tensors at the same offsets: in destination order, expert after expert, both sides
+    are contiguous runs, and the layer's thousands of copies become one per fused tensor. Only a run of copies into
+    one storage is put in order, and only if no two of its destinations overlap.
+
+    Example::
+
+        >>> fused, held = torch.arange(8.0), torch.zeros(8)
+        >>> [tuple(d.shape) for d, _ in merged_copies([(held[4:], fused[4:]), (held[:4], fused[:4])])]
+        [(8,)]
+    """
+    merged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    start = 0
+    for end in range(1, len(copies) + 1):  # each run of copies into one storage, in destination order
+        if end < len(copies) and _storage(copies[end][0]) == _storage(copies[start][0]):
+            continue
+        run = sorted(copies[start:end], key=lambda copy: copy[0].storage_offset())
+        if any(_overlap(a[0], b[0]) for a, b in zip(run, run[1:])):
+            run = copies[start:end]
+        for destination, source in run:
+            if merged and _continues(merged[-1], (destination, source)):
+                last_destination, last_source = merged[-1]
+                numel = last_destination.numel() + destination.numel()
+                merged[-1] = (_flat(last_destination, numel), _flat(last_source, numel))
+            else:
+                merged.append((destination, source))
+        start = end
+    return merged
+
+
+def _overlap(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether ``second`` (at or after ``first`` in the same storage) begins before ``first``'s elements end."""
+    end = first.storage_offset() + sum((size - 1) * stride for size, stride in zip(first.shape, first.stride())) + 1
+    return _storage(first) == _storage(second) and first.dtype == second.dtype and second.storage_offset() < end
+
+
+def _continues(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether both tensors of ``second`` start where those of ``first`` end, all four contiguous and alike."""
+    for before, after in zip(first, second):
+        if not (before.is_contiguous() and after.is_contiguous() and before.dtype == after.dtype):
+            return False
+        if _storage(before) != _storage(after) or after.storage_offset() != before.storage_offset() + before.numel():
+            return False
+    return all(destination.numel() == source.numel() for destination, source in (first, second))
+
+
+def _flat(tensor: torch.Tensor, numel: int) -> torch.Tensor:
+    return tensor.as_strided((numel,), (1,), tensor.storage_offset())
+
+
 class Replay:
     """Bound loads made into the calls that run them, in order: a ``copy_`` per large copy, a ``_foreach_copy_``
     per run of small ones, a ``fill_`` where one was made (a padding fill after the copy it follows). Built once,
@@ -77,6 +130,7 @@ class Replay:
         self.calls: list[tuple[str, Any, Any]] = []  # ("copy" | "batch" | "fill", destination(s), source(s) or value)
         destinations: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # the copies since the last fill, not yet made calls
 
         def flush() -> None:
             if destinations:
@@ -84,17 +138,25 @@ class Replay:
                 destinations.clear()
                 sources.clear()
 
-        for load in loads:
-            for destination, source, is_copy in load.steps:
-                if not is_copy:
-                    flush()
-                    self.calls.append(("fill", destination, source))
-                elif destination.numel() * destination.element_size() >= _BATCHED_BELOW_BYTES:
+        def add_copies() -> None:
+            for destination, source in merged_copies(copies):
+                if destination.numel() * destination.element_size() >= _BATCHED_BELOW_BYTES:
                     flush()
                     self.calls.append(("copy", destination, source))
                 else:
                     destinations.append(destination)
                     sources.append(source)
+            copies.clear()
+
+        for load in loads:
+            for destination, source, is_copy in load.steps:
+                if is_copy:
+                    copies.append((destination, source))
+                    continue
+                add_copies()
+                flush()
+                self.calls.append(("fill", destination, source))
+        add_copies()
         flush()
 
     def run(self) -> None:
@@ -208,9 +270,9 @@ def record_load(
     held: Iterable[torch.Tensor],
 ) -> dict[str, _TensorPlan]:
     """Run ``load_weights(weights)``, watching it; the plan of each tensor whose load was copies and fills
-    only (none if the load did anything else, or if two incoming tensors share a storage)."""
-    incoming = {_storage(tensor): position for position, (_, tensor) in enumerate(weights)}
-    if len(incoming) < len(weights) or 0 in incoming:
+    only (none if the load did anything else, or if two incoming tensors overlap in one storage)."""
+    incoming = _Incoming([tensor for _, tensor in weights])
+    if not incoming.apart:
         load_weights(weights)
         return {}
     held_storages = {_storage(tensor) for tensor in held} - {0}  # (an empty tensor has no storage to tell apart)
@@ -225,11 +287,43 @@ def record_load(
     return plans
 
 
+class _Incoming:
+    """The incoming tensors by the bytes they hold: several may be views of one storage (a MoE layer's experts, views
+    of one fused tensor), each told apart by its own range of it."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.ranges: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (first byte, end byte, position)
+        for position, tensor in enumerate(tensors):
+            self.ranges.setdefault(_storage(tensor), []).append((*_bytes(tensor), position))
+        for ranges in self.ranges.values():
+            ranges.sort()
+        self.storages = set(self.ranges)
+        self.apart = 0 not in self.ranges and all(
+            first[1] <= second[0] for ranges in self.ranges.values() for first, second in zip(ranges, ranges[1:])
+        )
+
+    def position_of(self, view: torch.Tensor) -> int | None:
+        """The incoming tensor whose bytes hold all of ``view``'s, if one does."""
+        start, end = _bytes(view)
+        for first, last, position in self.ranges.get(_storage(view), ()):
+            if first <= start and end <= last:
+                return position
+        return None
+
+
+def _bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``tensor``'s elements span, ``[first, end)``."""
+    size = tensor.element_size()
+    span = sum((length - 1) * stride for length, stride in zip(tensor.shape, tensor.stride())) + 1
+    start = int(tensor.storage_offset()) * size
+    return start, start + (int(span) * size if tensor.numel() else 0)
+
+
 class _Recorder(TorchDispatchMode):
     """Keeps, per incoming tensor, the copies of its views into parameters and the fills after them; notes
     anything else that reads an incoming tensor or writes a parameter (``ok`` turns ``False``)."""
 
-    def __init__(self, incoming: dict[int, int], held: set[int], tensors: list[torch.Tensor]) -> None:
+    def __init__(self, incoming: _Incoming, held: set[int], tensors: list[torch.Tensor]) -> None:
         super().__init__()
         self.incoming, self.held, self.tensors = incoming, held, tensors
         self.steps: list[list[_Copy | _Fill]] = [[] for _ in tensors]
@@ -246,13 +340,14 @@ class _Recorder(TorchDispatchMode):
     def _note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         storages = {_storage(tensor) for tensor in tensors}
-        reads = storages & set(self.incoming)
+        reads = storages & self.incoming.storages
         writes_held = bool(storages & self.held)
         if not reads and not writes_held:
             return  # nothing to do with the push
-        if func is _aten.copy_.default and _storage(args[0]) in self.held and _storage(args[1]) in self.incoming:
-            position = self.incoming[_storage(args[1])]
-            if args[1].dtype != self.tensors[position].dtype:  # a view as another dtype: not replayable by offsets
+        if func is _aten.copy_.default and _storage(args[0]) in self.held and _storage(args[1]) in reads:
+            position = self.incoming.position_of(args[1])
+            # (A view as another dtype is not replayable by offsets.)
+            if position is None or args[1].dtype != self.tensors[position].dtype:
                 self.ok = False
                 return
             source, offset = args[1], args[1].storage_offset() - self.tensors[position].storage_offset()

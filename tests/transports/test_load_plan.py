@@ -155,3 +155,26 @@ def test_a_replay_copies_large_tensors_alone_batches_the_small_and_runs_again_on
     expected.load_weights(incoming)
     for (name, held), (_, wanted) in zip(model.named_parameters(), expected.named_parameters()):
         assert torch.equal(held, wanted), name
+
+
+def test_a_moe_layers_experts_sent_as_views_of_one_tensor_replay_as_one_copy_per_fused_tensor():
+    experts, intermediate, hidden = 8, 4, 16
+    w13 = torch.zeros(experts, 2 * intermediate, hidden)  # vLLM's fused experts: gate then up, expert after expert
+
+    def load(weights):  # as vLLM's FusedMoE loader: each expert's projection into its rows
+        for name, tensor in weights:
+            expert, projection = int(name.split(".")[0]), name.split(".")[1]
+            rows = slice(0, intermediate) if projection == "gate" else slice(intermediate, 2 * intermediate)
+            w13[expert, rows].copy_(tensor)
+
+    def views(fused):  # as the trainer sends transformers' fused gate_up_proj: views, gates first
+        gates, ups = fused[:, :intermediate], fused[:, intermediate:]
+        return [(f"{e}.gate", gates[e]) for e in range(experts)] + [(f"{e}.up", ups[e]) for e in range(experts)]
+
+    plan = LoadPlan()
+    assert plan.load(load, views(torch.randn(experts, 2 * intermediate, hidden)), lambda: [w13]) is None
+    fused = torch.randn(experts, 2 * intermediate, hidden)
+    replay = plan.load(load, views(fused), lambda: [w13])
+    assert replay is not None and plan.replayed == 1  # recorded, although the views share one storage
+    assert [kind for kind, _, _ in replay.calls] == ["batch"] and len(replay.calls[0][1]) == 1  # 16 copies, one
+    assert torch.equal(w13, fused)
