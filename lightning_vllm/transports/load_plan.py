@@ -319,6 +319,12 @@ def _bytes(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (int(span) * size if tensor.numel() else 0)
 
 
+def _views_of(out: Any, storages: set[int]) -> bool:
+    """Whether ``out`` is one tensor or several, each in one of ``storages``."""
+    outs = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+    return bool(outs) and all(_storage(tensor) in storages for tensor in outs)
+
+
 class _Recorder(TorchDispatchMode):
     """Keeps, per incoming tensor, the copies of its views into parameters and the fills after them; notes
     anything else that reads an incoming tensor or writes a parameter (``ok`` turns ``False``)."""
@@ -355,7 +361,7 @@ class _Recorder(TorchDispatchMode):
             self._last = position
         elif func is _aten.fill_.Scalar and _storage(args[0]) in self.held and not reads and self._last is not None:
             self.steps[self._last].append(_Fill(args[0], args[1]))
-        elif not func._schema.is_mutable and isinstance(out, torch.Tensor) and _storage(out) in storages:
-            return  # a view (of an incoming tensor or of a parameter)
+        elif not func._schema.is_mutable and _views_of(out, storages):
+            return  # a view or views (``unbind``, ``split``) of an incoming tensor or of a parameter
         else:
             self.ok = False

@@ -161,11 +161,12 @@ def test_a_moe_layers_experts_sent_as_views_of_one_tensor_replay_as_one_copy_per
     experts, intermediate, hidden = 8, 4, 16
     w13 = torch.zeros(experts, 2 * intermediate, hidden)  # vLLM's fused experts: gate then up, expert after expert
 
-    def load(weights):  # as vLLM's FusedMoE loader: each expert's projection into its rows
+    def load(weights):  # as vLLM's FusedMoE loader: each expert's projection into its rows, through views
         for name, tensor in weights:
             expert, projection = int(name.split(".")[0]), name.split(".")[1]
             rows = slice(0, intermediate) if projection == "gate" else slice(intermediate, 2 * intermediate)
-            w13[expert, rows].copy_(tensor)
+            (expert_rows,) = w13[expert : expert + 1].unbind(0)[:1]  # (vLLM's loader unbinds: views, recorded)
+            expert_rows[rows].copy_(tensor)
 
     def views(fused):  # as the trainer sends transformers' fused gate_up_proj: views, gates first
         gates, ups = fused[:, :intermediate], fused[:, intermediate:]
