@@ -51,6 +51,9 @@ class ReplayedWeights(Weights):
     def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
         return self.weights.held_tensors()
 
+    def held_signature(self) -> tuple[Any, ...] | None:
+        return self.weights.held_signature()
+
 
 class ReplayedClient:
     """The control-plane client vLLM's trainer engine keeps from ``trainer_init``: each push loads its

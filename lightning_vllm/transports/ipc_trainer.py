@@ -30,7 +30,7 @@ from typing_extensions import Self
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
 from lightning_vllm.errors import WeightSyncTimeoutError
-from lightning_vllm.weights.base import Weights, WeightSource
+from lightning_vllm.weights.base import Weights, WeightSource, held_view
 
 _LANDED_POLL_SECONDS = 2e-5  # the copies of a push take milliseconds: a short poll is the wait's resolution
 
@@ -62,8 +62,7 @@ class _Shared:
         return self.storage() is tensor.untyped_storage() and self.view == _view(tensor)
 
 
-def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)  # (a torch.Size equals its tuple)
+_view = held_view
 
 
 class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
@@ -81,7 +80,7 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         self.updates_in_one_call = False  # set by trainer_init
         self._landed: torch.cuda.Event | None = None  # recorded by the worker after each push's copies
         self._kept: dict[str, Any] | None = None  # the last update info whose every tensor named a kept slot
-        self._kept_views: list[tuple[Any, ...]] = []  # the views of its tensors, in its order
+        self._kept_signature: tuple[Any, ...] | None = None  # its source's held signature, when it names them
         self._copies_pending = False  # the last push's copies may still run on the worker
         # Set by a caller that waits for the copies itself (wait_until_landed), on its own thread: send_weights
         # then returns while they run.
@@ -145,22 +144,31 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         }
         info.update(slots=slots, released=released, landed_event=landed_event)
         self._kept = info if kept else None
-        self._kept_views = [self._shared[name].view for name in names] if kept else []
+        self._kept_signature = self._held_signature(source, names) if kept else None
         return info, weight_refs
+
+    def _held_signature(self, source: Weights, names: list[str]) -> tuple[Any, ...] | None:
+        """``source``'s held signature, if the tensors it holds are those just sent, as sent (checked once here, at
+        every tensor; later pushes compare the signature alone)."""
+        held = source.held_tensors()
+        if (
+            held is None
+            or held[0] != names
+            or [_view(tensor) for tensor in held[1]] != [self._shared[name].view for name in names]
+        ):
+            return None
+        return source.held_signature()
 
     def _kept_info(self, source: WeightSource) -> dict[str, Any] | None:
         """The last update info, when every tensor of ``source`` is the last push's, in its kept slot, read from the
-        tensors the source holds (``Weights.held_tensors``) without running ``iter_full``; ``None`` otherwise.
+        tensors the source holds (``Weights.held_signature``) without running ``iter_full``; ``None`` otherwise.
 
         Equal views name the same memory: PyTorch keeps a storage a worker maps until the worker lets go, so no
         other tensor can be at its address meanwhile; and a tensor of the dtype and place that was sent as held
         is sent as held again (nothing converts it)."""
-        if self._kept is None or not isinstance(source, Weights) or (held := source.held_tensors()) is None:
+        if self._kept is None or self._kept_signature is None or not isinstance(source, Weights):
             return None
-        names, tensors = held
-        if names != self._kept["names"] or list(map(_view, tensors)) != self._kept_views:
-            return None
-        return self._kept
+        return self._kept if source.held_signature() == self._kept_signature else None
 
     def send_weights(self) -> None:
         """vLLM's (start, the update, the commit; or all three in one call, where the engine takes it), then a

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from lightning_vllm.weights.changes import Stamp
 
 
+def held_view(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Where and how ``tensor`` views its memory: its address, shape, strides and dtype."""
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)  # (a torch.Size equals its tuple)
+
+
 class ParamList(list[ParamMeta]):
     """A source's declared parameters; calling it returns itself.
 
@@ -101,6 +106,18 @@ class Weights(WeightSource):
         against these: an 8B model's ``iter_full`` costs about a millisecond of a push on a GPU host's CPU.
         """
         return None
+
+    def held_signature(self) -> tuple[Any, ...] | None:
+        """What tells the tensors :meth:`held_tensors` returns apart, found without making them where a source can:
+        equal signatures, the same names and tensors (addresses, shapes, strides, dtypes); ``None`` when
+        :meth:`held_tensors` is. A transport that keeps the handles of what it sent compares this instead of every
+        tensor (``transports/ipc_trainer.py``): a MoE policy sends thousands of views of a few tensors.
+        """
+        held = self.held_tensors()
+        if held is None:
+            return None
+        names, tensors = held
+        return tuple(names), tuple(map(held_view, tensors))
 
     def groups(self) -> list[list[str]]:
         """The names in layer groups (vLLM's ``layerwise_groups``: one per decoder layer), in send order."""

@@ -68,7 +68,7 @@ class _Step:
     last: str
 
 
-@dataclass
+@dataclass(eq=False)  # (one plan per model and metadata: equal only to itself, as a signature compares it)
 class LayoutPlan:
     """How one declared list of in-memory tensors becomes the checkpoint's.
 
@@ -259,6 +259,11 @@ class CheckpointWeights(Weights):
             return None
         converted = list(self.plan.convert(zip(*held)))
         return [name for name, _ in converted], [tensor for _, tensor in converted]
+
+    def held_signature(self) -> tuple[Any, ...] | None:
+        """The plan and the source's signature: the same views of the same held tensors (no view made)."""
+        held = self.source.held_signature()
+        return None if held is None else (self.plan, held)
 
     def stamps(self) -> dict[str, Stamp] | None:
         """Each checkpoint tensor stamped by what its in-memory tensors are stamped (a buffer by itself)."""

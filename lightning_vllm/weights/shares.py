@@ -9,21 +9,30 @@ A parameter every rank holds whole (replicated, or not a DTensor) is split the s
 over its flattened elements. Every rank computes every rank's counts from the parameter's
 global shape alone, so rank 0 can tell the workers what to expect from each rank.
 
+A model that transformers holds in another layout than its checkpoint's (a Mixture-of-Experts
+model's experts fused over the expert index, ``weights/checkpoint_layout.py``) is sent in the
+checkpoint's tensors, which are views of the fused ones: expert ``i``'s ``gate_proj`` is one run
+of ``gate_up_proj``'s bytes. A rank's share of such a tensor is where that run meets the rows the
+rank holds: FSDP2 shards the fused tensor by expert (``Shard(0)``), so each expert's tensors are
+sent whole by the rank that holds it, and nothing by the others.
+
 Anything else (FSDP1 flat parameters, ZeRO-3 partitions, a 2-D mesh, ``Shard(1)``, a LoRA
-policy, whose merged weights are computed from several tensors) has no such share: the
-push then gathers on every rank and rank 0 sends (``ranks.LockstepWeights``).
+policy, whose merged weights are computed from several tensors, a checkpoint tensor that
+transformers' conversion computes rather than cuts out) has no such share: the push then
+gathers on every rank and rank 0 sends (``ranks.LockstepWeights``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.weights.base import Weights
+from lightning_vllm.weights.checkpoint_layout import CheckpointWeights
 from lightning_vllm.weights.sources import ModuleWeights
 
 
@@ -95,7 +104,8 @@ class RankShares(Weights):
     engine's checks see the whole policy; :meth:`counts` says how the full tensor is split.
 
     Args:
-        source: the policy's weights (an FSDP2 model, or one every rank holds whole).
+        source: the policy's weights (an FSDP2 model, or one every rank holds whole), as they are in memory or in
+            the checkpoint's layout (``CheckpointWeights``).
         rank: this trainer rank.
         world_size: how many trainer ranks send.
 
@@ -107,22 +117,28 @@ class RankShares(Weights):
         ([3, 3], [(3,), (1,)])
     """
 
-    def __init__(self, source: ModuleWeights, rank: int, world_size: int) -> None:
+    def __init__(self, source: Weights, rank: int, world_size: int) -> None:
         self.source = source
         self.rank = rank
         self.world_size = world_size
+        # Per tensor sent: the tensor in memory it is a run of, how many of that tensor's elements each rank
+        # holds, and which of them this rank sends.
+        self._runs: dict[str, tuple[torch.Tensor, list[int], tuple[int, int]]] = {}
         self._counts: dict[str, list[int]] = {}
-        for name, param in source.named_parameters():
-            counts = share_counts(param, world_size)
-            if isinstance(counts, str):
-                raise ValueError(f"{name!r} has no share of its own on each rank: {counts}.")
-            self._counts[name] = counts
+        for name, tensor, begin, length in tensor_runs(source):
+            held = share_counts(tensor, world_size)
+            if isinstance(held, str):
+                raise ValueError(f"{name!r} has no share of its own on each rank: {held}.")
+            spans = _within(held, begin, length)
+            self._runs[name] = (tensor, held, spans[rank])
+            self._counts[name] = [stop - start for start, stop in spans]
 
     @classmethod
     def of(cls, source: Weights, rank: int, world_size: int) -> RankShares | str:
         """This rank's shares of ``source``, or why it cannot be sent in shares."""
-        if type(source) is not ModuleWeights:  # a LoRA merge or an FSDP1/ZeRO-3 source: computed or gathered
-            return f"a {type(source).__name__} is not sent in shares (only a plain or FSDP2 model is)"
+        model = source.source if isinstance(source, CheckpointWeights) else source
+        if type(model) is not ModuleWeights:  # a LoRA merge or an FSDP1/ZeRO-3 source: computed or gathered
+            return f"a {type(model).__name__} is not sent in shares (only a plain or FSDP2 model is)"
         try:
             return cls(source, rank, world_size)
         except ValueError as error:
@@ -140,8 +156,62 @@ class RankShares(Weights):
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, this rank's flat share)``; not the full tensors despite the name (see the class)."""
-        for name, param in self.source.named_parameters():
-            yield name, local_share(param, self.rank, self._counts[name])
+        for name, (tensor, held, (start, stop)) in self._runs.items():
+            first = sum(held[: self.rank])  # the first element of ``tensor`` this rank holds
+            yield name, local_share(tensor, self.rank, held)[start - first : stop - first]
+
+
+def tensor_runs(source: Weights) -> Iterator[tuple[str, torch.Tensor, int, int]]:
+    """``(name sent, tensor in memory, first element, number of elements)`` of every tensor ``source`` sends, in
+    its order: each is that run of the tensor's elements, in row-major order. ``source`` is a model's
+    :class:`ModuleWeights`, or those in the checkpoint's layout.
+
+    Raises:
+        ValueError: a tensor sent is not one run of a tensor in memory (transformers' conversion computes it).
+
+    Example::
+
+        >>> linear = torch.nn.Linear(2, 3)
+        >>> [(name, begin, length) for name, _, begin, length in tensor_runs(ModuleWeights(linear))]
+        [('weight', 0, 6), ('bias', 0, 3)]
+    """
+    if not isinstance(source, CheckpointWeights):
+        for name, param in cast(ModuleWeights, source).named_parameters():
+            yield name, param, 0, param.numel()
+        return
+    # The plan's own conversion, run on empty tensors of the in-memory shapes: each checkpoint tensor comes out as
+    # the same tensor, a view of one (whose offset and strides say which run it is), or something computed.
+    params = dict(cast(ModuleWeights, source.source).named_parameters())
+    placeholders = {name: torch.empty(param.shape, dtype=param.dtype, device="meta") for name, param in params.items()}
+    by_id = {id(placeholder): name for name, placeholder in placeholders.items()}
+    for name, made in source.plan.convert(placeholders.items()):
+        if made.device.type != "meta":  # a persistent buffer the checkpoint holds: every rank holds it whole
+            yield name, made, 0, made.numel()
+            continue
+        base = made if id(made) in by_id else made._base
+        if base is None or id(base) not in by_id or not made.is_contiguous():
+            raise ValueError(
+                f"{name!r} is not one run of a tensor in memory: transformers' conversion into the checkpoint's "
+                "layout computes it"
+            )
+        yield name, params[by_id[id(base)]], int(made.storage_offset()), made.numel()
+
+
+def _within(held: Sequence[int], begin: int, length: int) -> list[tuple[int, int]]:
+    """Per rank, the elements ``[start, stop)`` of the run ``[begin, begin + length)`` it holds (rank ``k`` holds
+    ``held[k]`` elements, after those of the ranks before it); empty, at the first it holds, where it holds none.
+
+    Example::
+
+        >>> _within([4, 4], begin=2, length=4), _within([4, 4], begin=4, length=2)
+        ([(2, 4), (4, 6)], [(0, 0), (4, 6)])
+    """
+    spans, first = [], 0
+    for count in held:
+        start, stop = max(begin, first), min(begin + length, first + count)
+        spans.append((start, stop) if start < stop else (first, first))
+        first += count
+    return spans
 
 
 class EveryRankSend(ABC):

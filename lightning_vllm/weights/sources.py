@@ -282,6 +282,7 @@ class WireWeights(Weights):
         tally: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.source = source
+        self.wire = wire
         self.wire_dtypes = {name: dtype for name, (dtype, _) in wire.items()}
         self.device = device
         self.tally = tally
@@ -308,6 +309,11 @@ class WireWeights(Weights):
             return held
         kept = [(name, tensor) for name, tensor in zip(names, tensors) if name in self.wire_dtypes]
         return [name for name, _ in kept], [tensor for _, tensor in kept]
+
+    def held_signature(self) -> tuple[Any, ...] | None:
+        """The source's, with the wire that filters it (a connection's, the same object at every push)."""
+        held = None if self.tally is not None else self.source.held_signature()
+        return None if held is None else (self.wire, held)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.source.iter_full():

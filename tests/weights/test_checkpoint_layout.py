@@ -129,3 +129,16 @@ def test_a_layout_transformers_cannot_revert_is_refused_naming_the_tensors():
     ]
     with pytest.raises(WeightsMismatchError, match=r"model\.layers\.0\.mlp\.experts\.down_proj.*nothing was sent"):
         weights_from(model)
+
+
+def test_the_held_signature_names_the_fused_tensors_without_making_a_view():
+    model = tiny_moe("qwen3_moe")
+    source = weights_from(model)
+    signature = source.held_signature()
+    assert weights_from(model).held_signature() == signature  # the same plan, the same tensors: equal
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.down_proj.add_(1.0)  # written in place: the same memory, the same signature
+    assert weights_from(model).held_signature() == signature
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().clone())  # new memory: another signature
+    assert weights_from(model).held_signature() != signature
