@@ -481,9 +481,10 @@ class FakeEngine:
     description = "fake test engine"
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from lightning_vllm.weights import ExpectedWeights, ModuleWeights, source_metadata
+        from lightning_vllm.weights import ExpectedWeights, source_metadata, weights_from
 
-        self.expected = ExpectedWeights(source_metadata(ModuleWeights(model)), ties_word_embeddings=False)
+        # (In its checkpoint's layout, as a vLLM engine loads it: a MoE model's experts one by one.)
+        self.expected = ExpectedWeights(source_metadata(weights_from(model)), ties_word_embeddings=False)
         self.receiver = None
         self.weights: dict[str, torch.Tensor] = {}
         self.version = "default"
@@ -559,8 +560,10 @@ class FakeEngine:
         return [Generation(prompt_token_ids=list(prompt), token_ids=[], weight_version=version) for prompt in prompts]
 
     def holds(self, model: torch.nn.Module) -> bool:
-        """Whether the last update carried exactly ``model``'s parameters."""
-        params = dict(model.named_parameters())
+        """Whether the last update carried exactly ``model``'s parameters (in its checkpoint's layout)."""
+        from lightning_vllm.weights import weights_from
+
+        params = dict(weights_from(model).iter_full())
         return self.weights.keys() == params.keys() and all(
             torch.equal(self.weights[name], param.detach()) for name, param in params.items()
         )

@@ -98,10 +98,10 @@ def merged_full_model(module: ShardedLoraCausalLM) -> torch.nn.Module:
     return peft.merge_and_unload().eval()
 
 
-def full_model(module: ShardedCausalLM) -> torch.nn.Module:
-    """The trained weights gathered into a plain model (a collective: every rank calls it)."""
+def full_model(module: ShardedCausalLM, build=tiny_qwen2) -> torch.nn.Module:
+    """The trained weights gathered into a plain model ``build`` makes (a collective: every rank calls it)."""
     full = {name: param.full_tensor() for name, param in module.model.named_parameters()}
-    model = tiny_qwen2(seed=0)
+    model = build(seed=0)
     model.load_state_dict(full)
     return model.eval()
 
@@ -151,9 +151,9 @@ ZERO3_CONFIG = {
 }
 
 
-def by_hand_run(llm, rank: int) -> dict:
+def by_hand_run(llm, rank: int, build=tiny_qwen2) -> dict:
     """FSDP1 and DeepSpeed ZeRO-3 driven by hand over Lightning's process group (gloo): every rank takes
-    part in each push through one updater, rank 0 sends."""
+    part in each push of a model ``build(seed)`` makes through one updater, rank 0 sends."""
     import deepspeed
 
     # What DeepSpeed reads to find the process group; Lightning removes WORLD_SIZE when a fit ends.
@@ -162,24 +162,24 @@ def by_hand_run(llm, rank: int) -> dict:
     ranks = TrainerRanks(timeout_seconds=30)
     updater = VLLMUpdater(engine=llm, timeout_seconds=30)
     result: dict = {}
-    fsdp1_cases(result, updater, ranks, llm)
-    zero3_cases(result, updater, ranks, llm)
+    fsdp1_cases(result, updater, ranks, llm, build)
+    zero3_cases(result, updater, ranks, llm, build)
     updater.close()
     ranks.close()
     return result
 
 
-def fsdp1_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) -> None:
+def fsdp1_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm, build=tiny_qwen2) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
     for seed, use_orig_params, in_lightning_module in ((5, True, False), (6, False, False), (7, True, True)):
-        reference = tiny_qwen2(seed=seed)
+        reference = build(seed=seed)
+        decoder_layer = type(reference.model.layers[0])  # each decoder layer an FSDP unit
         # As Lightning's FSDPStrategy does: the LightningModule itself is the FSDP root.
         model = FSDP(
-            TinyCausalLM(tiny_qwen2(seed=seed)) if in_lightning_module else tiny_qwen2(seed=seed),
-            auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
+            TinyCausalLM(build(seed=seed)) if in_lightning_module else build(seed=seed),
+            auto_wrap_policy=ModuleWrapPolicy({decoder_layer}),
             device_id=torch.device("cpu"),
             use_orig_params=use_orig_params,
         )
@@ -187,13 +187,13 @@ def fsdp1_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) ->
         push_in_lockstep_and_record(result, f"FSDP1 {case}", updater, ranks, model, reference, llm)
 
 
-def zero3_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm) -> None:
+def zero3_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm, build=tiny_qwen2) -> None:
     import deepspeed
 
     # A Hugging Face model, then a LightningModule holding one, as DeepSpeedStrategy wraps it.
     for seed, in_lightning_module in ((8, False), (9, True)):
-        reference = tiny_qwen2(seed=seed)
-        model = TinyCausalLM(tiny_qwen2(seed=seed)) if in_lightning_module else tiny_qwen2(seed=seed)
+        reference = build(seed=seed)
+        model = TinyCausalLM(build(seed=seed)) if in_lightning_module else build(seed=seed)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ZERO3_CONFIG)
         case = "LightningModule" if in_lightning_module else "model"

@@ -53,19 +53,12 @@ LLAMA_3_8B = dict(
 
 def build_model(model_dir: Path, shape: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """Llama-3-8B's shape (or another Llama ``shape``) in bf16 on the GPU, random weights; its config saved to
-    ``model_dir`` for vLLM."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    ``model_dir`` for vLLM (``gpu_helpers.bf16_model_on_gpu``)."""
+    from gpu_helpers import bf16_model_on_gpu
+    from transformers import LlamaConfig
 
     config = LlamaConfig(**(shape or LLAMA_3_8B), architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
-    config.save_pretrained(model_dir)  # all vLLM's dummy loader reads
-    with torch.device("meta"):
-        model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
-    model.to_empty(device="cuda")
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.02, generator=generator)
-    return model.eval()
+    return bf16_model_on_gpu(config, model_dir)
 
 
 def timed(fn, rounds: int) -> list[float]:
@@ -271,7 +264,7 @@ def worker_device_seconds(llm) -> list[float]:
 
 def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[str, object]:
     """``rounds`` timed pushes of ``model`` into ``llm`` with ``options``, the last checked by digest."""
-    from gpu_helpers import digests_equal, engine_digest, model_digest
+    from gpu_helpers import digests_equal, engine_digest, model_digest, trainer_engine
 
     from lightning_vllm import VLLMUpdater
 
@@ -303,8 +296,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
                 )
     landed = digests_equal(engine_digest(llm), model_digest(model))
     # lightning_ipc's trainer engine counts the handles it exported (the rest named a kept slot).
-    trainer_engine = updater._engine_set.connections[0].sender.engine  # type: ignore[attr-defined]
-    handles_sent = getattr(trainer_engine, "handles_sent", None)
+    handles_sent = getattr(trainer_engine(updater), "handles_sent", None)
     updater.close()
 
     def replayed(worker) -> int:  # runs in vLLM's worker: loads replayed from lightning_ipc's plan so far

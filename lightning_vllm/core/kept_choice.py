@@ -9,8 +9,9 @@ would find the same, and :class:`KeptChoice` keeps it for that push, as long as
   connections (a connection opened again is checked again);
 - its module tree is as it was surveyed (``weights/survey.TreeShape``): no module or parameter added,
   removed or replaced, no parameter of another dtype or shape;
-- what it sends is a plain model's parameters (``ModuleWeights``): LoRA policies, FSDP1 and ZeRO-3
-  models, dicts and ready sources are chosen at every push.
+- what it sends is a plain model's parameters (``ModuleWeights``), as they are or in the model's checkpoint layout
+  (``CheckpointWeights``: a MoE model's plan is kept with it): LoRA policies, FSDP1 and ZeRO-3 models, dicts and
+  ready sources are chosen at every push.
 
 It holds the model and its parameters weakly, so a model pushed once and dropped is freed; changing
 the options or the engines drops it (``WeightSync.close``).
@@ -26,6 +27,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.core.connection import EngineConnection
+from lightning_vllm.weights.checkpoint_layout import CheckpointWeights, LayoutPlan
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend
 from lightning_vllm.weights.sources import ModuleWeights
@@ -43,8 +45,9 @@ class KeptChoice:
     shape: TreeShape
     model: weakref.ref[Any]
     parameters: tuple[tuple[str, weakref.ref[Any]], ...]
-    declared: list[ParamMeta]  # the source's metadata (names, dtypes, shapes: no tensor)
+    declared: list[ParamMeta]  # the parameters' metadata (names, dtypes, shapes: no tensor)
     checked: tuple[tuple[int, EngineConnection], ...]
+    plan: LayoutPlan | None = None  # how they go in the checkpoint's layout (None: as they are)
 
     @classmethod
     def of(
@@ -60,7 +63,10 @@ class KeptChoice:
 
         ``survey``: the survey of ``pushed`` itself (the root of what was walked).
         """
-        source = payload.weights
+        source, plan = payload.weights, None
+        if isinstance(source, CheckpointWeights):
+            plan = source.plan
+            source = source.source
         if (
             peers is not None
             or unreachable
@@ -77,6 +83,7 @@ class KeptChoice:
             parameters=tuple((name, weakref.ref(param)) for name, param in source.named_parameters()),
             declared=source.metadata,
             checked=tuple(connections.items()),
+            plan=plan,
         )
 
     def payload_for(
@@ -99,5 +106,6 @@ class KeptChoice:
         parameters = [(name, param()) for name, param in self.parameters]
         if model is None or any(param is None for _, param in parameters):
             return None
-        source = ModuleWeights(model, parameters, declared=self.declared)  # type: ignore[arg-type]
+        parameters_source = ModuleWeights(model, parameters, declared=self.declared)  # type: ignore[arg-type]
+        source = parameters_source if self.plan is None else CheckpointWeights(parameters_source, self.plan)
         return Payload(source, "merged", stamps=source.stamps() if with_stamps else None)

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import FakeEngine, tiny_qwen2
+from helpers import FakeEngine, tiny_moe, tiny_qwen2
 
 from lightning_vllm import WeightsMismatchError, WeightSync
 from lightning_vllm.options import UpdaterOptions
@@ -49,6 +49,18 @@ def test_pushes_of_an_unchanged_model_reuse_the_choice_and_land(surveys):
     assert surveys == [model]  # walked once
     sync.push(tiny_qwen2(seed=21))  # another object: chosen anew
     assert len(surveys) == 2
+
+
+def test_a_moe_models_choice_is_kept_with_its_checkpoint_layout(surveys):
+    model = tiny_moe("qwen3_moe", seed=23)
+    engine = FakeEngine(model)
+    sync = WeightSync(engine, options=UpdaterOptions(changed_only=False))
+    sync.push(model)
+    for by in (0.1, 0.2):
+        step(model, by)
+        sync.push(model)
+        assert engine.holds(model)  # the experts one by one, as converted at the first push
+    assert surveys == [model]  # walked once: the plan kept with the choice
 
 
 def test_a_changed_only_push_of_a_kept_choice_still_leaves_out_what_did_not_change():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -49,6 +50,82 @@ def gpu_llm(model_dir: Path, **overrides: Any) -> Any:
     return LLM(**engine_settings(model_dir, **overrides))
 
 
+# Qwen3-30B-A3B's layer shape (its 48 layers hold 30.5B parameters). Its vocabulary (151936 = 64 x 2374) needs
+# no padding in vLLM's embedding, whose padded rows would hold dummy values no push writes.
+QWEN3_30B_A3B_LAYER: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)  # fmt: skip
+MOE_10B_LAYERS = 16
+"""Layers of the MoE of that shape the GPU tier and ``benchmarks/gpu/moe_ipc_push.py`` push: 10,592,262,144
+parameters (21.2 GB in bf16), sent as 6,291 tensors (each routed expert's gate, up and down projections apart)."""
+
+
+def bf16_model_on_gpu(config: Any, model_dir: Path) -> torch.nn.Module:
+    """A causal LM of ``config``'s shape (its ``architectures[0]``) in bf16 on the GPU, weights drawn from N(0, 0.02)
+    by a seeded generator there: made on the meta device and materialized on the GPU, so it never exists in
+    float32 nor on the CPU. Its config is saved to ``model_dir``: all vLLM's dummy loader reads."""
+    import transformers
+
+    config.save_pretrained(model_dir)
+    with torch.device("meta"):
+        model = getattr(transformers, config.architectures[0])._from_config(config, torch_dtype=torch.bfloat16)
+    model.to_empty(device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def qwen3_moe_bf16(model_dir: Path, num_hidden_layers: int = MOE_10B_LAYERS) -> torch.nn.Module:
+    """A bf16 Qwen3-MoE of :data:`QWEN3_30B_A3B_LAYER`'s shape on the GPU (:func:`bf16_model_on_gpu`)."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        **QWEN3_30B_A3B_LAYER,
+        num_hidden_layers=num_hidden_layers,
+        architectures=["Qwen3MoeForCausalLM"],
+        torch_dtype="bfloat16",
+    )
+    return bf16_model_on_gpu(config, model_dir)
+
+
+def dummy_bf16_llm(model_dir: Path, num_bytes: int, backend: str, headroom_bytes: int = 4 << 30) -> Any:
+    """A ``vllm.LLM`` of the bf16 model whose config is in ``model_dir``, from dummy weights, given the GPU memory
+    its ``num_bytes`` of weights take plus ``headroom_bytes`` (the activations of vLLM's profile run, of
+    ``max_num_seqs * max_model_len`` = 1024 tokens; a KV cache of a few short sequences), as a fraction of this GPU:
+    what a large model needs beside a trainer holding its own copy (0.17 of an H200 for the 10B MoE)."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    return gpu_llm(
+        model_dir,
+        backend=backend,
+        dtype="bfloat16",
+        load_format="dummy",
+        gpu_memory_utilization=math.ceil(1000 * (num_bytes + headroom_bytes) / total) / 1000,
+        max_model_len=256,
+        max_num_seqs=4,
+    )
+
+
+def trainer_engine(updater: Any) -> Any:
+    """The updater's trainer-side transfer engine for its one engine (``KeptHandlesIPCTrainerEngine`` over
+    ``lightning_ipc``)."""
+    return updater._engine_set.connections[0].sender.engine
+
+
+def worker_state(llm: Any) -> tuple[int, int]:
+    """``lightning_ipc``'s worker: (slots it holds open, loads it replayed so far)."""
+
+    def read(worker: Any) -> tuple[int, int]:  # runs in vLLM's worker (cloudpickled: defined here)
+        engine = worker.weight_transfer_engine
+        return len(engine._slots), int(engine.plan.replayed)
+
+    (state,) = llm.collective_rpc(read)
+    return tuple(state)
+
+
 @contextmanager
 def engines_start_on_second_gpu() -> Iterator[None]:
     """Inside, a vLLM engine core that starts sees the second GPU only, as its ``cuda:0``; this process keeps
@@ -91,16 +168,20 @@ def kill(pid: int) -> None:
         pass
 
 
-def fit_lands_within_the_floor(llm: Any, tmp_path: Path, figures_prefix: str = "") -> tuple[Trainer, int]:
+def fit_lands_within_the_floor(
+    llm: Any, tmp_path: Path, figures_prefix: str = "", model: torch.nn.Module | None = None
+) -> tuple[Trainer, int]:
     """``Trainer.fit`` of 6 steps with ``VLLMWeightSync`` pushing into ``llm`` every 2, then what it must show:
     every weight landed exactly (digests), the served logprobs within 2x the engine's own float32 floor (measured
     first: its kernels against HF's on the same weights) and the same greedy tokens, while before the sync they
     were at least 100x the floor away; versions 1..3 after the one the engine served. Returns the trainer and
-    that version. ``figures_prefix`` names the figures it records."""
+    that version. ``figures_prefix`` names the figures it records; ``model`` is the float32 Hugging Face model
+    the engine started from, with its weights (a checkpoint of it): a fresh ``tiny_qwen2(seed=0)`` by default."""
     from lightning_vllm import VLLMWeightSync
     from lightning_vllm.engines.base import version_number
 
-    module = helpers.TinyCausalLM(helpers.tiny_qwen2(seed=0), lr=1e-2)  # the weights the engine started from
+    start = model if model is not None else helpers.tiny_qwen2(seed=0)  # the weights the engine started from
+    module = helpers.TinyCausalLM(start, lr=1e-2)
     served_before, version = helpers.vllm_prompt_logprobs(llm), version_number(llm.get_weight_version())
     floor = helpers.max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
     module.hf.cpu()

@@ -8,28 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_helpers import digests_equal, engine_digest, model_digest
+from gpu_helpers import digests_equal, engine_digest, model_digest, trainer_engine, worker_state
 from helpers import half_way, raises, tiny_qwen2
 
 from lightning_vllm import VLLMUpdater
 
 pytestmark = pytest.mark.gpu
-
-
-def trainer_engine(updater: VLLMUpdater) -> Any:
-    """The updater's trainer-side transfer engine (``KeptHandlesIPCTrainerEngine``) for its one engine."""
-    return updater._engine_set.connections[0].sender.engine
-
-
-def worker_state(llm: Any) -> tuple[int, int]:
-    """(slots the worker holds open, loads it replayed so far)."""
-
-    def read(worker: Any) -> tuple[int, int]:  # runs in vLLM's worker (cloudpickled: defined here)
-        engine = worker.weight_transfer_engine
-        return len(engine._slots), int(engine.plan.replayed)
-
-    (state,) = llm.collective_rpc(read)
-    return tuple(state)
 
 
 def kept_replay_slots(llm: Any) -> int:

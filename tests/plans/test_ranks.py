@@ -2,7 +2,11 @@
 under FSDP2 every rank takes part in each push, rank 0 sends,
 and a failure on any rank ends the push on every rank with that rank's error. FSDP1 and ZeRO-3,
 driven by hand, in the same processes on the same engine (``sharded_run.py``: one run for every test
-here, since two processes and an engine cost a minute to start)."""
+here, since two processes and an engine cost a minute to start).
+
+Then a Mixture-of-Experts policy (a tiny Qwen3-MoE, whose experts transformers holds fused and vLLM loads one by
+one) the same ways, and with every rank sending the experts it holds (``plans/moe_sharded_run.py``: one more run,
+its engine serving the MoE)."""
 
 from __future__ import annotations
 
@@ -13,16 +17,30 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TOLERANCE, expected_rollouts
+from helpers import TOLERANCE, expected_rollouts, save_model, tiny_moe
 
 pytestmark = pytest.mark.engine
+
+EXPERT_ELEMENTS = 64 * 128  # one expert's projection of the tiny MoE: [64, 128] or [128, 64]
 
 
 @pytest.fixture(scope="module")
 def ranks_seen(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     """What each rank of one ``sharded_run.py`` saw (``rank0.json``, ``rank1.json``)."""
-    out_dir = tmp_path_factory.mktemp("sharded_run")
     script = Path(__file__).parents[1] / "sharded_run.py"  # (tests/: it imports the helpers)
+    return run_two_ranks(script, model_dir, tmp_path_factory.mktemp("sharded_run"))
+
+
+@pytest.fixture(scope="module")
+def moe_ranks_seen(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """What each rank of one ``moe_sharded_run.py`` saw, its engine started from a tiny Qwen3-MoE."""
+    model_dir = save_model(tiny_moe("qwen3_moe", seed=0), tmp_path_factory.mktemp("tiny-qwen3-moe"))
+    script = Path(__file__).parent / "moe_sharded_run.py"
+    return run_two_ranks(script, model_dir, tmp_path_factory.mktemp("moe_sharded_run"))
+
+
+def run_two_ranks(script: Path, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
+    """Run ``script MODEL_DIR OUT_DIR``, whose Lightning launcher starts rank 1; what each rank wrote."""
     env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     completed = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(out_dir)],
@@ -86,13 +104,52 @@ def test_ddp_then_fsdp2_push_from_the_right_ranks_failures_stop_every_rank_lora_
 
 def test_fsdp1_and_deepspeed_zero3_driven_by_hand_push_in_lockstep(ranks_seen):
     """Lightning's FSDPStrategy and DeepSpeedStrategy need a GPU; FSDP1 and ZeRO-3 themselves run on CPU."""
-    rank0, rank1 = (seen["by_hand"] for seen in ranks_seen)
+    # Counting on from the LoRA run's 10 on the same engine.
+    assert_by_hand_pushes_landed(*(seen["by_hand"] for seen in ranks_seen), first_version=10)
+
+
+def assert_by_hand_pushes_landed(rank0: dict, rank1: dict, first_version: int) -> None:
+    """``sharded_run.by_hand_run``'s pushes landed: vLLM served each model, every rank counted each version."""
     cases = ("FSDP1 use_orig_params=True", "FSDP1 use_orig_params=False", "FSDP1 LightningModule")
     for case in (*cases, "ZeRO-3 model", "ZeRO-3 LightningModule"):
         assert rank0[f"{case} max_logprob_diff"] < TOLERANCE, case
-        # Full shapes, not FSDP1's flat shards or ZeRO-3's empty placeholders.
+        # Full shapes, not FSDP1's flat shards or ZeRO-3's empty placeholders (a MoE's experts one by one).
         assert rank0[f"{case} num_bytes"] == rank0["full_bytes"], case
-    # Every rank counts the same versions: three FSDP1 pushes, then two ZeRO-3 ones, counting on
-    # from the LoRA run's 10 on the same engine.
-    assert rank0["FSDP1 LightningModule version"] == rank1["FSDP1 LightningModule version"] == 10 + 3
-    assert rank0["ZeRO-3 LightningModule version"] == rank1["ZeRO-3 LightningModule version"] == 10 + 5
+    # Every rank counts the same versions: three FSDP1 pushes, then two ZeRO-3 ones.
+    assert rank0["FSDP1 LightningModule version"] == rank1["FSDP1 LightningModule version"] == first_version + 3
+    assert rank0["ZeRO-3 LightningModule version"] == rank1["ZeRO-3 LightningModule version"] == first_version + 5
+
+
+def test_fsdp2_moe_lands_gathered_and_with_every_rank_sending_the_experts_it_holds(moe_ranks_seen):
+    # Through Lightning: fit start and after each of 2 steps, rank 0 sending (gathered layer group by layer group),
+    # then the same with push_from="every_rank"; rollouts on both ranks in each step.
+    for run, versions in (("rank0", 3), ("every_rank", 6)):
+        run0, run1 = (seen[run] for seen in moe_ranks_seen)
+        assert run0["weight_version"] == run1["weight_version"] == versions and run0["engine_version"] == str(versions)
+        assert run0["rollouts"] == run1["rollouts"] == 2
+        assert run0["max_logprob_diff"] < TOLERANCE, run
+        assert run0["num_bytes"] == run0["full_bytes"], run  # every expert one by one: the checkpoint's bytes
+    every0, every1 = (seen["every_rank"] for seen in moe_ranks_seen)
+    # Sent in shares, not gathered: no rank warned it gathered, and rank 1 sent half of the bytes at each push
+    # (every tensor splits evenly here: 4 experts, an even number of rows).
+    assert every0["warnings"] == every1["warnings"] == []
+    assert every1["sent"] == [every0["full_bytes"] // 2] * 3
+    # FSDP2 shards the fused experts by expert: experts 0 and 1 on rank 0, 2 and 3 on rank 1; the rank holding an
+    # expert sends it whole, the other nothing of it.
+    for projection in ("gate_proj", "up_proj", "down_proj"):
+        assert every0["expert_counts"][f"1.{projection}"] == [EXPERT_ELEMENTS, 0]
+        assert every0["expert_counts"][f"2.{projection}"] == [0, EXPERT_ELEMENTS]
+
+
+def test_fsdp1_and_zero3_moe_driven_by_hand_push_in_lockstep(moe_ranks_seen):
+    # Counting on from the two fits' 6 on the same engine.
+    assert_by_hand_pushes_landed(*(seen["by_hand"] for seen in moe_ranks_seen), first_version=6)
+    # ZeRO-3 partitions are no share of a tensor: with push_from="every_rank" the MoE is gathered, rank 0
+    # sending, and every rank says why.
+    rank0, rank1 = (seen["zero3_every_rank"] for seen in moe_ranks_seen)
+    assert rank0["max_logprob_diff"] < TOLERANCE and rank0["weight_version"] == rank1["weight_version"] == 6 + 5 + 1
+    for seen in (rank0, rank1):
+        assert seen["warnings"] == [
+            "push_from='every_rank': this push is gathered and sent by rank 0 instead, as a ZeRO3Weights is not "
+            "sent in shares (only a plain or FSDP2 model is)."
+        ]
