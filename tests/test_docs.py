@@ -29,6 +29,7 @@ def test_every_doc_page_linked_from_the_readme_exists():
         "security.md",
         "lora.md",
         "torchrl.md",
+        "moe.md",
     )
     for page in (*pages, "benchmarks.md"):
         assert f"docs/{page}" in readme and (DOCS / page).is_file(), page
