@@ -68,6 +68,22 @@ class _Step:
     last: str
 
 
+@dataclass(frozen=True)
+class _Buffer:
+    """A persistent buffer the checkpoint holds: its checkpoint name, where the model holds it."""
+
+    name: str
+    module: weakref.ref[torch.nn.Module]
+    leaf: str
+
+    def tensor(self) -> torch.Tensor:
+        module = self.module()
+        buffer = None if module is None else module._buffers.get(self.leaf)
+        if buffer is None:
+            raise WeightsMismatchError(f"{self.name!r}, a buffer the checkpoint holds, is no longer in the model")
+        return buffer
+
+
 @dataclass(eq=False)  # (one plan per model and metadata: equal only to itself, as a signature compares it)
 class LayoutPlan:
     """How one declared list of in-memory tensors becomes the checkpoint's.
@@ -76,14 +92,15 @@ class LayoutPlan:
         metadata: the checkpoint tensors, in the order :meth:`convert` yields them.
         groups: their layer groups, in that order (a MoE layer split into the parts vLLM loads as units).
         inputs_of: the in-memory tensors each checkpoint tensor is made from.
-        buffers_after: the persistent buffers sent after an in-memory tensor, by its name.
+        buffers_after: the persistent buffers sent after an in-memory tensor, by its name: each by its checkpoint
+            name, its module (held weakly) and its name there, read at each push (``model.to(...)`` replaces it).
         converts: whether any name or tensor differs from memory (else the plan is the identity).
     """
 
     metadata: ParamList
     groups: list[list[str]]
     inputs_of: dict[str, tuple[str, ...]]
-    buffers_after: dict[str, list[tuple[str, torch.Tensor]]]
+    buffers_after: dict[str, list[_Buffer]]
     converts: bool
     steps: dict[str, _Step] = field(repr=False)
     conversion: ReversedConversion | None = field(default=None, repr=False)
@@ -96,8 +113,12 @@ class LayoutPlan:
         steps, buffers_after = self.steps, self.buffers_after
         for name, tensor in tensors:
             yield from self._take(steps[name], name, tensor, pending)
-            for buffer_name, buffer in buffers_after.get(name, ()):
-                yield from self._take(steps[buffer_name], buffer_name, buffer.detach(), pending)
+            for buffer in buffers_after.get(name, ()):
+                yield from self._take(steps[buffer.name], buffer.name, buffer.tensor().detach(), pending)
+
+    def buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(checkpoint name, buffer as the model holds it now)`` of every buffer sent."""
+        return ((buffer.name, buffer.tensor()) for buffers in self.buffers_after.values() for buffer in buffers)
 
     def _take(
         self, step: _Step, name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]
@@ -182,9 +203,9 @@ class CheckpointLayout:
         config = model.config  # type: ignore[union-attr]
         described = {meta.name: (meta.dtype, tuple(meta.shape)) for meta in declared}
         buffers_after = _buffers_after(model, list(described))
-        for name, buffer in (pair for pairs in buffers_after.values() for pair in pairs):
-            described[name] = (buffer.dtype, tuple(buffer.shape))
-        stream = [n for meta in declared for n in (meta.name, *(b for b, _ in buffers_after.get(meta.name, ())))]
+        for buffers in buffers_after.values():
+            described.update({buffer.name: (buffer.tensor().dtype, tuple(buffer.tensor().shape)) for buffer in buffers})
+        stream = [n for meta in declared for n in (meta.name, *(b.name for b in buffers_after.get(meta.name, ())))]
         position = {name: index for index, name in enumerate(stream)}
 
         # Grouped as revert_weight_conversion groups a state dict: names in natural order, by renamed key.
@@ -272,12 +293,11 @@ class CheckpointWeights(Weights):
             return None
         from lightning_vllm.weights.changes import tensor_stamp
 
-        for pairs in self.plan.buffers_after.values():
-            for name, buffer in pairs:
-                stamp = tensor_stamp(buffer)
-                if stamp is None:
-                    return None
-                stamps[name] = (stamp,)
+        for name, buffer in self.plan.buffers():
+            stamp = tensor_stamp(buffer)
+            if stamp is None:
+                return None
+            stamps[name] = (stamp,)
         return {output: sum((stamps[name] for name in inputs), ()) for output, inputs in self.plan.inputs_of.items()}
 
 
@@ -330,11 +350,11 @@ def moe_parts(groups: Sequence[Sequence[str]]) -> list[list[str]]:
     return parts
 
 
-def _buffers_after(model: torch.nn.Module, names: list[str]) -> dict[str, list[tuple[str, torch.Tensor]]]:
+def _buffers_after(model: torch.nn.Module, names: list[str]) -> dict[str, list[_Buffer]]:
     """The persistent buffers of ``model`` that a checkpoint holds and ``names`` lack, each after the last of
     ``names`` in its module (else in its decoder layer, else at the end)."""
     declared = set(names)
-    found: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    found: dict[str, list[_Buffer]] = {}
     for module_name, module in model.named_modules():
         for leaf, buffer in module._buffers.items():
             if buffer is None or leaf in module._non_persistent_buffers_set:
@@ -343,7 +363,7 @@ def _buffers_after(model: torch.nn.Module, names: list[str]) -> dict[str, list[t
             if name in declared:
                 continue
             anchor = _anchor(name, names)
-            found.setdefault(anchor, []).append((name, buffer))
+            found.setdefault(anchor, []).append(_Buffer(name, weakref.ref(module), leaf))
     return found
 
 

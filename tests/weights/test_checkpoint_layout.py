@@ -142,3 +142,13 @@ def test_the_held_signature_names_the_fused_tensors_without_making_a_view():
     assert weights_from(model).held_signature() == signature
     experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().clone())  # new memory: another signature
     assert weights_from(model).held_signature() != signature
+
+
+def test_a_buffer_the_checkpoint_holds_is_read_as_the_model_holds_it_at_each_push():
+    model = tiny_moe("glm4_moe")
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert dict(weights_from(model).iter_full())[name].abs().sum() == 0
+    gate = model.model.layers[1].mlp.gate
+    gate.e_score_correction_bias = torch.full_like(gate.e_score_correction_bias, 0.5)  # replaced, as .to() does
+    source = weights_from(model)  # the same plan, kept for the model
+    assert torch.equal(dict(source.iter_full())[name], gate.e_score_correction_bias)
