@@ -58,14 +58,14 @@ def moe_policy() -> torch.nn.Module:
     return model
 
 
-@pytest.fixture
-def moe_llm(tmp_path_factory: pytest.TempPathFactory, insecure_serialization):
-    """A float32 ``vllm.LLM`` of the tiny MoE over ``lightning_ipc``, stopped after its one test (its GPU memory
-    goes back before the 10B model's)."""
+@pytest.fixture(params=["lightning_ipc", "ipc"])
+def moe_llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, insecure_serialization):
+    """A float32 ``vllm.LLM`` of the tiny MoE over ``lightning_ipc`` (ours) or ``ipc`` (vLLM's), stopped after its
+    one test (its GPU memory goes back before the 10B model's)."""
     model_dir = save_model(moe_policy(), tmp_path_factory.mktemp(f"tiny-{FAMILY}-gpu"))
     with pytest.MonkeyPatch.context() as scoped:
         scoped.setenv("TRITON_F32_DEFAULT", "ieee")  # the engine core takes the environment it starts with
-        llm = gpu_llm(model_dir, backend="lightning_ipc")
+        llm = gpu_llm(model_dir, backend=request.param)
     yield llm
     stop_llm(llm)
 
@@ -74,7 +74,8 @@ def test_fit_pushes_of_a_moe_policy_land_within_the_engines_own_float32_floor(mo
     model = moe_policy()
     if hasattr(model, "set_experts_implementation"):  # transformers 5: fused in memory, sent one expert at a time
         assert len(weights_from(model).metadata) > len(list(model.parameters()))
-    fit_lands_within_the_floor(moe_llm, tmp_path, figures_prefix="moe_", model=model)
+    backend = moe_llm.llm_engine.vllm_config.weight_transfer_config.backend
+    fit_lands_within_the_floor(moe_llm, tmp_path, figures_prefix=f"moe_{backend}_", model=model)
 
 
 def test_every_push_of_a_10b_bf16_moe_over_lightning_ipc_lands_exactly(tmp_path: Path, insecure_serialization):
