@@ -150,3 +150,21 @@ def test_a_lora_policy_on_the_attention_goes_merged(moe_llm):
     merged.load_state_dict(policy.state_dict())
     assert_serves(moe_llm, merged.merge_and_unload())
     updater.close()
+
+
+def test_training_pushes_a_moe_policy_into_vllm_serve(tmp_path, tmp_path_factory):
+    from helpers import SERVER_API_KEY, save_tokenizer, start_server
+
+    from lightning_vllm import HTTPEngine
+
+    directory = save_tokenizer(save_model(tiny_moe("mixtral", seed=0), tmp_path / "served"))
+    server = start_server(directory, tmp_path_factory, api_key=SERVER_API_KEY)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("VLLM_API_KEY", SERVER_API_KEY)
+            module = TinyCausalLM(tiny_moe("mixtral", seed=7), lr=1e-2)
+            sync = VLLMWeightSync(engine=server.url, every_n_train_steps=2)
+            cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
+            assert_serves(HTTPEngine(server.url), module.hf)  # a process of its own, over HTTP: the experts too
+    finally:
+        server.stop()
