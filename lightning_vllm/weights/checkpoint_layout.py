@@ -42,10 +42,11 @@ from lightning_vllm.errors import WeightsMismatchError
 from lightning_vllm.weights.base import ParamList, Weights
 from lightning_vllm.weights.changes import Stamp
 from lightning_vllm.weights.hf_conversion import REFUSED, ReversedConversion, natural_order
-from lightning_vllm.weights.model import canonical_name
+from lightning_vllm.weights.layer_sums import MOE_PARTS
+from lightning_vllm.weights.model import canonical_name, repeated_names
 
 # The parts of a MoE block that vLLM loads as modules of their own (``FusedMoE`` holds every routed expert).
-_MOE_PART = re.compile(r"^(.*\.layers\.\d+\.[^.]+\.)(experts|gate|shared_experts?|shared_expert_gate)\.")
+_MOE_PART = re.compile(rf"^(.*\.layers\.\d+\.[^.]+\.)({'|'.join(sorted(MOE_PARTS))})\.")
 _MAX_PLANS = 8  # per model: its metadata changes rarely (a new head, a dtype cast)
 
 
@@ -103,8 +104,8 @@ class LayoutPlan:
     buffers_after: dict[str, list[_Buffer]]
     converts: bool
     steps: dict[str, _Step] = field(repr=False)
-    conversion: ReversedConversion | None = field(default=None, repr=False)
-    config: Any = field(default=None, repr=False)
+    conversion: ReversedConversion = field(repr=False)
+    config: Any = field(repr=False)
 
     def convert(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint tensors made from in-memory ``tensors`` (in declared order), each as soon as its inputs
@@ -130,7 +131,6 @@ class LayoutPlan:
             pending[name] = tensor
             return
         inputs = [tensor if input_name == name else pending.pop(input_name) for input_name in step.inputs]
-        assert self.conversion is not None, "a plan with converted groups keeps its conversion"
         made = self.conversion.run(step.key, step.patterns, inputs, self.config)
         for output in step.outputs:
             value = made[output]
@@ -204,7 +204,9 @@ class CheckpointLayout:
         described = {meta.name: (meta.dtype, tuple(meta.shape)) for meta in declared}
         buffers_after = _buffers_after(model, list(described))
         for buffers in buffers_after.values():
-            described.update({buffer.name: (buffer.tensor().dtype, tuple(buffer.tensor().shape)) for buffer in buffers})
+            for buffer in buffers:
+                tensor = buffer.tensor()
+                described[buffer.name] = (tensor.dtype, tuple(tensor.shape))
         stream = [n for meta in declared for n in (meta.name, *(b.name for b in buffers_after.get(meta.name, ())))]
         position = {name: index for index, name in enumerate(stream)}
 
@@ -382,8 +384,7 @@ def _layer_prefix(name: str) -> str:
 
 
 def _check_unique(metadata: list[ParamMeta]) -> None:
-    seen: set[str] = set()
-    repeated = sorted({meta.name for meta in metadata if meta.name in seen or seen.add(meta.name)})  # type: ignore[func-returns-value]
+    repeated = repeated_names(meta.name for meta in metadata)
     if repeated:
         raise WeightsMismatchError(
             f"transformers' reverse conversion gives several tensors one checkpoint name ({', '.join(repeated[:5])}); "

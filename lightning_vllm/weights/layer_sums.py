@@ -32,7 +32,7 @@ their scale (measured: well under 1e-14 for an 8B model's layers)."""
 
 # The parts of a MoE block vLLM holds as modules of their own: each is a layer of its own here, so that a check
 # names the routed experts (one fused tensor per projection in vLLM) apart from the router and the shared experts.
-_MOE_PARTS = frozenset({"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"})
+MOE_PARTS = frozenset({"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"})
 _CHUNK_ELEMENTS = 1 << 24  # an eager float64 chunk: 128 MiB, whatever the tensor's size
 # The fused kernel reduces rows of this many elements in parallel, then the row sums: a reduction of a
 # whole tensor to one number in one pass would run on a handful of the GPU's cores.
@@ -89,7 +89,7 @@ def layer_of(name: str) -> str:
     for position, part in enumerate(parts[:-1]):
         if part.isdigit():
             end = position + 2
-            if parts[end : end + 1] and parts[end] in _MOE_PARTS:
+            if parts[end : end + 1] and parts[end] in MOE_PARTS:
                 end += 2 if parts[end + 1 : end + 2] and parts[end + 1].isdigit() else 1  # (an expert's index)
             return ".".join(parts[: min(end, len(parts) - 1)])
     return ".".join(parts[:-1]) or name

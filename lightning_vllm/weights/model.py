@@ -9,7 +9,7 @@ DDP, ``base_model.model.`` and ``.base_layer`` from PEFT. They are removed here.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -62,6 +62,18 @@ def _without_wrappers(name: str) -> str:
             if name.startswith(prefix):
                 name, stripped = name[len(prefix) :], True
     return name
+
+
+def repeated_names(names: Iterable[str]) -> list[str]:
+    """The names that occur more than once, sorted.
+
+    Example::
+
+        >>> repeated_names(["a", "b", "a", "c", "b"])
+        ['a', 'b']
+    """
+    seen: set[str] = set()
+    return sorted({name for name in names if name in seen or seen.add(name)})  # type: ignore[func-returns-value]
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -21,14 +21,13 @@ from lightning_vllm.weights.changes import Stamp, stamps_of
 from lightning_vllm.weights.checkpoint_layout import in_checkpoint_layout
 from lightning_vllm.weights.fsdp import FSDPWeights
 from lightning_vllm.weights.lora_merge import lora_parameters, merge_inputs, merged_lora_weights
-from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model
+from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model, repeated_names
 from lightning_vllm.weights.survey import Survey, survey
 from lightning_vllm.weights.zero3 import ZeRO3Weights
 
 
 def _check_unique(names: list[str], origin: str) -> None:
-    seen: set[str] = set()
-    repeated = sorted({name for name in names if name in seen or seen.add(name)})  # type: ignore[func-returns-value]
+    repeated = repeated_names(names)
     if repeated:
         raise ValueError(
             f"{origin} gives several tensors the same checkpoint name after removing wrapper prefixes: "
