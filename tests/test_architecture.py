@@ -20,7 +20,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "how bytes move": [
         "transports", "transports.buckets", "transports.busy_wait", "transports.staging",
-        "transports.load_plan", "transports.ipc_worker", "transports.ipc_trainer",
+        "transports.load_plan", "transports.ipc_worker", "transports.ipc_trainer", "transports.nccl_worker",
         "transports.plugin",
         "transports.gloo", "transports.gloo.tied_embedding_fix", "transports.gloo.moe_prepack_fix",
         "transports.gloo.messages",
