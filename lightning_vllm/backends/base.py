@@ -29,12 +29,16 @@ class Traits:
         carries_adapters: a LoRA adapter can be sent alone, staged for vLLM's LoRA loader.
         carries_shares: every trainer rank can send its own share of a push (``push_from="every_rank"``).
         needs_cuda: the trainer sends from a CUDA device.
+        sends_every_push: a push always sends at least one tensor. vLLM's NCCL worker reads an update that names
+            no tensor as "the tensors of the last update" and waits for them for good, so a changed-only push in
+            which nothing changed sends its smallest layer group again.
     """
 
     loads_while_receiving: bool
     carries_adapters: bool
     carries_shares: bool
     needs_cuda: bool
+    sends_every_push: bool = False
 
 
 @dataclass(frozen=True)

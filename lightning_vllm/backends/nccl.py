@@ -20,7 +20,7 @@ class NCCLBackend(VLLMEngineBackend):
 
     name: ClassVar[str] = "nccl"
     traits: ClassVar[Traits] = Traits(
-        loads_while_receiving=True, carries_adapters=False, carries_shares=False, needs_cuda=True
+        loads_while_receiving=True, carries_adapters=False, carries_shares=False, needs_cuda=True, sends_every_push=True
     )
 
     def init_info(self, plan: GroupPlan) -> TrainerInitInfo:

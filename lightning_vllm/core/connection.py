@@ -259,7 +259,10 @@ class EngineConnection:
         else:
             wire = self.wire
         stamps = payload.stamps if self.options.changed_only else None
-        unchanged = self.sent.unchanged(WireWeights(source, wire).groups(), stamps) if stamps is not None else set()
+        groups = WireWeights(source, wire).groups()
+        unchanged = self.sent.unchanged(groups, stamps) if stamps is not None else set()
+        if self.backend.traits.sends_every_push and len(unchanged) == len(wire):  # (vLLM's nccl: see Traits)
+            unchanged -= set(smallest_group(groups, wire))
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
         tally = self.landing.tally_for(carries_base=payload.view != "adapter", every_rank=peers is not None)
@@ -376,6 +379,11 @@ class EngineConnection:
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return call_with_timeout(fn, *args, timeout=self.options.timeout_seconds, what=what)
+
+
+def smallest_group(groups: list[list[str]], wire: ModelMetadata) -> list[str]:
+    """The layer group of ``groups`` whose tensors in ``wire`` take the fewest bytes."""
+    return min(groups, key=lambda group: wire_bytes({name: wire[name] for name in group}))
 
 
 def wire_bytes(wire: ModelMetadata) -> int:

@@ -241,6 +241,21 @@ def test_a_new_connection_waits_for_the_end_of_what_a_failed_push_left_running()
     after_failure.wait_for(engine, timeout=1.0)  # ended now: nothing left to wait for
 
 
+def test_a_second_updater_of_the_same_vllm_llm_waits_for_what_the_first_ones_failed_push_left_running():
+    """Each updater wraps the ``vllm.LLM`` in a target of its own; the engine under them is one."""
+    from lightning_vllm.engines.local import LocalLLMEngine
+
+    llm = object()  # (the targets are only asked what they wrap)
+    first, second = LocalLLMEngine.__new__(LocalLLMEngine), LocalLLMEngine.__new__(LocalLLMEngine)
+    first.llm = second.llm = llm
+    release = threading.Event()
+    after_failure.started(first, BackgroundCall(release.wait, what="the first updater's cleanup"))
+    with pytest.raises(WeightSyncTimeoutError, match="has not ended the update a failed push left open"):
+        after_failure.wait_for(second, timeout=0.2)
+    release.set()
+    after_failure.wait_for(second, timeout=1.0)
+
+
 def test_an_engine_that_dies_mid_transfer_ends_the_push_at_once_not_at_the_timeout():
     model = tiny_qwen2()
     engine = GPUEngine(model, "nccl")
@@ -331,3 +346,21 @@ def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_w
     assert engine.threads["send"] is not threading.current_thread()  # the transfer's own thread
     assert engine.threads["wait"] is threading.current_thread()
     assert engine.check is alive and started + 5.0 <= engine.deadline <= time.monotonic() + 5.0
+
+
+def test_an_nccl_push_in_which_nothing_changed_still_sends_its_smallest_layer_group():
+    """vLLM's NCCL worker reads an update naming no tensor as the last update's tensors and waits for them for good
+    (seen on an H200: the second of two pushes of the same weights hung in update_weights)."""
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "nccl")
+    connection = nccl_connection(engine, model, lambda source, meta: None)
+    connection.options = replace(connection.options, changed_only=True)
+
+    connection.push(Payload(ModuleWeights(model), stamps=ModuleWeights(model).stamps()), version=1)
+    connection.push(Payload(ModuleWeights(model), stamps=ModuleWeights(model).stamps()), version=2)
+
+    everything, unchanged = (info["names"] for info in engine.update_infos)
+    groups = WireWeights(ModuleWeights(model), connection.wire).groups()
+    smallest = min(groups, key=lambda group: sum(dict(model.named_parameters())[name].numel() for name in group))
+    assert len(everything) == len(connection.wire) and unchanged == smallest  # never an update naming nothing
+    assert engine.version == "2"
