@@ -12,7 +12,7 @@ the end of the old one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.engine_client import TimedClient
@@ -21,14 +21,29 @@ from lightning_vllm.errors import WeightSyncTimeoutError
 
 log = logging.getLogger(__name__)
 
-# By the engine target's identity: a target need not be hashable. An entry lives until the next connection
-# to that engine (one finished call each).
-_RUNNING: dict[int, BackgroundCall[None]] = {}
+# By the engine under the target (engine_key). An entry lives until the next connection to that engine (one
+# finished call each).
+_RUNNING: dict[Hashable, BackgroundCall[None]] = {}
+
+
+def engine_key(engine: EngineTarget) -> Hashable:
+    """What identifies the vLLM engine under a target: the ``vllm.LLM`` or ``AsyncLLM`` object, the Ray actor, the
+    server's URL. Two targets of one engine (two updaters given the same ``vllm.LLM``) are one engine here: seen on
+    an H200, a second updater's group was formed while the first one's cleanup ran, whose release then tore down
+    the new group on the worker."""
+    for attribute in ("llm", "async_llm", "handle"):
+        inner = getattr(engine, attribute, None)
+        if inner is not None:
+            return attribute, id(inner)
+    base_url = getattr(engine, "base_url", None)
+    if isinstance(base_url, str):
+        return "url", base_url
+    return "target", id(engine)  # (a target need not be hashable)
 
 
 def started(engine: EngineTarget, cleanup: BackgroundCall[None]) -> None:
     """Remember ``cleanup``, running for ``engine`` after a failed push, for the next connection to wait for."""
-    _RUNNING[id(engine)] = cleanup
+    _RUNNING[engine_key(engine)] = cleanup
 
 
 def wait_for(engine: EngineTarget, timeout: float) -> None:
@@ -37,7 +52,7 @@ def wait_for(engine: EngineTarget, timeout: float) -> None:
     Raises:
         WeightSyncTimeoutError: it is still running (the engine does not answer).
     """
-    cleanup = _RUNNING.get(id(engine))
+    cleanup = _RUNNING.get(engine_key(engine))
     if cleanup is None:
         return
     if not cleanup.wait(timeout):
@@ -45,7 +60,7 @@ def wait_for(engine: EngineTarget, timeout: float) -> None:
             f"{engine.description} has not ended the update a failed push left open after {timeout:g} s: it may be "
             "frozen. Check that it is alive; the next push tries again."
         )
-    _RUNNING.pop(id(engine), None)
+    _RUNNING.pop(engine_key(engine), None)
 
 
 def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: EngineTarget) -> None:
