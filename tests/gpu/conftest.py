@@ -1,7 +1,8 @@
 """The GPU tier: lightning-vllm against vLLM's own engine (engine core, worker, model runner) on one CUDA GPU.
 
 Run it on the GPU host, from a clean checkout plus ``.gpu-carry`` (``make gpu-carry`` here):
-``make test-gpu``, that is ``source .gpu-carry/setup.sh && python3 -m pytest tests/gpu``. On a
+``make test-gpu`` (``ipc`` and ``lightning_ipc``), ``make test-gpu-nccl`` and ``make test-gpu-nccl-nodes``
+(``nccl``: ``tests/gpu/nccl``), each one call of at most 9 minutes. On a
 machine without CUDA every test here is skipped, saying why (CI never runs them). docs/gpu.md
 has the last run's results and what ran: vLLM 0.33's Python sources with torch-native stand-ins
 for its compiled kernels (``tests/gpu/host/vllm_native_C.py``), Triton attention, eager mode.
@@ -37,12 +38,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On the GPU host, each failure and the figures so far go to ``$OUT`` as they come: a call cut short by its time
+    limit still brings back what ran (pytest's summary comes only at the end)."""
+    out = os.environ.get("OUT")
+    if not out or not torch.cuda.is_available():
+        return
+    if report.failed:
+        with open(Path(out, "failures.log"), "a") as failures:
+            failures.write(f"\n===== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+            for name, text in report.sections:
+                failures.write(f"--- {name}\n{text[-6000:]}\n")
+    if report.when == "teardown" and FIGURES:
+        import json
+
+        Path(out, "gpu_figures.json").write_text(json.dumps(FIGURES, indent=1, sort_keys=True, default=str))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not FIGURES:
         return
     import json
 
-    text = json.dumps(FIGURES, indent=1, sort_keys=True)
+    text = json.dumps(FIGURES, indent=1, sort_keys=True, default=str)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_figures.json").write_text(text)
     print("\nGPU tier figures:", text)
@@ -50,8 +68,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def server_starting(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gpu_model_dir: Path):
-    """``vllm serve`` starts at the beginning of the session, beside the first engines (about 45 s there),
-    when the session runs the server's tests; ``None`` otherwise."""
+    """``vllm serve``, started at the beginning of the session when it runs the server's tests (``None`` otherwise),
+    healthy before any other engine starts: an engine stopped while the server profiled GPU memory failed its
+    start (vLLM's ``assert init_free_memory >= free_gpu_memory``, tier run on 58e039e)."""
     wanted = torch.cuda.is_available() and any("test_gpu_server" in item.nodeid for item in request.session.items)
     if not wanted:
         yield None

@@ -6,8 +6,6 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ from lightning.pytorch import Trainer
 
 HOST_SETUP = "make gpu-carry here, then on the GPU host: make test-gpu (docs/gpu.md)"
 
-FIGURES: dict[str, float] = {}
+FIGURES: dict[str, Any] = {}
 """What the GPU tier measured, by name; written to ``$OUT/gpu_figures.json`` (or printed) when the session ends."""
 
 # What vLLM's engine needs on the GPU host: its compiled kernels are torch-native stand-ins there
@@ -45,9 +43,26 @@ def engine_settings(model_dir: Path, backend: str = "ipc", **overrides: Any) -> 
 
 
 def gpu_llm(model_dir: Path, **overrides: Any) -> Any:
+    """A ``vllm.LLM`` of :func:`engine_settings`, started once the GPU's free memory has settled."""
     from vllm import LLM
 
+    gpu_memory_settled()
     return LLM(**engine_settings(model_dir, **overrides))
+
+
+def gpu_memory_settled(timeout: float = 60.0, interval: float = 0.5, tolerance: int = 64 << 20) -> None:
+    """Return once the GPU's free memory has stayed within ``tolerance`` bytes for three readings ``interval`` apart
+    (at most ``timeout`` seconds): before an engine starts. vLLM's memory profiling asserts that no other process
+    freed GPU memory while it ran (``init_free_memory >= free_gpu_memory``, gpu_worker.py), and an engine stopped or
+    killed just before gives its memory back while its process winds down."""
+    deadline = time.monotonic() + timeout
+    readings = [torch.cuda.mem_get_info(0)[0]]
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        readings = [*readings[-2:], torch.cuda.mem_get_info(0)[0]]
+        if len(readings) == 3 and max(readings) - min(readings) <= tolerance:
+            return
+    raise AssertionError(f"the GPU's free memory did not settle within {timeout:g} s: {readings}")
 
 
 # Qwen3-30B-A3B's layer shape (its 48 layers hold 30.5B parameters). Its vocabulary (151936 = 64 x 2374) needs
@@ -92,6 +107,33 @@ def qwen3_moe_bf16(model_dir: Path, num_hidden_layers: int = MOE_10B_LAYERS) -> 
     return bf16_model_on_gpu(config, model_dir)
 
 
+MOE_FAMILY = "qwen3_moe"
+
+
+def moe_policy() -> torch.nn.Module:
+    """The tiny float32 Qwen3-MoE the engine starts from (``helpers.tiny_moe``, seed 0), its experts looped over in
+    plain torch (transformers 5's ``eager`` experts: the most direct reference, as ``moe_engine_probe.py`` uses)."""
+    model = helpers.tiny_moe(MOE_FAMILY, seed=0)
+    if hasattr(model, "set_experts_implementation"):  # transformers 5
+        model.set_experts_implementation("eager")
+    return model
+
+
+def moe_llm_over(backend: str, model_dir: Path) -> Any:
+    """A float32 ``vllm.LLM`` of :func:`moe_policy` saved to ``model_dir``, over ``backend``. Its engine core starts
+    with ``TRITON_F32_DEFAULT=ieee``: Triton's float32 dots in TF32 (its default) would raise the engine's floor."""
+    helpers.save_model(moe_policy(), model_dir)
+    previous = os.environ.get("TRITON_F32_DEFAULT")
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"  # the engine core takes the environment it starts with
+    try:
+        return gpu_llm(model_dir, backend=backend)
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_F32_DEFAULT")
+        else:
+            os.environ["TRITON_F32_DEFAULT"] = previous
+
+
 def dummy_bf16_llm(model_dir: Path, num_bytes: int, backend: str, headroom_bytes: int = 4 << 30) -> Any:
     """A ``vllm.LLM`` of the bf16 model whose config is in ``model_dir``, from dummy weights, given the GPU memory
     its ``num_bytes`` of weights take plus ``headroom_bytes`` (the activations of vLLM's profile run, of
@@ -126,32 +168,17 @@ def worker_state(llm: Any) -> tuple[int, int]:
     return tuple(state)
 
 
-@contextmanager
-def engines_start_on_second_gpu() -> Iterator[None]:
-    """Inside, a vLLM engine core that starts sees the second GPU only, as its ``cuda:0``; this process keeps
-    both (the trainer on the first).
-
-    CUDA is put in use here first, so that vLLM spawns its engine core (it forks before CUDA is in use), and
-    ``CUDA_VISIBLE_DEVICES`` is set for that start only.
-    """
-    torch.zeros(1, device="cuda:0")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[1] if visible else "1"
-    try:
-        yield
-    finally:
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES")
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
-
-
 def stop_llm(llm: Any) -> None:
-    """End the engine core (a test may have killed it already)."""
+    """End the engine core (a test may have killed it already) and wait, at most 30 s, until its process is gone."""
+    from lightning_vllm.engines.serialization import engine_core_processes
+
+    processes = engine_core_processes(llm.llm_engine.engine_core)
     try:
         llm.llm_engine.engine_core.shutdown(timeout=2.0)
     except Exception:  # noqa: BLE001  # a killed engine core has nothing left to stop
         pass
+    for process in processes:
+        process.join(30)
 
 
 def engine_core_pid(llm: Any) -> int:
@@ -284,9 +311,18 @@ def engine_gpu_memory(llm: Any) -> tuple[int, int]:
     return result
 
 
-def gpu_server(model_dir: Path, log_path: Path, backend: str = "ipc") -> VLLMServer:
-    """``vllm serve`` on the GPU with the ipc backend and the variable it needs (returns once started)."""
-    return VLLMServer(
+def gpu_server(
+    model_dir: Path,
+    log_path: Path,
+    backend: str = "ipc",
+    env: dict[str, str] | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> VLLMServer:
+    """``vllm serve`` on the GPU over ``backend`` (with the variable ipc needs), started once the GPU's free memory
+    has settled; returns once it is healthy, so that no other engine starts or stops while it profiles memory.
+    ``env``: more of its environment (an NCCL host id); ``extra_args``: more of its command line."""
+    gpu_memory_settled()
+    server = VLLMServer(
         model_dir,
         log_path,
         backend=backend,
@@ -295,6 +331,13 @@ def gpu_server(model_dir: Path, log_path: Path, backend: str = "ipc") -> VLLMSer
             "--compilation-config", '{"custom_ops": ["none"]}',
             "--gpu-memory-utilization", "0.06",
             "--max-model-len", "256",
+            *extra_args,
         ],
-        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})},
     )  # fmt: skip
+    try:
+        server.wait_until_healthy(timeout=300)
+    except BaseException:
+        server.stop()
+        raise
+    return server

@@ -28,44 +28,31 @@ import pytest
 import torch
 from gpu_helpers import (
     FIGURES,
+    MOE_FAMILY,
     digests_equal,
     dummy_bf16_llm,
     engine_digest,
     fit_lands_within_the_floor,
-    gpu_llm,
     model_digest,
+    moe_llm_over,
+    moe_policy,
     qwen3_moe_bf16,
     stop_llm,
     trainer_engine,
     worker_state,
 )
-from helpers import save_model, tiny_moe
 
 from lightning_vllm import VLLMUpdater
 from lightning_vllm.weights import weights_from
 
 pytestmark = pytest.mark.gpu
 
-FAMILY = "qwen3_moe"
-
-
-def moe_policy() -> torch.nn.Module:
-    """The tiny float32 Qwen3-MoE the engine starts from (``helpers.tiny_moe``, seed 0), its experts looped over in
-    plain torch (transformers 5's ``eager`` experts: the most direct reference, as ``moe_engine_probe.py`` uses)."""
-    model = tiny_moe(FAMILY, seed=0)
-    if hasattr(model, "set_experts_implementation"):  # transformers 5
-        model.set_experts_implementation("eager")
-    return model
-
 
 @pytest.fixture(params=["lightning_ipc", "ipc"])
 def moe_llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, insecure_serialization):
     """A float32 ``vllm.LLM`` of the tiny MoE over ``lightning_ipc`` (ours) or ``ipc`` (vLLM's), stopped after its
     one test (its GPU memory goes back before the 10B model's)."""
-    model_dir = save_model(moe_policy(), tmp_path_factory.mktemp(f"tiny-{FAMILY}-gpu"))
-    with pytest.MonkeyPatch.context() as scoped:
-        scoped.setenv("TRITON_F32_DEFAULT", "ieee")  # the engine core takes the environment it starts with
-        llm = gpu_llm(model_dir, backend=request.param)
+    llm = moe_llm_over(request.param, tmp_path_factory.mktemp(f"tiny-{MOE_FAMILY}-gpu"))
     yield llm
     stop_llm(llm)
 

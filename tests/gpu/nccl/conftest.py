@@ -1,0 +1,76 @@
+"""The ``nccl`` GPU tier: lightning-vllm over ``nccl`` into vLLM's own engine, every NCCL party a host of its own on
+the one GPU (``nccl_hosts.py``). ``make test-gpu-nccl`` and ``make test-gpu-nccl-nodes`` run it on the GPU host.
+
+Engines are shared for the session and started one after another, each once the GPU's free memory has settled
+(``gpu_helpers.gpu_memory_settled``): vLLM's memory profiling fails when another process frees GPU memory while it
+runs. Tests marked ``ends_engine`` (an engine core killed) run last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_helpers import engine_settings, gpu_llm, gpu_memory_settled, gpu_server, stop_llm  # noqa: E402
+from nccl_hosts import become_trainer_host, host_env, starting_as  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that kill a shared engine's core run after every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_engine") is not None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trainer_host() -> None:
+    """This process is the trainer's NCCL host, before any NCCL communicator is made in it."""
+    if torch.cuda.is_available():
+        become_trainer_host()
+
+
+@pytest.fixture(scope="session")
+def nccl_llm(gpu_model_dir: Path) -> Iterator[Any]:
+    """A ``vllm.LLM`` over vLLM's ``nccl`` backend, its engine core an NCCL host of its own."""
+    with starting_as("engine-llm"):
+        llm = gpu_llm(gpu_model_dir, backend="nccl")
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def nccl_async_engine(gpu_model_dir: Path) -> Iterator[Any]:
+    """An ``AsyncLLM`` over ``nccl`` behind its engine target, its engine core an NCCL host of its own."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lightning_vllm import AsyncLLMEngine
+
+    gpu_memory_settled()
+    with starting_as("engine-async", measured=False):
+        engine = AsyncLLMEngine(AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_settings(gpu_model_dir, "nccl"))))
+    yield engine
+    engine.async_llm.shutdown(timeout=2.0)
+
+
+@pytest.fixture(scope="session")
+def nccl_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``vllm serve`` over ``nccl``, an NCCL host of its own, started and healthy before the fixture returns."""
+    logs = Path(os.environ["OUT"]) if os.environ.get("OUT") else tmp_path_factory.mktemp("nccl-server")
+    # PauseLease, as docs/engines.md asks: nccl pauses generation for a whole push, and a trainer killed inside it
+    # would leave the server paused for good.
+    server = gpu_server(
+        gpu_model_dir,
+        logs / "nccl-server.log",
+        backend="nccl",
+        env=host_env("engine-serve"),
+        extra_args=["--middleware", "lightning_vllm.server.PauseLease"],
+    )
+    yield server
+    server.stop()
