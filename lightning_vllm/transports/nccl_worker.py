@@ -16,6 +16,8 @@ So this engine is vLLM's, watched while it receives: a thread asks NCCL for the 
 calls) and aborts it, which wakes the receive. What arrived after the failure is not loaded: the buffers of an
 aborted broadcast hold whatever was there. ``receive_weights`` then raises, vLLM's ``update_weights`` returns its
 error, and the trainer's side closes the update (``core/after_failure.py``); the next push joins a new group.
+A new trainer's join also leaves the group still held (vLLM's replaces it without destroying it, so a trainer
+killed between two pushes left a communicator behind).
 
 The plugin (``plugin.py``) registers it under vLLM's own name, ``nccl``: an engine built with
 ``weight_transfer_config={"backend": "nccl"}`` gets it in each worker, with no user code.
@@ -108,6 +110,16 @@ def async_error(group: Any) -> int:
 
 class WatchedNCCLWeightTransferEngine(NCCLWeightTransferEngine):
     """vLLM's NCCL worker engine whose receive ends, with an error, when the trainer's side of the group fails."""
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        """Join a new trainer's group as vLLM's engine does, after leaving the one still held.
+
+        vLLM's engine replaces its group without destroying it: a trainer killed between two pushes never released
+        its group, and each new trainer would leave another communicator behind (its threads and sockets).
+        """
+        if self.model_update_group is not None:
+            self.shutdown()  # vLLM's: aborts the communicator (its peer may be gone)
+        super().init_transfer_engine(init_info)
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
         """Receive a push as vLLM's engine does, watched (:class:`GroupWatch`).

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -369,9 +370,12 @@ QWEN2_1_5B = dict(
 )  # fmt: skip
 
 
-def every_bf16_push_lands_exactly(tmp_path: Path, backend: str, prefix: str = "") -> None:
+def every_bf16_push_lands_exactly(
+    tmp_path: Path, backend: str, prefix: str = "", starting: Callable[[], AbstractContextManager[Any]] = nullcontext
+) -> None:
     """A bf16 model of Qwen2.5-1.5B's shape (1.54B parameters, tied embeddings) pushed 4 times into an engine started
-    from dummy weights: after every push the engine holds exactly the trainer's weights (digests)."""
+    from dummy weights (inside ``starting()``: the environment its engine core takes): after every push the engine
+    holds exactly the trainer's weights (digests)."""
     from gpu_helpers import digests_equal, engine_digest, gpu_llm, model_digest, stop_llm
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -380,7 +384,8 @@ def every_bf16_push_lands_exactly(tmp_path: Path, backend: str, prefix: str = ""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    llm = gpu_llm(tmp_path, backend=backend, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.1)
+    with starting():
+        llm = gpu_llm(tmp_path, backend=backend, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.1)
     try:
         num_parameters = sum(p.numel() for p in model.parameters())
         assert 1.5e9 < num_parameters < 1.6e9

@@ -148,3 +148,18 @@ def test_the_plugin_puts_the_watched_engine_under_vllms_nccl_name():
     register_backends()
     register_backends()  # (vLLM may load plugins more than once)
     assert WeightTransferEngineFactory._registry["nccl"]() is WatchedNCCLWeightTransferEngine
+
+
+def test_a_new_trainers_group_replaces_the_one_still_held_after_leaving_it(monkeypatch):
+    """A trainer killed between two pushes never released its group: the next one's join leaves it first."""
+    joined = []
+    monkeypatch.setattr(NCCLWeightTransferEngine, "init_transfer_engine", lambda self, info: joined.append(info))
+    group = StandInGroup(fail_after=None)
+    destroyed = []
+    group.destroy = lambda: destroyed.append(True)  # type: ignore[attr-defined]
+    engine = worker_engine(group)
+
+    engine.init_transfer_engine("the next trainer's init info")
+
+    assert destroyed == [True] and engine.model_update_group is None  # (vLLM's shutdown destroys, then forgets it)
+    assert joined == ["the next trainer's init info"]
