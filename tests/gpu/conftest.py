@@ -30,6 +30,9 @@ HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``ends_engine`` (a shared engine's core killed) run after every other test; without CUDA every
+    test here is skipped."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_engine") is not None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=f"the GPU tier needs a CUDA GPU and vLLM's engine there ({HOST_SETUP})")

@@ -409,3 +409,52 @@ def every_bf16_push_lands_exactly(
         updater.close()
     finally:
         stop_llm(llm)
+
+
+class InProcessEngineScenarios:
+    """The scenarios above as tests, against the fixture ``llm`` a tier's subclass gives (an in-process ``vllm.LLM``
+    over its backend): one list of what a user does, run by the ``ipc`` and the ``nccl`` tiers alike.
+
+    Attributes:
+        prefix: what the figures of the tier's engine are named with.
+        soak_groups: how many updaters the 100 pushes are spread over (each joins a group and leaves it).
+        count_leaks: whether the soak holds file descriptors and threads to their count before it.
+    """
+
+    prefix: str = ""
+    soak_groups: int = 1
+    count_leaks: bool = False
+
+    def test_fit_pushes_land_within_the_engines_own_float32_floor(self, llm: Any, tmp_path: Path) -> None:
+        fit_lands_with_its_scalars(llm, tmp_path, prefix=self.prefix)
+
+    def test_rollouts_in_training_step_carry_the_version_that_produced_them(self, llm: Any, tmp_path: Path) -> None:
+        rollouts_carry_their_version(llm, tmp_path)
+
+    def test_background_pushes_land_and_the_last_is_served(self, llm: Any, tmp_path: Path) -> None:
+        background_pushes_land(llm, tmp_path)
+
+    def test_changed_only_leaves_a_frozen_embedding_out(self, llm: Any, tmp_path: Path) -> None:
+        changed_only_leaves_a_frozen_embedding_out(llm, tmp_path)
+
+    def test_lora_goes_merged_and_its_adapter_alone_is_refused_before_a_byte_moves(
+        self, llm: Any, tmp_path: Path
+    ) -> None:
+        lora_goes_merged_and_its_adapter_alone_is_refused(llm, tmp_path)
+
+    def test_a_hundred_pushes_leave_gpu_memory_flat_on_both_sides(self, llm: Any) -> None:
+        a_hundred_pushes_leave_memory_flat(llm, self.prefix, groups=self.soak_groups, count_leaks=self.count_leaks)
+
+    def test_a_push_that_times_out_half_way_fails_in_time_and_the_next_push_lands(self, llm: Any) -> None:
+        timing_out_half_way(llm, timeout=5)
+
+    def test_a_source_that_raises_half_way_fails_the_push_and_the_next_push_lands(self, llm: Any) -> None:
+        raising_half_way(llm)
+
+    def test_the_engine_core_frozen_mid_push_times_out_and_serves_again_once_continued(self, llm: Any) -> None:
+        engine_frozen_half_way(llm)
+
+    @pytest.mark.ends_engine
+    def test_the_engine_core_killed_mid_push_is_an_error_within_the_timeout(self, llm: Any) -> None:
+        """Last: it ends the shared engine."""
+        engine_killed_half_way(llm, prefix=self.prefix)

@@ -3,7 +3,7 @@ the one GPU (``nccl_hosts.py``). ``make test-gpu-nccl`` and ``make test-gpu-nccl
 
 Engines are shared for the session and started one after another, each once the GPU's free memory has settled
 (``gpu_helpers.gpu_memory_settled``): vLLM's memory profiling fails when another process frees GPU memory while it
-runs. Tests marked ``ends_engine`` (an engine core killed) run last.
+runs. Tests marked ``ends_engine`` (an engine core killed) run last (``tests/gpu/conftest.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from gpu_helpers import engine_settings, gpu_llm, gpu_memory_settled, gpu_server, stop_llm  # noqa: E402
 from nccl_hosts import become_trainer_host, host_env, starting_as  # noqa: E402
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that kill a shared engine's core run after every other test."""
-    items.sort(key=lambda item: item.get_closest_marker("ends_engine") is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)
