@@ -259,10 +259,12 @@ class EngineConnection:
         else:
             wire = self.wire
         stamps = payload.stamps if self.options.changed_only else None
-        groups = WireWeights(source, wire).groups()
-        unchanged = self.sent.unchanged(groups, stamps) if stamps is not None else set()
-        if self.backend.traits.sends_every_push and len(unchanged) == len(wire):  # (vLLM's nccl: see Traits)
-            unchanged -= set(smallest_group(groups, wire))
+        unchanged: set[str] = set()
+        if stamps is not None:
+            groups = WireWeights(source, wire).groups()
+            unchanged = self.sent.unchanged(groups, stamps)
+            if self.backend.traits.sends_every_push and len(unchanged) == len(wire):  # (vLLM's nccl: see Traits)
+                unchanged -= set(smallest_group(groups, wire))
         if unchanged:  # whole layer groups the engine already holds
             wire = {name: meta for name, meta in wire.items() if name not in unchanged}
         tally = self.landing.tally_for(carries_base=payload.view != "adapter", every_rank=peers is not None)
