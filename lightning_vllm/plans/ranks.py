@@ -19,8 +19,10 @@ each layer group is gathered, the ranks check in on a gloo group of their own
 
 So no rank waits in a gather for a rank that stopped, and the status group never
 waits on the trainer's collectives: each check-in happens between gathers. What
-this cannot cover: an exception raised by the gather itself on one rank (its peers
-then wait in that gather until the trainer's process-group timeout).
+this cannot cover: an exception raised by the gather itself on one rank, or by a
+source that is a generator while it is half way through a group (a generator cannot
+go on after it raised, so the group's other gathers are not made); its peers then
+wait in that group's gathers until the trainer's process-group timeout.
 """
 
 from __future__ import annotations
