@@ -64,8 +64,9 @@ test-fast: $(STAMP)
 # `make test-gpu-nccl-nodes` (nccl into `vllm serve` from trainers in processes of their own, two-node runs).
 # Here: `make gpu-carry` builds .gpu-carry/ (vLLM 0.33's Python sources, the wheels its Python imports, torch-native
 # stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the three
-# targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/gpu.md.
-GPU_PYTEST := source .gpu-carry/setup.sh && python3 -m pytest -p no:cacheprovider -m gpu --timeout 300 -rA
+# targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/gpu.md. A test still running after
+# 240 s has every thread's stack printed (a hang in an engine call shows where it waits).
+GPU_PYTEST := source .gpu-carry/setup.sh && python3 -m pytest -p no:cacheprovider -m gpu --timeout 300 -o faulthandler_timeout=240 -v -rA
 NCCL_NODES := tests/gpu/nccl/test_nccl_nodes.py
 
 gpu-carry:
