@@ -6,7 +6,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -124,16 +124,12 @@ def moe_policy() -> torch.nn.Module:
 def moe_llm_over(backend: str, model_dir: Path) -> Any:
     """A float32 ``vllm.LLM`` of :func:`moe_policy` saved to ``model_dir``, over ``backend``. Its engine core starts
     with ``TRITON_F32_DEFAULT=ieee``: Triton's float32 dots in TF32 (its default) would raise the engine's floor."""
+    import pytest
+
     helpers.save_model(moe_policy(), model_dir)
-    previous = os.environ.get("TRITON_F32_DEFAULT")
-    os.environ["TRITON_F32_DEFAULT"] = "ieee"  # the engine core takes the environment it starts with
-    try:
+    with pytest.MonkeyPatch.context() as scoped:
+        scoped.setenv("TRITON_F32_DEFAULT", "ieee")  # the engine core takes the environment it starts with
         return gpu_llm(model_dir, backend=backend)
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_F32_DEFAULT")
-        else:
-            os.environ["TRITON_F32_DEFAULT"] = previous
 
 
 def dummy_bf16_llm(model_dir: Path, num_bytes: int, backend: str, headroom_bytes: int = 4 << 30) -> Any:
@@ -249,6 +245,44 @@ def fit_lands_within_the_floor(
     assert helpers.vllm_greedy(llm) == hf_greedy(module.hf)
     assert llm.get_weight_version() == str(sync.weight_version) == str(version + 3)  # steps 2, 4, 6
     return trainer, version
+
+
+def what_it_serves(
+    engine: Any,
+    before: torch.nn.Module,
+    pushed: torch.nn.Module,
+    reference: Callable[[torch.nn.Module], list[list[float]]] | None = None,
+    wait: float = 60.0,
+    bound: float = 2 * 2.0e-4,
+) -> dict[str, Any]:
+    """After a push (one that failed, or the one after it): the version ``engine`` (a ``vllm.LLM`` or a target)
+    reports, and how far its served prompt logprobs are from ``before`` (the weights it served before the push) and
+    from ``pushed`` (the push's), each read within ``wait`` seconds, and which of them it serves (within ``bound``,
+    twice the engine's float32 floor on the H200), or "a mix". An engine that does not answer is recorded, not
+    raised: the caller's assertions then show it beside what came before. ``reference``: the Hugging Face model's
+    logprobs (:func:`hf_prompt_logprobs` on the GPU by default)."""
+    from lightning_vllm._waits import call_with_timeout
+
+    reference = reference or hf_prompt_logprobs
+    started = time.monotonic()
+    try:
+        served = call_with_timeout(helpers.served_logprobs, engine, timeout=wait, what="the engine to serve")
+        version = call_with_timeout(helpers.served_version, engine, timeout=wait, what="the engine's weight version")
+    except Exception as error:  # noqa: BLE001
+        return {
+            "error": f"{type(error).__name__}: {error}"[:400],
+            "after_seconds": round(time.monotonic() - started, 2),
+        }
+    gap_before = helpers.max_abs_diff(served, reference(before))
+    gap_pushed = helpers.max_abs_diff(served, reference(pushed))
+    which = "the weights before" if gap_before <= bound else "the push's" if gap_pushed <= bound else "a mix"
+    return {
+        "answered_after_seconds": round(time.monotonic() - started, 2),
+        "version": version,
+        "gap_to_before": gap_before,
+        "gap_to_pushed": gap_pushed,
+        "serves": which,
+    }
 
 
 def push_killed_half_way(llm: Any, timeout: float) -> tuple[BaseException, float]:

@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
+
 TRAINER = "lightning-vllm-trainer"
 """The host id of the test process (the trainer of the in-process engines' tests)."""
 
@@ -49,19 +51,9 @@ def starting_as(host: str, measured: bool = True) -> Iterator[None]:
     """Inside, what this process starts (a ``vllm.LLM``'s or ``AsyncLLM``'s engine core, which takes the
     environment of the moment) is the NCCL host ``host``, without :data:`MEASURED` unless ``measured``; this
     process is the trainer's again afterwards."""
-    wanted: dict[str, str | None] = {**host_env(host), **({} if measured else dict.fromkeys(MEASURED))}
-    previous = {name: os.environ.get(name) for name in wanted}
-    try:
-        for name, value in wanted.items():
-            set_or_unset(name, value)
+    with pytest.MonkeyPatch.context() as scoped:
+        for name, value in host_env(host).items():
+            scoped.setenv(name, value)
+        for name in () if measured else MEASURED:
+            scoped.delenv(name, raising=False)
         yield
-    finally:
-        for name, value in previous.items():
-            set_or_unset(name, value)
-
-
-def set_or_unset(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value

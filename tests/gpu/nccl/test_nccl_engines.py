@@ -17,14 +17,7 @@ from gpu_helpers import (
     moe_policy,
     stop_llm,
 )
-from helpers import (
-    TinyCausalLM,
-    engine_prompt_logprobs,
-    max_abs_diff,
-    tiny_qwen2,
-    token_batches,
-    vllm_prompt_logprobs,
-)
+from helpers import TinyCausalLM, max_abs_diff, served_logprobs, tiny_qwen2, token_batches
 from nccl_hosts import starting_as
 
 from lightning_vllm import VLLMWeightSync
@@ -46,8 +39,7 @@ def test_fit_keeps_two_replicas_in_sync_each_in_a_group_of_its_own(nccl_llm, ncc
 
     gpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(num_batches=2))
 
-    served = [vllm_prompt_logprobs(nccl_llm), engine_prompt_logprobs(nccl_async_engine)]  # (an LLM, a target)
-    gaps = [max_abs_diff(logprobs, hf_prompt_logprobs(module.hf)) for logprobs in served]
+    gaps = [max_abs_diff(served_logprobs(engine), hf_prompt_logprobs(module.hf)) for engine in engines]
     FIGURES.update(nccl_replica_gaps=gaps)
     assert all(gap <= scenarios.FLOOR_BOUND for gap in gaps), gaps
     # Every push reaches both (fit start, steps 1 and 2), going on from the larger version either served.

@@ -20,7 +20,7 @@ import killed_trainer_run
 import psutil
 import pytest
 import two_nodes_run
-from gpu_helpers import FIGURES, gpu_trainer, hf_prompt_logprobs
+from gpu_helpers import FIGURES, gpu_trainer, hf_prompt_logprobs, what_it_serves
 from helpers import (
     TinyCausalLM,
     engine_prompt_logprobs,
@@ -219,11 +219,11 @@ def test_a_trainer_killed_mid_push_leaves_the_server_serving_and_the_next_traine
     FIGURES["failure_trainer_killed"] = figures  # (kept whatever fails below)
     before, killed = tiny_qwen2(seed=killed_trainer_run.LANDED_SEED), tiny_qwen2(seed=killed_trainer_run.KILLED_SEED)
     engine = HTTPEngine(url, timeout_seconds=5.0, generate_timeout_seconds=30.0)
-    figures["in_between"] = two_nodes_run.what_it_serves(engine, before, killed)
+    figures["in_between"] = what_it_serves(engine, before, killed)
     next_model = tiny_qwen2(seed=63).cuda()
     figures["next_trainer"] = next_trainer_pushes(url, next_model)
     if any("landed" in attempt for attempt in figures["next_trainer"].values()):
-        figures["next_served"] = two_nodes_run.what_it_serves(engine, before, next_model)
+        figures["next_served"] = what_it_serves(engine, before, next_model)
     print(f"trainer killed mid-push: {figures}")
 
     assert "seconds" in figures["answered"], figures["answered"]  # within timeout_seconds + a few

@@ -23,7 +23,6 @@ import copy
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,7 +124,7 @@ def rank_failures(
     """Pushes of changed weights, every rank walking them: rank 1 fails, then rank 0 fails, then one goes through.
 
     Each failure's error and seconds are recorded on every rank; rank 0 adds what the server serves after it
-    (:func:`what_it_serves`: the trained weights, the changed ones, or a mix, and its version).
+    (``gpu_helpers.what_it_serves``: the trained weights, the changed ones, or a mix, and its version).
     """
     with torch.no_grad():  # as an optimizer step would, alike on every rank
         for parameter in module.model.parameters():
@@ -136,39 +135,13 @@ def rank_failures(
         with walking_with(failure if ranks.rank == failing_rank else LockstepWeights):
             failed = failed_fit(lambda: LockstepGathers(ranks).push(sync.updater, module))
         if ranks.rank == 0:
-            failed["served"] = what_it_serves(engine, trained, changed, reference)
+            failed["served"] = gpu_helpers.what_it_serves(engine, trained, changed, reference, ANSWER_SECONDS)
         outcome[f"rank{failing_rank}_fails"] = failed
     outcome["next_push"] = failed_fit(lambda: LockstepGathers(ranks).push(sync.updater, module))
     outcome["weight_version"] = sync.weight_version
     if ranks.rank == 0:
-        outcome["next_push"]["served"] = what_it_serves(engine, trained, changed, reference)
+        outcome["next_push"]["served"] = gpu_helpers.what_it_serves(engine, trained, changed, reference, ANSWER_SECONDS)
     return outcome
-
-
-def what_it_serves(
-    engine: HTTPEngine,
-    last_good: torch.nn.Module,
-    pushed: torch.nn.Module,
-    reference: Callable[[torch.nn.Module], list[list[float]]] = gpu_helpers.hf_prompt_logprobs,
-) -> dict[str, Any]:
-    """The version the server reports and how far its served logprobs are from ``last_good`` (the weights of its
-    last push that landed) and from ``pushed`` (those of the push after it), once it answers (each read bounded).
-    ``nccl`` loads as it receives: a push that failed half way may leave a mix of the two (docs/gpu.md)."""
-    started = time.monotonic()
-    try:
-        served = bounded(helpers.engine_prompt_logprobs, engine, what="the server to serve after the push")
-        version = bounded(helpers.served_version, engine, what="the server's weight version")
-    except Exception as error:  # noqa: BLE001  # recorded: the test fails on it, seeing what came before and after
-        return {
-            "error": f"{type(error).__name__}: {error}"[:400],
-            "after_seconds": round(time.monotonic() - started, 2),
-        }
-    return {
-        "answered_after_seconds": round(time.monotonic() - started, 2),
-        "version": version,
-        "gap_to_last_good": helpers.max_abs_diff(served, reference(last_good)),
-        "gap_to_pushed": helpers.max_abs_diff(served, reference(pushed)),
-    }
 
 
 @contextmanager
