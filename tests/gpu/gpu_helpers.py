@@ -221,11 +221,19 @@ def fit_lands_within_the_floor(
     first: its kernels against HF's on the same weights) and the same greedy tokens, while before the sync they
     were at least 100x the floor away; versions 1..3 after the one the engine served. Returns the trainer and
     that version. ``figures_prefix`` names the figures it records; ``model`` is the float32 Hugging Face model
-    the engine started from, with its weights (a checkpoint of it): a fresh ``tiny_qwen2(seed=0)`` by default."""
-    from lightning_vllm import VLLMWeightSync
+    the engine started from, with its weights (a checkpoint of it): a fresh ``tiny_qwen2(seed=0)`` by default.
+
+    Its weights are pushed first: an engine shared by a tier's tests serves what the test before pushed (the nccl
+    tier's replicas test ran first on the H200, and the floor then read 0.57: another model's gap)."""
+    from lightning_vllm import VLLMUpdater, VLLMWeightSync
     from lightning_vllm.engines.base import version_number
 
     start = model if model is not None else helpers.tiny_qwen2(seed=0)  # the weights the engine started from
+    updater = VLLMUpdater(engine=llm, timeout_seconds=60)
+    try:
+        updater.push_weights(start.cuda())
+    finally:
+        updater.close()
     module = helpers.TinyCausalLM(start, lr=1e-2)
     served_before, version = helpers.vllm_prompt_logprobs(llm), version_number(llm.get_weight_version())
     floor = helpers.max_abs_diff(served_before, hf_prompt_logprobs(module.hf))
