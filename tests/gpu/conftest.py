@@ -1,8 +1,8 @@
 """The GPU tier: lightning-vllm against vLLM's own engine (engine core, worker, model runner) on one CUDA GPU.
 
 Run it on the GPU host, from a clean checkout plus ``.gpu-carry`` (``make gpu-carry`` here):
-``make test-gpu`` (``ipc`` and ``lightning_ipc``), ``make test-gpu-nccl`` and ``make test-gpu-nccl-nodes``
-(``nccl``: ``tests/gpu/nccl``), each one call of at most 9 minutes. On a
+``make test-gpu`` (``ipc`` and ``lightning_ipc``), ``make test-gpu-moe`` (``test_gpu_moe.py``), ``make test-gpu-nccl``
+and ``make test-gpu-nccl-nodes`` (``nccl``: ``tests/gpu/nccl``), each one call of at most 9 minutes. On a
 machine without CUDA every test here is skipped, saying why (CI never runs them). docs/gpu.md
 has the last run's results and what ran: vLLM 0.33's Python sources with torch-native stand-ins
 for its compiled kernels (``tests/gpu/host/vllm_native_C.py``), Triton attention, eager mode.
