@@ -65,7 +65,7 @@ test-fast: $(STAMP)
 # of their own, two-node runs). The MoE tests have a call of their own because with them `make test-gpu` took 515 s
 # of its 540 (2026-12-03): a slower host would have cut it short.
 # Here: `make gpu-carry` builds .gpu-carry/ (vLLM 0.33's Python sources, the wheels its Python imports, torch-native
-# stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the three
+# stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the four
 # targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/gpu.md. A test still running after
 # 240 s has every thread's stack printed (a hang in an engine call shows where it waits).
 GPU_PYTEST := source .gpu-carry/setup.sh && python3 -m pytest -p no:cacheprovider -m gpu --timeout 300 -o faulthandler_timeout=240 -v -rA

@@ -221,14 +221,15 @@ def fit_lands_within_the_floor(
     first: its kernels against HF's on the same weights) and the same greedy tokens, while before the sync they
     were at least 100x the floor away; versions 1..3 after the one the engine served. Returns the trainer and
     that version. ``figures_prefix`` names the figures it records; ``model`` is the float32 Hugging Face model
-    the engine started from, with its weights (a checkpoint of it): a fresh ``tiny_qwen2(seed=0)`` by default.
+    the fit starts from, of the engine's architecture: a fresh ``tiny_qwen2(seed=0)`` by default.
 
-    Its weights are pushed first: an engine shared by a tier's tests serves what the test before pushed (the nccl
-    tier's replicas test ran first on the H200, and the floor then read 0.57: another model's gap)."""
+    Its weights are pushed first, and the floor is measured on them: an engine shared by a tier's tests serves what
+    the test before pushed (the nccl tier's replicas test ran first on the H200, and the floor then read 0.57:
+    another model's gap)."""
     from lightning_vllm import VLLMUpdater, VLLMWeightSync
     from lightning_vllm.engines.base import version_number
 
-    start = model if model is not None else helpers.tiny_qwen2(seed=0)  # the weights the engine started from
+    start = model if model is not None else helpers.tiny_qwen2(seed=0)
     updater = VLLMUpdater(engine=llm, timeout_seconds=60)
     try:
         updater.push_weights(start.cuda())
