@@ -58,15 +58,18 @@ class BackgroundCall(Generic[_T]):
         """Wait at most ``timeout`` seconds for the call to end; whether it did (its outcome is not raised)."""
         return self._done.wait(timeout)
 
-    def result(self, timeout: float, hint: str = "") -> _T:
+    def result(self, timeout: float, hint: str = "", waited: float | None = None) -> _T:
         """Wait at most ``timeout`` seconds and return the call's result or raise its error.
+
+        ``waited`` is how long the caller has waited for the call in all, when it waited before this (the timeout
+        error says so; by default ``timeout``).
 
         Raises:
             WeightSyncTimeoutError: the call did not finish in time.
         """
         if not self._done.wait(timeout):
             raise WeightSyncTimeoutError(
-                f"Timed out after {timeout:g} s waiting for {self.what}. "
+                f"Timed out after {timeout if waited is None else waited:g} s waiting for {self.what}. "
                 + (hint or "Check that the vLLM engine is alive and reachable, or raise timeout_seconds.")
             )
         if self._error is not None:
@@ -155,7 +158,7 @@ def call_watched(
     call = BackgroundCall(fn, what=what, waited_until=deadline)
     while not call.wait(interval) and time.monotonic() < deadline:
         check()
-    return call.result(max(0.0, deadline - time.monotonic()), hint)
+    return call.result(max(0.0, deadline - time.monotonic()), hint, waited=timeout)
 
 
 def wait_polling(
