@@ -21,8 +21,11 @@ def raise_if_dead(engine: EngineTarget) -> None:
 
 
 def engine_death(error: BaseException, engine: EngineTarget, during: str) -> EngineDeadError | None:
-    """The :class:`EngineDeadError` to raise for ``error`` if it says ``engine`` is gone, else None."""
-    if not is_engine_death(error):
+    """The :class:`EngineDeadError` to raise for ``error`` if it says ``engine`` is gone, or ``engine`` is known to
+    have died, else None. The second because vLLM's client, once it saw its engine core exit, closes its sockets, and
+    a call racing that fails with what the closed socket raises (``ZMQError: Socket operation on non-socket``, seen
+    in ``tests/plans/test_ranks.py``'s killed engine) rather than with vLLM's ``EngineDeadError``."""
+    if not (is_engine_death(error) or engine.is_dead()):
         return None
     return EngineDeadError(
         f"{engine.description} died {during} ({type(error).__name__}: {str(error).splitlines()[0]}). Start a new "

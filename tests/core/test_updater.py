@@ -332,6 +332,35 @@ class DiesAtStart(FakeEngine):
         super().start_weight_update()
 
 
+class DiesClosingItsSockets(FakeEngine):
+    """A fake engine whose core has died, and whose client fails the next call with the error of its closed socket
+    (vLLM's client closes them once it saw the core exit; a call racing that gets ``ZMQError``, not vLLM's
+    ``EngineDeadError``)."""
+
+    dead = False
+
+    def is_dead(self) -> bool:
+        return self.dead
+
+    def start_weight_update(self) -> None:
+        if self.dead:
+            raise OSError("Socket operation on non-socket")
+        super().start_weight_update()
+
+
+def test_an_engine_known_dead_is_named_whatever_its_client_raised():
+    from lightning_vllm import EngineDeadError
+
+    model = tiny_qwen2(seed=0)
+    dying = DiesClosingItsSockets(model)
+    updater = VLLMUpdater(engine=dying, timeout_seconds=5)
+    updater.push_weights(model)
+    dying.dead = True
+    with pytest.raises(EngineDeadError, match=r"died during a push \(OSError: Socket operation on non-socket\)"):
+        updater.push_weights(model)
+    assert updater.weight_version == 1 and updater.versions.missed == 1
+
+
 def test_an_engine_that_died_is_named_with_what_to_do_and_can_be_replaced():
     from lightning_vllm import EngineDeadError
 
