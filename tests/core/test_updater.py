@@ -348,28 +348,19 @@ class DiesClosingItsSockets(FakeEngine):
         super().start_weight_update()
 
 
-def test_an_engine_known_dead_is_named_whatever_its_client_raised():
+@pytest.mark.parametrize(
+    ("dying_engine", "cause"),
+    [(DiesAtStart, "EngineDeadError"), (DiesClosingItsSockets, "OSError: Socket operation on non-socket")],
+)
+def test_an_engine_that_died_is_named_with_what_to_do_and_can_be_replaced(dying_engine, cause):
     from lightning_vllm import EngineDeadError
 
     model = tiny_qwen2(seed=0)
-    dying = DiesClosingItsSockets(model)
+    dying = dying_engine(model)
     updater = VLLMUpdater(engine=dying, timeout_seconds=5)
     updater.push_weights(model)
     dying.dead = True
-    with pytest.raises(EngineDeadError, match=r"died during a push \(OSError: Socket operation on non-socket\)"):
-        updater.push_weights(model)
-    assert updater.weight_version == 1 and updater.versions.missed == 1
-
-
-def test_an_engine_that_died_is_named_with_what_to_do_and_can_be_replaced():
-    from lightning_vllm import EngineDeadError
-
-    model = tiny_qwen2(seed=0)
-    dying = DiesAtStart(model)
-    updater = VLLMUpdater(engine=dying, timeout_seconds=5)
-    updater.push_weights(model)
-    dying.dead = True
-    with pytest.raises(EngineDeadError, match=r"died during a push .*hand it to the updater.*set_engine"):
+    with pytest.raises(EngineDeadError, match=rf"died during a push \({cause}.*hand it to the updater.*set_engine"):
         updater.push_weights(model)
     assert updater.weight_version == 1 and updater.versions.missed == 1
     replacement = FakeEngine(model)
