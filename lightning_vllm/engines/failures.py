@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from lightning_vllm.engines.base import EngineTarget
-from lightning_vllm.errors import EngineBusyError, EngineDeadError
+from lightning_vllm.errors import EngineBusyError, EngineDeadError, PushAborted
 
 
 def raise_if_dead(engine: EngineTarget) -> None:
@@ -24,11 +24,14 @@ def engine_death(error: BaseException, engine: EngineTarget, during: str) -> Eng
     """The :class:`EngineDeadError` to raise for ``error`` if it says ``engine`` is gone, or ``engine`` is known to
     have died, else None. The second because vLLM's client, once it saw its engine core exit, closes its sockets, and
     a call racing that fails with what the closed socket raises (``ZMQError: Socket operation on non-socket``, seen
-    in ``tests/plans/test_ranks.py``'s killed engine) rather than with vLLM's ``EngineDeadError``."""
-    if not (is_engine_death(error) or engine.is_dead()):
+    in ``tests/plans/test_ranks.py``'s killed engine) rather than with vLLM's ``EngineDeadError``. An interrupt, or
+    another trainer rank's failure (``PushAborted``), stays what it is."""
+    known_dead = isinstance(error, Exception) and not isinstance(error, PushAborted) and engine.is_dead()
+    if not (is_engine_death(error) or known_dead):
         return None
+    first_line = next(iter(str(error).splitlines()), "")
     return EngineDeadError(
-        f"{engine.description} died {during} ({type(error).__name__}: {str(error).splitlines()[0]}). Start a new "
+        f"{engine.description} died {during} ({type(error).__name__}: {first_line}). Start a new "
         "engine and hand it to the updater (VLLMWeightSync.updater.set_engine), or restart it where it was: the "
         "next push joins an engine that is back."
     )

@@ -348,6 +348,18 @@ class DiesClosingItsSockets(FakeEngine):
         super().start_weight_update()
 
 
+def test_an_interrupt_or_another_ranks_failure_is_not_taken_for_a_dead_engine():
+    from lightning_vllm import EngineDeadError
+    from lightning_vllm.engines.failures import engine_death
+    from lightning_vllm.errors import PushAborted
+
+    dead = DiesClosingItsSockets(tiny_qwen2(seed=0))
+    dead.dead = True
+    assert engine_death(KeyboardInterrupt(), dead, "during a push") is None
+    assert engine_death(PushAborted("The push failed on trainer rank 1"), dead, "during a push") is None
+    assert isinstance(engine_death(OSError(), dead, "during a push"), EngineDeadError)  # (no message either)
+
+
 @pytest.mark.parametrize(
     ("dying_engine", "cause"),
     [(DiesAtStart, "EngineDeadError"), (DiesClosingItsSockets, "OSError: Socket operation on non-socket")],
