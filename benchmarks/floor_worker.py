@@ -43,7 +43,7 @@ class FloorWorkerExtension(WeightCheckExtension):
         """
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from lightning_vllm.transports.gloo.tied_embedding_fix import tied_embeddings_refreshed
+        from lightning_vllm.backends.gloo.tied_embedding_fix import tied_embeddings_refreshed
 
         engine = self.weight_transfer_engine
         with tied_embeddings_refreshed(engine.model):

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from smollm2 import ModelPreparationError, prepare_smollm2  # noqa: E402
 
 from lightning_vllm import VLLMWeightSync, generate  # noqa: E402
-from lightning_vllm.lora.cpu_ops import CPU_LORA_OPS_VARIABLE  # noqa: E402
-from lightning_vllm.transports.busy_wait import BUSY_LOOP_VARIABLE  # noqa: E402
+from lightning_vllm.in_vllm.busy_wait import BUSY_LOOP_VARIABLE  # noqa: E402
+from lightning_vllm.in_vllm.lora_ops import CPU_LORA_OPS_VARIABLE  # noqa: E402
 
 # Training wordings. The held-out ones below share none of their phrasing ("sum", "plus"), so the
 # held-out score measures addition, not one template.

@@ -2,7 +2,7 @@
 
 The names below are imported when first used, not with the package: vLLM imports the
 package in every one of its processes to load our transport plugin
-(``lightning_vllm.transports.plugin``), and those processes need the transport, not
+(``lightning_vllm.in_vllm.plugin``), and those processes need the transport, not
 Lightning or the callback.
 
 Example::

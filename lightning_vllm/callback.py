@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_vllm.backends import check_requested
+from lightning_vllm.backends.registry import check_requested
 from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine

@@ -23,14 +23,16 @@ class UpdatesInOneCall(Protocol):
 
     vLLM's control plane is three calls (start, update, finish), each a round trip to the engine core,
     then one more to set the version; a worker that loads while the call runs (CUDA IPC: the bytes are
-    on the trainer's GPU already) can take all three in one ``collective_rpc`` of a function
-    (``transports/ipc_worker.update_in_one_call``). On an H200 each round trip cost about a millisecond
-    of a push whose copy takes eight (docs/gpu.md).
+    on the trainer's GPU already) can take all three in one ``collective_rpc`` of a function the backend
+    gives (``backends/lightning_ipc/worker.update_in_one_call``). On an H200 each round trip cost about a
+    millisecond of a push whose copy takes eight (docs/gpu.md).
     """
 
-    def update_weights_in_one_call(self, update_info: dict[str, Any], weight_version: str | None) -> None:
-        """Start an update, load ``update_info`` and finish it, on every worker, then commit ``weight_version``
-        (``None``: no version)."""
+    def update_weights_in_one_call(
+        self, update_on_worker: Callable[..., None], update_info: dict[str, Any], weight_version: str | None
+    ) -> None:
+        """Run ``update_on_worker(worker, update_info=update_info)`` on every worker (it starts an update, loads
+        and finishes it), then commit ``weight_version`` (``None``: no version)."""
         ...
 
 
@@ -91,12 +93,14 @@ class TimedClient:
                 "finish_weight_update", weight_version, what="vLLM to finish the weight update (finish_weight_update)"
             )
 
-    def update_weights_in_one_call(self, update_info: dict[str, Any]) -> None:
-        """Start, load and finish in one call (the inner client is :class:`UpdatesInOneCall`), committing this
-        client's version inside ``commit_window()`` as ``finish_weight_update`` does."""
+    def update_weights_in_one_call(self, update_on_worker: Callable[..., None], update_info: dict[str, Any]) -> None:
+        """Start, load and finish in one call of ``update_on_worker`` on the workers (the inner client is
+        :class:`UpdatesInOneCall`), committing this client's version inside ``commit_window()`` as
+        ``finish_weight_update`` does."""
         with self.commit_window():
             self._call(
                 "update_weights_in_one_call",
+                update_on_worker,
                 update_info,
                 self.weight_version,
                 what="vLLM workers to start, load and finish the update (update_weights_in_one_call)",

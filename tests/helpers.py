@@ -515,8 +515,8 @@ class FakeEngine:
         return PromptLimits(vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, accepts_text=False)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        from lightning_vllm.transports.gloo import GlooWeightTransferInitInfo
-        from lightning_vllm.transports.gloo.receiver import GlooReceiver
+        from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo
+        from lightning_vllm.backends.gloo.receiver import GlooReceiver
 
         self.receiver = GlooReceiver(GlooWeightTransferInitInfo(**init_info), rank=1)
 
@@ -524,7 +524,7 @@ class FakeEngine:
         self._pending = {}
 
     def update_weights(self, update_info: dict) -> None:
-        from lightning_vllm.transports.gloo import GlooWeightTransferUpdateInfo
+        from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
 
         assert self.receiver is not None, "init_weight_transfer_engine first"
         for segment in self.receiver.received_segments(GlooWeightTransferUpdateInfo(**update_info)):

@@ -20,7 +20,7 @@ import time
 
 from helpers import tiny_qwen2
 
-import lightning_vllm.transports.gloo.trainer as gloo_trainer
+import lightning_vllm.backends.gloo.trainer as gloo_trainer
 from lightning_vllm import HTTPEngine, VLLMUpdater
 
 TIMEOUT_SECONDS = 5.0

@@ -150,7 +150,7 @@ def pushed_adapters_call(method: str, body: bytes = b"", path: str = "/lightning
 
 
 def test_pushed_adapters_answers_under_the_name_the_trainer_gives():
-    from lightning_vllm.lora.worker import adapter_directory
+    from lightning_vllm.in_vllm.lora_adapters import adapter_directory
 
     assert pushed_adapters_call("GET")[:2] == (200, b'{"pushed_adapters": true}')
     status, _, served = pushed_adapters_call("POST", b'{"name": "policy", "id": 7, "key": "abc123"}')

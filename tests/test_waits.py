@@ -110,7 +110,7 @@ class OneCallRecorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
 
-    def update_weights_in_one_call(self, update_info, weight_version):
+    def update_weights_in_one_call(self, update_on_worker, update_info, weight_version):
         self.calls.append(("one call", weight_version))
 
 
@@ -129,10 +129,10 @@ def test_an_update_in_one_call_commits_the_push_s_version_inside_its_commit_wind
         yield
         inner.calls.append(("reset", None))
 
-    TimedClient(inner, timeout=5).committing("7", window).update_weights_in_one_call({"names": []})
+    TimedClient(inner, timeout=5).committing("7", window).update_weights_in_one_call(print, {"names": []})
     assert inner.calls == [("window", None), ("one call", "7"), ("reset", None)]
     with pytest.raises(WeightSyncError, match="had already failed"):
-        AbandonedClient("The push").update_weights_in_one_call({"names": []})
+        AbandonedClient("The push").update_weights_in_one_call(print, {"names": []})
 
 
 def test_a_call_made_inside_a_bounded_call_runs_on_its_thread_when_the_outer_wait_ends_first():

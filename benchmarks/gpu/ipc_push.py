@@ -12,7 +12,7 @@ kernels as torch-native stand-ins), then times, as medians of ``--rounds``:
 * ``copy``: ``copy_`` of every tensor into a buffer of its own, allocated once (the floor: one copy); and the
   same as one ``torch._foreach_copy_`` (``batched_copy_over_copy``);
 * for each backend of ``--backends`` (one engine each; ``lightning_ipc``: our engines, which keep the handles
-  open and load with one batched copy, ``transports/ipc_trainer.py`` and ``ipc_worker.py``; ``ipc``: vLLM's,
+  open and load with one batched copy, ``backends/lightning_ipc/trainer.py`` and ``worker.py``; ``ipc``: vLLM's,
   which loads through its layer-wise reload):
   * ``unverified push``: ``VLLMUpdater.push_weights`` with the trainer's own tensors handed to the engine
     (vLLM's unpacked mode, what lightning-vllm does when the trainer holds the engine's dtypes), as by
@@ -119,9 +119,9 @@ def mark_stages() -> None:
     from vllm import LLM
 
     from lightning_vllm import VLLMUpdater
+    from lightning_vllm.backends.lightning_ipc.trainer import KeptHandlesIPCTrainerEngine
     from lightning_vllm.backends.vllm_engines import VLLMEngineSender
     from lightning_vllm.core.weight_sync import WeightSync
-    from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine
 
     def marked(owner, name, before=None, after=None):
         original = getattr(owner, name)
@@ -359,7 +359,7 @@ def main() -> None:
 
     from gpu_helpers import gpu_llm, stop_llm
 
-    from lightning_vllm.backends.ipc import IPCBackend
+    from lightning_vllm.backends.ipc.backend import IPCBackend
 
     model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
     model = build_model(model_dir)

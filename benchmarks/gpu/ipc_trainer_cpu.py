@@ -6,7 +6,7 @@ device time is scarce, so this script times the trainer's part here, as a stand-
 
 * a Llama with the 8B model's 291 tensors (32 layers) but tiny dimensions, on CPU;
 * ``VLLMUpdater`` with ``backend="lightning_ipc"``, our trainer engine
-  (``transports/ipc_trainer.py``), its CUDA calls replaced: a handle is the tensor's address, and the
+  (``backends/lightning_ipc/trainer.py``), its CUDA calls replaced: a handle is the tensor's address, and the
   worker's copies are done at once;
 * an engine target that takes the update in one call and generates only inside its calls, as the
   in-process ``vllm.LLM`` does (``engines/local.py``), but loads nothing.
@@ -38,9 +38,9 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
 from lightning_vllm.backends import base as backends_base  # noqa: E402
+from lightning_vllm.backends.lightning_ipc import trainer as ipc_trainer  # noqa: E402
 from lightning_vllm.engine_client import UpdatesInOneCall  # noqa: E402
 from lightning_vllm.engines.base import GeneratesOnlyInCalls  # noqa: E402
-from lightning_vllm.transports import ipc_trainer  # noqa: E402
 
 
 class LandedAtOnce:

@@ -137,7 +137,7 @@ def _engine_class(backend: str) -> type:
 
         return HFIPCEngine
     if backend == "gloo":
-        from lightning_vllm.transports.gloo.worker import GlooWeightTransferEngine
+        from lightning_vllm.backends.gloo.worker import GlooWeightTransferEngine
 
         class HFGlooEngine(GlooWeightTransferEngine):
             def finish_weight_update(self) -> None:

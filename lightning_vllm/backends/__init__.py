@@ -1,29 +1,18 @@
-"""How bytes move: one object per weight-transfer backend, registered by name as vLLM's factory does.
+"""How bytes move, on both ends: one folder per weight-transfer backend, registered by name as vLLM's factory does.
 
 - ``base.py``: :class:`Backend` (its name, its :class:`Traits`, what it checks before a byte moves,
   its init info, the group it joins) and :class:`Sender` (a joined group's send);
 - ``registry.py``: the names and the modules that hold them (one line a backend), and the choice
   of a backend for an engine;
-- ``gloo.py``: ours, for CPUs (``transports/gloo/`` is its wire);
-- ``vllm_engines.py``: the one adapter over vLLM's trainer engines (NCCL, IPC), where vLLM's API
-  churn lands;
-- ``nccl.py``, ``ipc.py``: vLLM's two GPU backends, through that adapter.
+- ``vllm_engines.py``: the one adapter over vLLM's trainer engines (``nccl``, ``ipc``, ``lightning_ipc``),
+  where vLLM's API churn lands;
+- one folder a backend: ``gloo/`` (ours, for CPUs), ``nccl/`` and ``ipc/`` (vLLM's), ``lightning_ipc/`` (vLLM's
+  CUDA-IPC protocol with handles kept open). Each holds its :class:`Backend` (``backend.py``), its trainer side
+  and its worker side (``worker.py``: what runs inside vLLM's workers, loaded there through ``in_vllm/plugin.py``).
 
-Adding a backend is one module with a :class:`Backend` subclass, plus one line in ``registry.py``
+Adding a backend is one folder with a :class:`Backend` subclass, plus one line in ``registry.py``
 (or a ``register_backend`` call); nothing outside this package compares backend names.
+
+Nothing is imported with this package: vLLM's workers import a backend's worker side, below it, and need nothing
+of the trainer's. Import from ``base.py`` and ``registry.py``.
 """
-
-from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender, Traits
-from lightning_vllm.backends.registry import backend_for_engine, backend_named, check_requested, register_backend
-
-__all__ = [
-    "Backend",
-    "GroupPlan",
-    "Outgoing",
-    "Sender",
-    "Traits",
-    "backend_for_engine",
-    "backend_named",
-    "check_requested",
-    "register_backend",
-]

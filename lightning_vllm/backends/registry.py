@@ -29,10 +29,10 @@ def register_backend(name: str, module: str, class_name: str) -> None:
     _REGISTRY[name] = (module, class_name)
 
 
-register_backend("gloo", "lightning_vllm.backends.gloo", "GlooBackend")
-register_backend("nccl", "lightning_vllm.backends.nccl", "NCCLBackend")
-register_backend("ipc", "lightning_vllm.backends.ipc", "IPCBackend")
-register_backend("lightning_ipc", "lightning_vllm.backends.ipc", "InPlaceIPCBackend")
+register_backend("gloo", "lightning_vllm.backends.gloo.backend", "GlooBackend")
+register_backend("nccl", "lightning_vllm.backends.nccl.backend", "NCCLBackend")
+register_backend("ipc", "lightning_vllm.backends.ipc.backend", "IPCBackend")
+register_backend("lightning_ipc", "lightning_vllm.backends.lightning_ipc.backend", "InPlaceIPCBackend")
 
 
 def names() -> list[str]:

@@ -76,7 +76,7 @@ def free_port(address: str) -> int:
 @runtime_checkable
 class CopiesOutlastSend(Protocol):
     """A trainer engine whose ``send_weights`` may return while the engine's workers still copy the push (ours,
-    ``lightning_ipc``'s: ``transports/ipc_trainer.py``), which waits for them in :meth:`wait_until_landed`
+    ``lightning_ipc``'s: ``backends/lightning_ipc/trainer.py``), which waits for them in :meth:`wait_until_landed`
     instead of at the end of ``send_weights`` when ``caller_waits`` is set."""
 
     caller_waits: bool

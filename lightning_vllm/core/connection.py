@@ -22,8 +22,8 @@ from typing import Any
 from typing_extensions import Self
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout
-from lightning_vllm.backends import Backend, GroupPlan, Outgoing, Sender, backend_for_engine
-from lightning_vllm.backends.registry import carrying
+from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender
+from lightning_vllm.backends.registry import backend_for_engine, carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts
@@ -40,7 +40,8 @@ from lightning_vllm.engines.base import (
 )
 from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.lora.adapter import ADAPTER_PREFIX, adapter_wire
+from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
+from lightning_vllm.lora.adapter import adapter_wire
 from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_vllm.backends import Traits
+from lightning_vllm.backends.base import Traits
 from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.weights.checks import ExpectedWeights
 

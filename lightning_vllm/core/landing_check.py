@@ -19,7 +19,7 @@ from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ReportsLayerSums
 from lightning_vllm.errors import WeightSyncError
-from lightning_vllm.lora.adapter import ADAPTER_PREFIX
+from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 from lightning_vllm.weights.layer_sums import HeldSums, SentSums, layer_of
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_vllm._waits import call_with_timeout
-from lightning_vllm.backends import check_requested
+from lightning_vllm.backends.registry import check_requested
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.core.engine_set import EngineSelection, EngineSet
 from lightning_vllm.core.facts import EngineFacts

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from vllm.distributed.weight_transfer.base import (
@@ -98,11 +98,11 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, Upda
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.run(self.async_llm.finish_weight_update(weight_version))
 
-    def update_weights_in_one_call(self, update_info: dict[str, Any], weight_version: str | None) -> None:
-        from lightning_vllm.transports.ipc_worker import update_in_one_call
-
+    def update_weights_in_one_call(
+        self, update_on_worker: Callable[..., None], update_info: dict[str, Any], weight_version: str | None
+    ) -> None:
         async def update() -> None:
-            await self.async_llm.collective_rpc(update_in_one_call, kwargs={"update_info": update_info})
+            await self.async_llm.collective_rpc(update_on_worker, kwargs={"update_info": update_info})
             if weight_version is not None:
                 await self.async_llm.update_weight_version(weight_version)
 

@@ -92,11 +92,11 @@ class LocalLLMEngine(
         with self._generating:
             self.llm.finish_weight_update(weight_version=weight_version)
 
-    def update_weights_in_one_call(self, update_info: dict[str, Any], weight_version: str | None) -> None:
-        from lightning_vllm.transports.ipc_worker import update_in_one_call
-
+    def update_weights_in_one_call(
+        self, update_on_worker: Callable[..., None], update_info: dict[str, Any], weight_version: str | None
+    ) -> None:
         with self._generating:  # (it finishes the update, as finish_weight_update)
-            self.llm.collective_rpc(update_in_one_call, kwargs={"update_info": update_info})
+            self.llm.collective_rpc(update_on_worker, kwargs={"update_info": update_info})
             if weight_version is not None:
                 self.llm.update_weight_version(weight_version)
 

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, materialize_full_tensor
 
+from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import canonical_name
 from lightning_vllm.weights.survey import Survey, survey
 
 log = logging.getLogger(__name__)
 
-ADAPTER_PREFIX = "base_model.model."
 # Config fields vLLM's PEFTHelper reads; the rest of a PEFT config (paths, init
 # options that only matter before training) is left out of the message.
 _CONFIG_FIELDS = (

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.in_vllm.lora_adapters import adapter_directory
 from lightning_vllm.lora.adapter import active_adapter, adapter_config, lora_layers
-from lightning_vllm.lora.worker import adapter_directory
 from lightning_vllm.options import LoraMode
 from lightning_vllm.weights.checks import ExpectedWeights
 from lightning_vllm.weights.lora_merge import is_adapter_parameter

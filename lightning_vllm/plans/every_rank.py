@@ -4,7 +4,7 @@ With ``push_from="rank0"`` (the default) a sharded policy is gathered on every r
 rank 0 alone sends it, so a push is capped by rank 0's link. With ``"every_rank"`` each
 rank sends its own FSDP2 shard of every tensor, as it holds it (``weights/shares.py``):
 nothing is gathered, each trainer host's link carries its share of the bytes, and the
-workers put the shares together (``transports/gloo/receiver.py``).
+workers put the shares together (``backends/gloo/receiver.py``).
 
 The exchange, on the trainer's status group (``ranks.TrainerRanks``):
 
@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lightning_vllm.backends.gloo.group import listen
+from lightning_vllm.backends.gloo.messages import dtype_from_name, dtype_name
+from lightning_vllm.backends.gloo.shares import piece_bytes, send_share
 from lightning_vllm.core.versions import PushPoint, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
 from lightning_vllm.plans.ranks import FAILED, PROCEED, LockstepGathers, TrainerRanks
-from lightning_vllm.transports.gloo.group import listen
-from lightning_vllm.transports.gloo.messages import dtype_from_name, dtype_name
-from lightning_vllm.transports.gloo.shares import piece_bytes, send_share
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares
 

@@ -102,7 +102,7 @@ class Weights(WeightSource):
         yields tensors the source holds (a model's own parameters: nothing gathered, merged or computed), each as
         held or converted on the way (another dtype or device); ``None`` (the default) otherwise.
 
-        A transport that keeps the handles of the tensors it sent (``transports/ipc_trainer.py``) checks them
+        A transport that keeps the handles of the tensors it sent (``backends/lightning_ipc/trainer.py``) checks them
         against these: an 8B model's ``iter_full`` costs about a millisecond of a push on a GPU host's CPU.
         """
         return None
@@ -111,7 +111,7 @@ class Weights(WeightSource):
         """What tells the tensors :meth:`held_tensors` returns apart, found without making them where a source can:
         equal signatures, the same names and tensors (addresses, shapes, strides, dtypes); ``None`` when
         :meth:`held_tensors` is. A transport that keeps the handles of what it sent compares this instead of every
-        tensor (``transports/ipc_trainer.py``): a MoE policy sends thousands of views of a few tensors.
+        tensor (``backends/lightning_ipc/trainer.py``): a MoE policy sends thousands of views of a few tensors.
         """
         held = self.held_tensors()
         if held is None:

@@ -4,7 +4,7 @@ With FSDP2 each rank holds rows ``[k * c, (k + 1) * c)`` of every parameter (``c
 first dimension divided by the number of ranks, rounded up: ``torch.chunk``'s rule), which
 in row-major order is one run of the full tensor's bytes. So rank ``k`` can send its local
 shard as it is, no gather, and the shares of all ranks, laid end to end in rank order, are
-the full tensor: the workers put each where it belongs (``transports/gloo/receiver.py``).
+the full tensor: the workers put each where it belongs (``backends/gloo/receiver.py``).
 A parameter every rank holds whole (replicated, or not a DTensor) is split the same way
 over its flattened elements. Every rank computes every rank's counts from the parameter's
 global shape alone, so rank 0 can tell the workers what to expect from each rank.

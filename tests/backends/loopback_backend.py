@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends import Backend, GroupPlan, Outgoing, Sender, Traits
+from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender, Traits
 from lightning_vllm.weights.model import ModelMetadata
 
 MAILBOXES: dict[str, dict[str, torch.Tensor]] = {}

@@ -8,7 +8,7 @@ from helpers import FakeEngine, lora_policy, tiny_qwen2
 from loopback_backend import MAILBOXES
 
 from lightning_vllm import EngineConfigError, VLLMUpdater
-from lightning_vllm.backends import register_backend
+from lightning_vllm.backends.registry import register_backend
 
 register_backend("loopback", "loopback_backend", "LoopbackBackend")  # the one registry line
 

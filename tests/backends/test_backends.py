@@ -9,9 +9,10 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync
-from lightning_vllm.backends import GroupPlan, backend_for_engine, backend_named, check_requested
+from lightning_vllm.backends.base import GroupPlan
+from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo
+from lightning_vllm.backends.registry import backend_for_engine, backend_named, check_requested
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.transports.gloo import GlooTrainerInitInfo
 
 
 def test_auto_follows_the_engines_weight_transfer_config():
@@ -96,17 +97,17 @@ def test_ipc_hands_the_engine_the_trainers_own_tensors_when_they_are_in_its_dtyp
     info = trainer_init_info("ipc", master_port=None)
     assert isinstance(info, IPCTrainerInitInfo) and info.packed and info.packed_buffer_size_bytes == 1 << 20
     assert not trainer_init_info("ipc", master_port=None, sends_as_held=True).packed  # vLLM's unpacked mode
-    from lightning_vllm.backends.ipc import IPCBackend
+    from lightning_vllm.backends.ipc.backend import IPCBackend
 
     monkeypatch.setattr(IPCBackend, "share_trainer_tensors", False)  # (a benchmark's packed baseline)
     assert trainer_init_info("ipc", master_port=None, sends_as_held=True).packed
 
 
 def test_lightning_ipc_names_our_trainer_engine_in_vllms_factory():
-    # vLLM's IPC protocol on both sides; the trainer engine (transports/ipc_trainer.py) keeps handles open.
+    # vLLM's IPC protocol on both sides; the trainer engine (backends/lightning_ipc/trainer.py) keeps handles open.
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from lightning_vllm.transports.ipc_trainer import KeptHandlesIPCTrainerEngine
+    from lightning_vllm.backends.lightning_ipc.trainer import KeptHandlesIPCTrainerEngine
 
     info = trainer_init_info("lightning_ipc", master_port=None, sends_as_held=True, timeout_seconds=7.0)
     assert isinstance(info, IPCTrainerInitInfo) and info.backend == "lightning_ipc" and not info.packed

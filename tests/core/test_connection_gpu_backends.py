@@ -20,7 +20,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransf
 
 from lightning_vllm import EngineConfigError, EngineDeadError, WeightSyncTimeoutError
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends import backend_named
+from lightning_vllm.backends.registry import backend_named
 from lightning_vllm.backends.vllm_engines import ReplayedClient, ReplayedWeights, VLLMEngineSender
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.connection import EngineConnection
@@ -296,7 +296,7 @@ def test_a_transfer_that_outlives_its_timeout_cannot_reach_the_engine_afterwards
 def test_the_group_plan_says_whether_the_engine_takes_an_update_in_one_call(
     takes_one_call, monkeypatch, trainer_has_cuda
 ):
-    from lightning_vllm.backends.ipc import InPlaceIPCBackend
+    from lightning_vllm.backends.lightning_ipc.backend import InPlaceIPCBackend
     from lightning_vllm.engine_client import UpdatesInOneCall
 
     class OneCallEngine(GPUEngine, UpdatesInOneCall):

@@ -7,9 +7,9 @@ match, and ``NCCL_HOSTID`` sets a process's host hash. So each party gets a valu
 (``NCCL_SOCKET_IFNAME=lo``).
 
 This lives in the tests only. A user's engine on the trainer's own GPU, both in one host's hash, is still refused
-by the product (``backends/nccl.py``; ``tests/gpu/test_gpu_refusals.py``). What it proves: vLLM's NCCL engine, our
-``nccl`` backend, vLLM's model runner and generation, every failure path, over real NCCL. What it does not: speed
-(the bytes go through host sockets, not NVLink or PCIe P2P) nor NCCL's GPU-to-GPU transports (docs/gpu.md).
+by the product (``backends/nccl/backend.py``; ``tests/gpu/test_gpu_refusals.py``). What it proves: vLLM's NCCL
+engine, our ``nccl`` backend, vLLM's model runner and generation, every failure path, over real NCCL. What it does
+not: speed (the bytes go through host sockets, not NVLink or PCIe P2P) nor NCCL's GPU-to-GPU transports (docs/gpu.md).
 """
 
 from __future__ import annotations

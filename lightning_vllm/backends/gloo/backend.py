@@ -1,0 +1,57 @@
+"""``gloo``: our backend for CPUs. Its wire is ``backends/gloo/``; vLLM's factories know it through
+the plugin (``in_vllm/plugin.py``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo
+
+from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender, Traits
+from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo
+from lightning_vllm.backends.gloo.trainer import GlooTrainerWeightTransferEngine
+from lightning_vllm.in_vllm.plugin import register_backends
+from lightning_vllm.weights import DeclaredWeights
+from lightning_vllm.weights.model import ModelMetadata
+
+
+class GlooBackend(Backend):
+    """Plain TCP from the trainer to every worker (``docs/index.md``, "One sync on the wire")."""
+
+    name: ClassVar[str] = "gloo"
+    traits: ClassVar[Traits] = Traits(
+        loads_while_receiving=False, carries_adapters=True, carries_shares=True, needs_cuda=False
+    )
+
+    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+        return GlooTrainerInitInfo(
+            master_address=plan.master_address,
+            master_port=plan.master_port or 0,  # 0: the transport holds a port the kernel picks (no race)
+            world_size=plan.world_size,
+            bucket_size_bytes=plan.bucket_size_bytes,
+            timeout_seconds=plan.timeout_seconds,
+            rank=0,
+        )
+
+    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+        register_backends()
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        engine = WeightTransferTrainerFactory.trainer_init(
+            self.init_info(plan), client=client, source=DeclaredWeights(wire)
+        )  # (each of its waits is bounded by timeout_seconds)
+        assert isinstance(engine, GlooTrainerWeightTransferEngine)
+        return GlooSender(engine)
+
+
+class GlooSender(Sender):
+    """Hands each push to our trainer engine with its own client: nothing of a push stays on it."""
+
+    def __init__(self, engine: GlooTrainerWeightTransferEngine) -> None:
+        self.engine = engine
+
+    def send(self, push: Outgoing) -> None:
+        self.engine.send_push(push.weights, push.client, push.adapter, push.every_rank)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,192 @@
+"""What crosses the process boundary in the ``gloo`` backend: plain dataclasses, no pickles.
+
+The worker-side messages travel through vLLM's control plane (a Python call, an
+HTTP body or a Ray call) as ``dataclasses.asdict`` output: lists, strings and
+numbers. Dtypes travel by name and are checked against ``torch``'s dtypes, never
+evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from typing_extensions import Self
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from lightning_vllm.backends.gloo.buckets import Bucket, Segment, TensorSpec, bucket_segments
+from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS, validate_bucket_size
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error for anything that is not a dtype.
+
+    Example::
+
+        >>> dtype_from_name("bfloat16")
+        torch.bfloat16
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unknown dtype name {name!r} in a weight update; expected e.g. 'float32' or 'bfloat16'.")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """What a vLLM worker needs to connect to the trainer (sent once, at init; ``group_name`` also lets it in)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+
+    def __post_init__(self) -> None:
+        validate_bucket_size(self.bucket_size_bytes)
+        if self.world_size < 2:
+            raise ValueError(f"world_size={self.world_size} must count the trainer and at least one worker.")
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One sync's metadata and bucket plan (sent once per sync, before the bytes).
+
+    ``bucket_ends[i]`` is the index one past the last tensor of bucket ``i``, and
+    ``segment_ends`` the same for the segments (one broadcast each) inside the
+    buckets; every bucket end is also a segment end.
+
+    ``adapter`` is set when the update carries a LoRA adapter: ``{"key", "config"}``
+    (where the workers stage it, and its PEFT config as JSON values); its tensors are
+    the ones named ``base_model.model.*``, the others are base weights.
+
+    ``pieces`` is set when every trainer rank sends a share of each tensor (a sharded
+    policy, ``push_from="every_rank"``): ``pieces[i][k]`` is how many bytes of tensor ``i``
+    trainer rank ``k`` sends, in rank order, which together make the tensor. Rank 0's
+    come down the connection made at init; each other rank's down a connection the
+    worker makes for this update to ``senders[k - 1]`` (``{"address", "port"}``), naming
+    ``sender_group`` (fresh for each update, which is also what lets it in). Each piece
+    travels in slices of at most ``bucket_size_bytes``, and there is no coalescing.
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    bucket_ends: list[int]
+    segment_ends: list[int]
+    adapter: dict[str, Any] | None = None
+    pieces: list[list[int]] | None = None
+    senders: list[dict[str, Any]] = field(default_factory=list)
+    sender_group: str = ""
+
+    def __post_init__(self) -> None:
+        num_tensors = len(self.names)
+        if len(self.dtype_names) != num_tensors or len(self.shapes) != num_tensors:
+            raise ValueError(
+                f"names, dtype_names and shapes must have one entry per tensor: got "
+                f"{num_tensors}, {len(self.dtype_names)} and {len(self.shapes)}."
+            )
+        if self.bucket_ends != sorted(set(self.bucket_ends)) or (
+            self.bucket_ends and self.bucket_ends[-1] != num_tensors
+        ):
+            raise ValueError(f"bucket_ends={self.bucket_ends} must rise strictly and end at {num_tensors}.")
+        if self.segment_ends != sorted(set(self.segment_ends)) or not set(self.bucket_ends) <= set(self.segment_ends):
+            raise ValueError(
+                f"segment_ends={self.segment_ends} must rise strictly and include every bucket end {self.bucket_ends}."
+            )
+        if self.segment_ends and self.segment_ends[-1] != num_tensors:
+            raise ValueError(f"segment_ends={self.segment_ends} must end at {num_tensors}.")
+        if self.pieces is not None:
+            self._check_pieces()
+
+    def _check_pieces(self) -> None:
+        assert self.pieces is not None
+        if len(self.pieces) != len(self.names):
+            raise ValueError(f"pieces must have one entry per tensor: got {len(self.pieces)} for {len(self.names)}.")
+        for spec, pieces in zip(self.specs(), self.pieces):
+            if len(pieces) != len(self.senders) + 1 or min(pieces, default=0) < 0 or sum(pieces) != spec.num_bytes:
+                raise ValueError(
+                    f"pieces of {spec.name!r} are {pieces}: they must be one count of bytes per trainer rank "
+                    f"({len(self.senders) + 1}), none negative, adding up to its {spec.num_bytes} bytes."
+                )
+        if self.senders and not self.sender_group:
+            raise ValueError("An update with senders must name their sender_group.")
+
+    def specs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(name, dtype_from_name(dtype), tuple(shape))
+            for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes)
+        ]
+
+    def buckets(self, specs: Sequence[TensorSpec]) -> list[Bucket]:
+        starts = [0, *self.bucket_ends[:-1]]
+        return [
+            Bucket(start, stop, sum(spec.num_bytes for spec in specs[start:stop]))
+            for start, stop in zip(starts, self.bucket_ends)
+        ]
+
+    def segments(self, specs: Sequence[TensorSpec], bucket: Bucket) -> list[Segment]:
+        return bucket_segments(specs, bucket, self.segment_ends)
+
+    @classmethod
+    def from_plan(
+        cls,
+        specs: Sequence[TensorSpec],
+        buckets: Sequence[Bucket],
+        segment_ends: Sequence[int] | None = None,
+        adapter: dict[str, Any] | None = None,
+        **every_rank: Any,
+    ) -> Self:
+        """The message for a plan; without ``segment_ends``, each bucket is one segment.
+        ``every_rank``: the ``pieces``, ``senders`` and ``sender_group`` of a push every trainer
+        rank sends a share of."""
+        bucket_ends = [bucket.stop for bucket in buckets]
+        return cls(
+            names=[spec.name for spec in specs],
+            dtype_names=[dtype_name(spec.dtype) for spec in specs],
+            shapes=[list(spec.shape) for spec in specs],
+            bucket_ends=bucket_ends,
+            segment_ends=list(segment_ends) if segment_ends is not None else bucket_ends,
+            adapter=adapter,
+            **every_rank,
+        )
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side settings of the ``gloo`` backend.
+
+    Args:
+        master_address: address the trainer listens on; workers must reach it there.
+        master_port: port to listen on; 0 lets the operating system pick a free one
+            while the socket is held, so no other process can take it in between.
+        world_size: the trainer plus every vLLM worker.
+        bucket_size_bytes: the largest packed bucket, and the trainer's staging memory.
+        timeout_seconds: the longest any single wait may take.
+
+    Example::
+
+        >>> GlooTrainerInitInfo(world_size=3).backend
+        'gloo'
+    """
+
+    backend: ClassVar[str] = "gloo"
+
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    world_size: int = 2
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    rank: int = field(default=0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        validate_bucket_size(self.bucket_size_bytes)

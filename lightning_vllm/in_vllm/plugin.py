@@ -1,0 +1,63 @@
+"""vLLM plugin entry point: makes the ``gloo`` and ``lightning_ipc`` backends known to vLLM and watches vLLM's ``nccl``
+worker engine while it receives (``backends/nccl/worker.py``: a failed trainer no longer leaves it waiting for good);
+caps vLLM's busy-wait when ``LIGHTNING_VLLM_BUSY_LOOP_SECONDS`` asks (``busy_wait.py``); applies LoRA adapters on CPUs
+one matrix product per adapter when ``LIGHTNING_VLLM_CPU_LORA_OPS=grouped`` asks (``lora_ops.py``).
+
+Declared in ``pyproject.toml`` under the ``vllm.general_plugins`` entry-point
+group, so vLLM calls :func:`register_backends` in each of its processes (front
+end, engine core, every worker) before it builds a weight-transfer engine. An
+engine created with ``weight_transfer_config={"backend": "gloo"}`` therefore works
+in-process, with multiprocess workers and behind ``vllm serve``, with no user code.
+
+It only registers: the backends by module name, as vLLM's factories take them, so that a process imports only the
+side it builds (a worker, the worker's side) and none of the trainer's.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from lightning_vllm.in_vllm.busy_wait import limit_busy_wait
+from lightning_vllm.in_vllm.lora_ops import install_grouped_cpu_lora_ops
+
+GLOO = "gloo"
+_GLOO_WORKER = "lightning_vllm.backends.gloo.worker"
+_GLOO_TRAINER = "lightning_vllm.backends.gloo.trainer"
+LIGHTNING_IPC = "lightning_ipc"
+"""vLLM's CUDA-IPC protocol with handles kept open (``backends/lightning_ipc/``)."""
+_LIGHTNING_IPC_WORKER = "lightning_vllm.backends.lightning_ipc.worker"
+_LIGHTNING_IPC_TRAINER = "lightning_vllm.backends.lightning_ipc.trainer"
+NCCL = "nccl"
+_NCCL_WORKER = "lightning_vllm.backends.nccl.worker"
+
+
+def _watched_nccl_engine() -> type:
+    engine: type = importlib.import_module(_NCCL_WORKER).WatchedNCCLWeightTransferEngine
+    return engine
+
+
+def register_backends() -> None:
+    """Register the ``gloo`` and ``lightning_ipc`` worker and trainer engines with vLLM's factories, put the watched
+    NCCL worker engine in place of vLLM's under ``nccl``; apply the busy-wait cap and the CPU LoRA ops that the
+    environment asks for.
+
+    Safe to call more than once: vLLM may load plugins repeatedly in one process.
+    """
+    if GLOO not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(GLOO, _GLOO_WORKER, "GlooWeightTransferEngine")
+    if GLOO not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(GLOO, _GLOO_TRAINER, "GlooTrainerWeightTransferEngine")
+    if LIGHTNING_IPC not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            LIGHTNING_IPC, _LIGHTNING_IPC_WORKER, "InPlaceIPCWeightTransferEngine"
+        )
+    if LIGHTNING_IPC not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            LIGHTNING_IPC, _LIGHTNING_IPC_TRAINER, "KeptHandlesIPCTrainerEngine"
+        )
+    # vLLM's factory refuses a second engine under a name; its registry maps names to loaders, as register_engine does.
+    WeightTransferEngineFactory._registry[NCCL] = _watched_nccl_engine
+    limit_busy_wait()
+    install_grouped_cpu_lora_ops()
