@@ -49,8 +49,10 @@ $(VLLM_NEXT_DIR): tests/vllm_sources.py
 
 # The engine-free tests that touch vLLM's API, with vLLM 0.33's Python code first on the path (about a minute):
 # weight sources, the plugin and what else runs in vLLM, the backends (vLLM's nccl/ipc trainer engines included), the core
-# (connections, the updater), and the plans: background and sharded pushes, rollouts (0.33's refusals while paused).
-VLLM_API_TESTS := tests/weights tests/lora tests/in_vllm tests/backends tests/core tests/plans
+# (connections, the updater), and the Lightning front end's plans: background and sharded pushes, rollouts (0.33's
+# refusals while paused); not the callback's own tests, which drive Lightning more than vLLM.
+VLLM_API_TESTS := tests/weights tests/lora tests/in_vllm tests/backends tests/core tests/fronts/lightning \
+	--ignore=tests/fronts/lightning/test_callback.py
 test-vllm-next: $(STAMP) $(VLLM_NEXT_DIR)
 	PYTHONPATH=$(VLLM_NEXT_DIR) LIGHTNING_VLLM_EXPECT_VLLM=$(VLLM_NEXT) LIGHTNING_VLLM_FAST_TIER=1 \
 		$(PY) -m pytest -p no:cacheprovider -m "not engine" --timeout 120 $(VLLM_API_TESTS)

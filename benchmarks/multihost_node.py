@@ -36,8 +36,8 @@ from helpers import PROMPTS, engine_prompt_logprobs, hf_prompt_logprobs, max_abs
 from models import SIZES, build_model  # noqa: E402
 
 from lightning_vllm import HTTPEngine, VLLMUpdater  # noqa: E402
-from lightning_vllm.plans.every_rank import EveryRankShares  # noqa: E402
-from lightning_vllm.plans.ranks import LockstepGathers, TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.every_rank import EveryRankShares  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks  # noqa: E402
 
 NUM_RANKS = 2
 MODES = ("rank0", "every_rank")

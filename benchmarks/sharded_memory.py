@@ -36,8 +36,8 @@ from methods import peak_extra_rss_bytes  # noqa: E402
 from models import SIZES, build_model, save  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
-from lightning_vllm.plans.every_rank import EveryRankShares  # noqa: E402
-from lightning_vllm.plans.ranks import LockstepGathers, TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.every_rank import EveryRankShares  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks  # noqa: E402
 from lightning_vllm.weights import weights_from  # noqa: E402
 
 NUM_RANKS = 2

@@ -18,7 +18,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_vllm.callback import VLLMWeightSync
     from lightning_vllm.core.stats import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
     from lightning_vllm.engines import (
@@ -40,13 +39,14 @@ if TYPE_CHECKING:
         WeightSyncError,
         WeightSyncTimeoutError,
     )
-    from lightning_vllm.plans.rollouts import generate
+    from lightning_vllm.fronts.lightning.callback import VLLMWeightSync
+    from lightning_vllm.fronts.lightning.rollouts import generate
+    from lightning_vllm.fronts.torchrl.updater import VLLMUpdater, vLLMUpdater
     from lightning_vllm.server import PauseLease, PushedAdapters, RequireAPIKey
-    from lightning_vllm.torchrl import VLLMUpdater, vLLMUpdater
 
 # Each public name and the module that defines it.
 _MODULES = {
-    "VLLMWeightSync": "lightning_vllm.callback",
+    "VLLMWeightSync": "lightning_vllm.fronts.lightning.callback",
     "AsyncLLMEngine": "lightning_vllm.engines",
     "EngineTarget": "lightning_vllm.engines",
     "Generation": "lightning_vllm.engines",
@@ -62,13 +62,13 @@ _MODULES = {
     "WeightsMismatchError": "lightning_vllm.errors",
     "WeightSyncError": "lightning_vllm.errors",
     "WeightSyncTimeoutError": "lightning_vllm.errors",
-    "generate": "lightning_vllm.plans.rollouts",
+    "generate": "lightning_vllm.fronts.lightning.rollouts",
     "PauseLease": "lightning_vllm.server",
     "PushedAdapters": "lightning_vllm.server",
     "RequireAPIKey": "lightning_vllm.server",
     "SyncStats": "lightning_vllm.core.stats",
-    "VLLMUpdater": "lightning_vllm.torchrl",
-    "vLLMUpdater": "lightning_vllm.torchrl",
+    "VLLMUpdater": "lightning_vllm.fronts.torchrl.updater",
+    "vLLMUpdater": "lightning_vllm.fronts.torchrl.updater",
     "WeightSync": "lightning_vllm.core.weight_sync",
 }
 

@@ -1,5 +1,5 @@
 """When a push is due: the decision alone, a pure function of the global step, the epoch and the
-step last pushed (the callback in ``callback.py`` acts on it)."""
+step last pushed (the callback in ``fronts/lightning/callback.py`` acts on it)."""
 
 from __future__ import annotations
 

@@ -607,7 +607,7 @@ class RolloutCausalLM(TinyCausalLM):
         from vllm import SamplingParams
 
         from lightning_vllm import generate
-        from lightning_vllm.plans.rollouts import sampler_of
+        from lightning_vllm.fronts.lightning.rollouts import sampler_of
 
         prompts = [[1 + self.global_rank, 2, 3], [4, 5 + self.global_rank]]
         rollouts = generate(self, prompts, SamplingParams(n=2, max_tokens=3, logprobs=0, seed=0))
@@ -637,7 +637,7 @@ def expected_rollouts(rank: int, versions: list[int], staleness: int = 0) -> lis
 def push_in_lockstep_and_record(result: dict, key: str, updater, ranks, sharded, reference, llm) -> None:
     """Push ``sharded`` with every rank taking part; record the version and, on rank 0 (which holds
     ``llm``), how close vLLM comes to the unsharded ``reference`` and the bytes sent."""
-    from lightning_vllm.plans.ranks import LockstepGathers, is_sharded
+    from lightning_vllm.fronts.lightning.ranks import LockstepGathers, is_sharded
 
     assert is_sharded(sharded)
     stats = LockstepGathers(ranks).push(updater, sharded)

@@ -65,7 +65,7 @@ class KillsTheActorAt(TinyCausalLM):
         from vllm import SamplingParams
 
         from lightning_vllm import generate
-        from lightning_vllm.plans.rollouts import sampler_of
+        from lightning_vllm.fronts.lightning.rollouts import sampler_of
 
         updater = sampler_of(self).updater
         if batch_idx > self.kill_at:  # a replacement serves nothing trained until its first push point

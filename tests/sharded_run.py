@@ -48,7 +48,7 @@ from helpers import (  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.plans.ranks import LockstepGathers, TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks  # noqa: E402
 
 
 class ShardedCausalLM(RolloutCausalLM):

@@ -155,7 +155,7 @@ def gpu_reported_full() -> Iterator[None]:
 
 def run_series(updater: Any, model: torch.nn.Module, digests: Digests, args: argparse.Namespace) -> dict[str, Any]:
     """Every series on one engine, the background pushers closed (their snapshot memory freed) after each."""
-    from lightning_vllm.plans.background import BackgroundPusher
+    from lightning_vllm.fronts.lightning.background import BackgroundPusher
 
     updater.push_weights(model)  # joins the group (untimed)
     results: dict[str, Any] = {"blocking": blocking_series(updater, model, digests, args.rounds)}

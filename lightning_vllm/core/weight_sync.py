@@ -1,8 +1,8 @@
 """The core: the engines, the versions, the options and the post hooks of one trainer's pushes.
 
-:class:`WeightSync` knows no framework. The Lightning callback (``callback.py``) and TorchRL's
-``VLLMUpdater`` (``torchrl.py``) are two front ends on top of it, side by side; the plans
-(``plans/``: several ranks, background pushes, rollouts) drive it. A push is prepared
+:class:`WeightSync` knows no framework. The Lightning front end (``fronts/lightning/``: the callback, its rank plans,
+background pushes, rollouts) and TorchRL's ``VLLMUpdater`` (``fronts/torchrl/``) are two front ends on top of it,
+side by side. A push is prepared
 (:meth:`WeightSync.prepare`: what to send, to which engines, every check), then sent and
 committed (:meth:`Push.send <lightning_vllm.core.push.Push.send>`), inside one push point's
 handle on the versions (``versions.py``).
@@ -265,7 +265,7 @@ class WeightSync:
             point: the push point's handle on the versions, when the caller opened it (a push
                 every trainer rank takes part in); one of its own otherwise.
             peers: the other trainer ranks, when each sends its own share of every tensor
-                (``weights`` then yields this rank's shares; ``plans/every_rank.py``).
+                (``weights`` then yields this rank's shares; ``fronts/lightning/every_rank.py``).
 
         Raises:
             WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.

@@ -24,8 +24,8 @@ def engine_death(error: BaseException, engine: EngineTarget, during: str) -> Eng
     """The :class:`EngineDeadError` to raise for ``error`` if it says ``engine`` is gone, or ``engine`` is known to
     have died, else None. The second because vLLM's client, once it saw its engine core exit, closes its sockets, and
     a call racing that fails with what the closed socket raises (``ZMQError: Socket operation on non-socket``, seen
-    in ``tests/plans/test_ranks.py``'s killed engine) rather than with vLLM's ``EngineDeadError``. An interrupt, or
-    another trainer rank's failure (``PushAborted``), stays what it is."""
+    in ``tests/fronts/lightning/test_ranks.py``'s killed engine) rather than with vLLM's ``EngineDeadError``. An
+    interrupt, or another trainer rank's failure (``PushAborted``), stays what it is."""
     known_dead = isinstance(error, Exception) and not isinstance(error, PushAborted) and engine.is_dead()
     if not (is_engine_death(error) or known_dead):
         return None

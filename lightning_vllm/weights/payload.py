@@ -3,7 +3,7 @@
 A push is chosen once (``core/payload_choice.py``) and then handed down unchanged:
 the connection checks it against each engine, a background push copies its tensors
 (``weights/snapshot.py``) and a sharded push walks them in lockstep
-(``plans/ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the
+(``fronts/lightning/ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the
 engine needs (the LoRA adapter's config, what each tensor was computed from) stays
 in the :class:`Payload`, so no wrapper of the weights must remember to forward it.
 """

@@ -281,7 +281,7 @@ class ServerRolloutModule(TinyCausalLM):
         from vllm import SamplingParams
 
         from lightning_vllm import generate
-        from lightning_vllm.plans.rollouts import sampler_of
+        from lightning_vllm.fronts.lightning.rollouts import sampler_of
 
         sampler = sampler_of(self)
         assert sampler.ranks is None, "every rank holds an engine: nothing should go through rank 0"

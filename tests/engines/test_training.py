@@ -1,6 +1,6 @@
 """A real Trainer pushes into each kind of engine, and vLLM serves the trained weights after.
 
-The in-process ``vllm.LLM`` has its own, longer run of full pushes in ``tests/test_callback.py``;
+The in-process ``vllm.LLM`` has its own, longer run of full pushes in ``tests/fronts/lightning/test_callback.py``;
 it joins the LoRA adapter runs here.
 """
 

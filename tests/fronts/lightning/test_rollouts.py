@@ -30,7 +30,7 @@ from lightning_vllm import (
     generate,
 )
 from lightning_vllm.engines.base import version_number
-from lightning_vllm.plans.rollouts import RolloutSampler, sampler_of
+from lightning_vllm.fronts.lightning.rollouts import RolloutSampler, sampler_of
 
 
 class RolloutModule(TinyCausalLM):

@@ -28,10 +28,10 @@ from lightning_vllm.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
+from lightning_vllm.fronts.lightning.background import BackgroundPusher
+from lightning_vllm.fronts.lightning.every_rank import EveryRankShares
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankPlan, RankZeroAlone, TrainerRanks, is_sharded
 from lightning_vllm.options import PushFrom, WhenBusy
-from lightning_vllm.plans.background import BackgroundPusher
-from lightning_vllm.plans.every_rank import EveryRankShares
-from lightning_vllm.plans.ranks import LockstepGathers, RankPlan, RankZeroAlone, TrainerRanks, is_sharded
 
 log = logging.getLogger(__name__)
 

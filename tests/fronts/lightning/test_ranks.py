@@ -5,7 +5,7 @@ driven by hand, in the same processes on the same engine (``sharded_run.py``: on
 here, since two processes and an engine cost a minute to start).
 
 Then a Mixture-of-Experts policy (a tiny Qwen3-MoE, whose experts transformers holds fused and vLLM loads one by
-one) the same ways, and with every rank sending the experts it holds (``plans/moe_sharded_run.py``: one more run,
+one) the same ways, and with every rank sending the experts it holds (``moe_sharded_run.py``: one more run,
 its engine serving the MoE)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ EXPERT_ELEMENTS = 64 * 128  # one expert's projection of the tiny MoE: [64, 128]
 @pytest.fixture(scope="module")
 def ranks_seen(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     """What each rank of one ``sharded_run.py`` saw (``rank0.json``, ``rank1.json``)."""
-    script = Path(__file__).parents[1] / "sharded_run.py"  # (tests/: it imports the helpers)
+    script = Path(__file__).parents[2] / "sharded_run.py"  # (tests/: it imports the helpers)
     return run_two_ranks(script, model_dir, tmp_path_factory.mktemp("sharded_run"))
 
 

@@ -15,10 +15,10 @@ from lightning_vllm.backends.registry import check_requested
 from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
+from lightning_vllm.fronts.lightning.background import BackgroundPusher
+from lightning_vllm.fronts.lightning.push_points import PushPoints
+from lightning_vllm.fronts.lightning.rollouts import RolloutSampler, SamplesRollouts
 from lightning_vllm.options import LoraMode, PauseMode, PushFrom, SyncOptions, UpdaterOptions, WhenBusy, check_options
-from lightning_vllm.plans.background import BackgroundPusher
-from lightning_vllm.plans.push_points import PushPoints
-from lightning_vllm.plans.rollouts import RolloutSampler, SamplesRollouts
 from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 

@@ -16,7 +16,7 @@ import torch
 from helpers import FakeEngine, tiny_qwen2
 
 from lightning_vllm import EngineConfigError, VLLMUpdater, WeightsMismatchError, vLLMUpdater
-from lightning_vllm.torchrl import register_with_torchrl, torchrl_updater_base
+from lightning_vllm.fronts.torchrl.updater import register_with_torchrl, torchrl_updater_base
 
 torchrl = pytest.importorskip("torchrl", reason="the torchrl extra (make test installs it)")
 
@@ -63,7 +63,7 @@ def test_a_torchrl_that_does_not_import_is_named_and_pushes_still_work(monkeypat
     monkeypatch.setitem(sys.modules, "torchrl.collectors", None)  # `from torchrl.collectors import ...` fails
     torchrl_updater_base.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="lightning_vllm.torchrl"):
+        with caplog.at_level(logging.WARNING, logger="lightning_vllm.fronts.torchrl.updater"):
             assert torchrl_updater_base() is None
         assert "torchrl is installed but does not import" in caplog.text
         assert "docs/torchrl.md" in caplog.text

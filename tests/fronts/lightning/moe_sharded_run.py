@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the helpers and sharded_run
+sys.path.insert(0, str(Path(__file__).parents[2]))  # tests/: the helpers and sharded_run
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
 
 import torch  # noqa: E402
@@ -33,9 +33,9 @@ from helpers import (  # noqa: E402
 )
 from sharded_run import ZERO3_CONFIG, ShardedCausalLM, by_hand_run, full_model, trainer_for  # noqa: E402
 
-import lightning_vllm.plans.every_rank as every_rank  # noqa: E402
+import lightning_vllm.fronts.lightning.every_rank as every_rank  # noqa: E402
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.plans.ranks import TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
 from lightning_vllm.weights.shares import RankShares  # noqa: E402
 from lightning_vllm.weights.sources import weights_from  # noqa: E402
 

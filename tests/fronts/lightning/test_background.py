@@ -23,7 +23,7 @@ from helpers import (
 from lightning.pytorch.callbacks import Callback
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightSyncError, WeightSyncTimeoutError, generate
-from lightning_vllm.plans.background import BackgroundPusher
+from lightning_vllm.fronts.lightning.background import BackgroundPusher
 
 GATE_SECONDS = 20  # the longest a gated fake waits for its gate (the test is broken if it does)
 

@@ -39,7 +39,7 @@ from lightning_vllm.backends.gloo.messages import dtype_from_name, dtype_name
 from lightning_vllm.backends.gloo.shares import piece_bytes, send_share
 from lightning_vllm.core.versions import PushPoint, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
-from lightning_vllm.plans.ranks import FAILED, PROCEED, LockstepGathers, TrainerRanks
+from lightning_vllm.fronts.lightning.ranks import FAILED, PROCEED, LockstepGathers, TrainerRanks
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares
 

@@ -30,7 +30,7 @@ from lightning_vllm.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
-from lightning_vllm.plans.ranks import TrainerRanks
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks
 from lightning_vllm.prompts import PromptLimits, checked_prompts
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 

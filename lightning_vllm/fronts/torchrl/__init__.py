@@ -1,0 +1,2 @@
+"""TorchRL's front end: ``VLLMUpdater`` (``updater.py``), TorchRL's ``vLLMUpdater`` interface on the core, and its
+registration as TorchRL's ``WeightUpdaterBase``."""
