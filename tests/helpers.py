@@ -527,7 +527,7 @@ class FakeEngine:
         from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
 
         assert self.receiver is not None, "init_weight_transfer_engine first"
-        for segment in self.receiver.received_segments(GlooWeightTransferUpdateInfo(**update_info)):
+        for segment in self.receiver.post_update(GlooWeightTransferUpdateInfo(**update_info)).landed():
             self._pending.update((name, tensor.clone()) for name, tensor in segment)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

@@ -1,11 +1,12 @@
-"""What a push sends, chosen once: the policy's full (or merged) weights, its LoRA adapter alone, or
-its base weights with the adapter; and the stamps a changed-only push compares.
+"""What a push sends: the policy's full (or merged) weights, its LoRA adapter alone, or its base weights with the
+adapter; and the stamps a changed-only push compares.
 
-:func:`choose_payload` is the only place this is decided, a pure function of the weights, the
-options and the engines' facts (``core/facts.py``, read when connecting). The trainer's ranks may
-agree on rank 0's decision (:func:`choose_view`, then :func:`payload_for` on every rank, the policy
-found once by :func:`policy_of`); everything after it, the connection, a background snapshot, a
-sharded walk, handles the :class:`Payload` it returns.
+The decision is :func:`choose_view`, a pure function of the weights, their LoRA policy (:func:`policy_of`, found
+once), the options and the engines' facts (``core/facts.py``, read when connecting, and only for a LoRA policy:
+:func:`needs_facts`); :func:`payload_for` then builds the :class:`Payload` of that view, on every trainer rank
+alike. ``WeightSync.choose_payload`` runs the three (connecting first when the facts are needed; the ranks may agree
+on rank 0's view), and ``KeptChoice`` (``core/kept_choice.py``) keeps a push's payload for the next push of the same
+unchanged model. Everything after it, the connection, a background snapshot, a sharded walk, handles the payload.
 """
 
 from __future__ import annotations
@@ -87,28 +88,3 @@ def payload_for(
     assert policy is not None, "an adapter view is chosen for a LoRA policy only"
     source, config = adapter_source(policy, with_base=view == "base_and_adapter")
     return Payload(source, view, adapter_config=config)
-
-
-def choose_payload(
-    weights: Any, options: UpdaterOptions, facts: Sequence[EngineFacts], extra_problems: Sequence[str] = ()
-) -> Payload:
-    """What a push of ``weights`` carries, under ``options``, given the engines' ``facts``.
-
-    A ready ``WeightSource``, and any policy when ``lora="merged"``, is sent as it is (a
-    LoRA policy merged). A PEFT LoRA policy otherwise sends its adapter alone when every
-    engine can serve it, and the base weights with it while an engine lacks them.
-
-    Args:
-        weights: a Hugging Face or PEFT model, a LightningModule holding one, a dict, a
-            TensorDict or a ``WeightSource``.
-        options: the updater's ``lora``, ``model_attribute`` and ``changed_only``.
-        facts: the facts of every engine the push goes to (:func:`needs_facts` says whether they are read).
-        extra_problems: why something else that samples from the engines could not use an adapter.
-
-    Raises:
-        EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
-        ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy.
-    """
-    surveys = Surveys()
-    policy = policy_of(weights, options, surveys)
-    return payload_for(weights, policy, choose_view(weights, policy, options, facts, extra_problems), options, surveys)

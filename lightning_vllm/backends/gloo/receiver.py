@@ -168,14 +168,6 @@ class GlooReceiver:
         """Close the connection; receives still posted fail at once."""
         self._group.close()
 
-    def received_segments(self, update_info: GlooWeightTransferUpdateInfo) -> Iterator[NamedTensors]:
-        """Receive the update's tensors; yields named tensors as soon as they have landed.
-
-        For callers that load while receiving (the benchmark's floor); vLLM's worker
-        engine receives the whole update first (:meth:`post_update`).
-        """
-        yield from self.post_update(update_info).landed()
-
     def _receive_buffer(self, bucket_index: int, num_bytes: int) -> torch.Tensor:
         """Where bucket ``bucket_index`` of a sync lands: the same memory at every sync.
 
