@@ -20,7 +20,7 @@ a push begins an :class:`InFlight` version, which commits or is abandoned; a pus
 began nothing is skipped when its handle closes, and a push that neither committed nor was
 handed to another thread is abandoned. Every rank of a trainer holds one
 :class:`WeightVersions`; the ranks that do not push adopt global rank 0's
-(:meth:`PushPoint.adopt`, by name: a :class:`VersionState`).
+(:meth:`PushPointVersions.adopt`, by name: a :class:`VersionState`).
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ class WeightVersions:
         """The version the next push will commit."""
         return self._committed + 1
 
-    def push_point(self) -> PushPoint:
+    def push_point(self) -> PushPointVersions:
         """The handle of one push point: ``with versions.push_point() as point:``."""
-        return PushPoint(self)
+        return PushPointVersions(self)
 
     def _begin(self) -> int:
         """A push of the trainer's current weights starts: the version it will commit.
@@ -171,7 +171,7 @@ class WeightVersions:
             self._committed = int(version)
 
     def state(self) -> VersionState:
-        """What another rank needs to :meth:`PushPoint.adopt` these versions."""
+        """What another rank needs to :meth:`PushPointVersions.adopt` these versions."""
         with self._lock:
             return VersionState(self._committed, self._in_flight, self._backlog, self._missed)
 
@@ -202,7 +202,7 @@ class InFlight:
             self._versions._abandon(self.version)
 
 
-class PushPoint:
+class PushPointVersions:
     """One push point's handle on the versions (:meth:`WeightVersions.push_point`).
 
     On exit: a push point that began no push and adopted nothing is skipped (its weights reach
@@ -216,7 +216,7 @@ class PushPoint:
         self._handed_off = False
         self._adopted = False
 
-    def __enter__(self) -> PushPoint:
+    def __enter__(self) -> PushPointVersions:
         return self
 
     def __exit__(

@@ -25,7 +25,7 @@ from lightning_vllm.core.kept_choice import KeptChoice
 from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for, policy_of
 from lightning_vllm.core.push import Push
 from lightning_vllm.core.stats import SyncStats
-from lightning_vllm.core.versions import PushPoint, WeightVersions
+from lightning_vllm.core.versions import PushPointVersions, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters
 from lightning_vllm.errors import EngineConfigError
@@ -247,7 +247,7 @@ class WeightSync:
         self,
         weights: Any,
         engines: EngineSelection = None,
-        point: PushPoint | None = None,
+        point: PushPointVersions | None = None,
         peers: EveryRankSend | None = None,
     ) -> SyncStats:
         """Send ``weights`` to vLLM and commit them as a new version.

@@ -124,7 +124,7 @@ def send_share(
         wire.close()
 
 
-class Sender(Protocol):
+class RankZeroTrainerEngine(Protocol):
     """What :func:`send_in_shares` uses of rank 0's trainer engine (``trainer.py``)."""
 
     bucket_size_bytes: int
@@ -135,7 +135,7 @@ class Sender(Protocol):
 
 
 def send_in_shares(
-    sender: Sender,
+    sender: RankZeroTrainerEngine,
     wire: Wire,
     groups: Sequence[Sequence[TensorSpec]],
     tensors: Iterator[torch.Tensor],

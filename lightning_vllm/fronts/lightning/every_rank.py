@@ -37,7 +37,7 @@ import torch
 from lightning_vllm.backends.gloo.group import listen
 from lightning_vllm.backends.gloo.messages import dtype_from_name, dtype_name
 from lightning_vllm.backends.gloo.shares import piece_bytes, send_share
-from lightning_vllm.core.versions import PushPoint, VersionState
+from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
 from lightning_vllm.fronts.lightning.ranks import FAILED, PROCEED, LockstepGathers, TrainerRanks
 from lightning_vllm.weights.payload import Payload
@@ -99,12 +99,14 @@ class EveryRankShares(LockstepGathers):
     def shares_of(self, payload: Payload) -> RankShares | None:
         return agreed_shares(payload, self.ranks)
 
-    def push_shares(self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPoint) -> SyncStats | None:
+    def push_shares(
+        self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
+    ) -> SyncStats | None:
         return push_in_shares(sync, payload, shares, self.ranks, point)
 
 
 def push_in_shares(
-    updater: WeightSync, payload: Payload, shares: RankShares, ranks: TrainerRanks, point: PushPoint
+    updater: WeightSync, payload: Payload, shares: RankShares, ranks: TrainerRanks, point: PushPointVersions
 ) -> SyncStats | None:
     """Push with every rank sending ``shares``; on every rank at the same point, inside the push point
     ``point``. Returns the figures on rank 0. Every rank's ``updater.versions`` ends on the version
@@ -120,7 +122,7 @@ def push_in_shares(
 
 
 def _lead(
-    updater: WeightSync, payload: Payload, shares: RankShares, ranks: TrainerRanks, point: PushPoint
+    updater: WeightSync, payload: Payload, shares: RankShares, ranks: TrainerRanks, point: PushPointVersions
 ) -> SyncStats:
     every = _StatusGroupSend(ranks, shares, _senders(ranks))
     try:

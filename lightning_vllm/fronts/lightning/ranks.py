@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from lightning_vllm.core.versions import PushPoint, VersionState
+from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PushAborted, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.payload import Payload, PushView
@@ -345,7 +345,9 @@ class LockstepGathers(RankPlan):
         (a collective: every rank decides alike); never here (``every_rank.EveryRankShares`` does)."""
         return None
 
-    def push_shares(self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPoint) -> SyncStats | None:
+    def push_shares(
+        self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
+    ) -> SyncStats | None:
         """Push with every rank sending ``shares`` (the figures on rank 0), for a plan whose :meth:`shares_of`
         gives them; this plan's never does, so this is never called."""
         raise AssertionError(f"{type(self).__name__} gathers every push: shares_of gave it no shares to send.")
