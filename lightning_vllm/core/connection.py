@@ -12,7 +12,6 @@ only as long as the backend's traits need (see :meth:`EngineConnection.push`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,8 +51,8 @@ from lightning_vllm.weights.checks import (
     loaded_by_engine,
     wire_for_engine,
 )
+from lightning_vllm.weights.model import metadata_bytes, smallest_group
 from lightning_vllm.weights.payload import Payload
-from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class EngineConnection:
         self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
         self.has_policy_base = False
         self.last_num_bytes = 0
-        self._wire_bytes = wire_bytes(wire)  # (summed once: a push of every tensor sends these)
+        self._wire_bytes = metadata_bytes(wire)  # (summed once: a push of every tensor sends these)
         self.last_timing = PushTiming()  # where the last push's seconds went
         self._commit_seconds = self._pause_seconds = 0.0
         self._paused_at: float | None = None
@@ -154,7 +153,7 @@ class EngineConnection:
             world_size=world_size,
             bucket_size_bytes=options.bucket_size_bytes,
             timeout_seconds=options.timeout_seconds,
-            largest_tensor_bytes=max((wire_bytes({name: meta}) for name, meta in wire.items()), default=0),
+            largest_tensor_bytes=max((metadata_bytes({name: meta}) for name, meta in wire.items()), default=0),
             sends_as_held=all(metadata[name][0] == dtype for name, (dtype, _) in wire.items()),
             updates_in_one_call=isinstance(engine, UpdatesInOneCall),
         )
@@ -205,7 +204,7 @@ class EngineConnection:
         self._lora_facts = (limits, expected, problems)
         return self._lora_facts
 
-    def check(self, payload: Payload, offered: ModelMetadata, peers: EveryRankSend | None = None) -> None:
+    def check(self, payload: Payload, offered: ModelMetadata) -> None:
         """Check that ``payload`` (whose weights' metadata is ``offered``) fits this engine; nothing is sent.
 
         An adapter push is checked on its base weights, if it carries them; the adapter
@@ -215,7 +214,7 @@ class EngineConnection:
             WeightsMismatchError: names, shapes, dtypes or tied embeddings do not fit.
             EngineConfigError: every trainer rank is to send a share, which this backend cannot carry.
         """
-        if peers is not None and not self.backend.traits.carries_shares:
+        if payload.every_rank is not None and not self.backend.traits.carries_shares:
             raise EngineConfigError(
                 f"push_from='every_rank' sends each trainer rank's share over the "
                 f"{' or '.join(carrying('carries_shares'))} backend, but the {self.engine.description} engine uses "
@@ -229,8 +228,8 @@ class EngineConnection:
         if self.ties_word_embeddings:
             check_tied_output_embedding(payload.weights, offered)
 
-    def push(self, payload: Payload, version: int, peers: EveryRankSend | None = None) -> int:
-        """Send ``payload`` and commit it as ``version``; returns the bytes sent. With ``peers``, the
+    def push(self, payload: Payload, version: int) -> int:
+        """Send ``payload`` and commit it as ``version``; returns the bytes sent. With ``payload.every_rank``, the
         other trainer ranks send their shares of each tensor at the same time (``weights/shares.py``).
 
         With the gloo backend the workers receive the whole update while the engine
@@ -239,9 +238,6 @@ class EngineConnection:
         With vLLM's own backends, which load while receiving, generation is paused
         around the whole transfer. A push that fails closes the connection (the next
         push opens a new one), and the engine resumes generation either way.
-
-        With ``changed_only``, layer groups whose every tensor is as this connection last
-        sent it are left out (``weights/changes.py``); the engine keeps them.
 
         A payload that carries a LoRA adapter: the workers stage it for vLLM's LoRA
         loader, and from the commit on the engine generates through it.
@@ -252,37 +248,8 @@ class EngineConnection:
         self._commit_seconds = self._pause_seconds = 0.0
         if pause_for_transfer:
             self._pause()
-        source = payload.weights
-        adapter = self.adapter if payload.adapter_config is not None else None
-        if payload.carries_adapter:
-            limits = self._engine_lora_facts()[0]
-            wire = adapter_wire(self.wire, source, limits.lora_dtype if limits else None)
-        else:
-            wire = self.wire
-        stamps = payload.stamps if self.options.changed_only else None
-        unchanged: set[str] = set()
-        if stamps is not None:
-            groups = WireWeights(source, wire).groups()
-            unchanged = self.sent.unchanged(groups, stamps)
-            if self.backend.traits.sends_every_push and len(unchanged) == len(wire):  # (vLLM's nccl: see Traits)
-                unchanged -= set(smallest_group(groups, wire))
-        if unchanged:  # whole layer groups the engine already holds
-            wire = {name: meta for name, meta in wire.items() if name not in unchanged}
-        tally = self.landing.tally_for(carries_base=payload.view != "adapter", every_rank=peers is not None)
-        # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
-        sent = WireWeights(source, wire, device=self.device, tally=tally)
-        client = self.client.committing(
-            str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
-        )
-        adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
-        outgoing = Outgoing(
-            sent,
-            client,
-            adapter_message,
-            peers,
-            what=f"the {self.backend.name} transfer to {self.engine.description}",
-            check_alive=lambda: raise_if_dead(self.engine),
-        )
+        names = self._names_to_send(payload)
+        outgoing = self._outgoing(payload, names, version)
         started = time.perf_counter()
         try:
             self.sender.send(outgoing)
@@ -296,13 +263,61 @@ class EngineConnection:
         if pause_for_transfer:
             self._resume()
         self.last_timing = PushTiming(sent_seconds - self._commit_seconds, self._commit_seconds, self._pause_seconds)
-        if adapter is None:
+        return self._record_landed(payload, names)
+
+    def _names_to_send(self, payload: Payload) -> ModelMetadata:
+        """The engine's names and dtypes of what ``payload`` sends this engine: an adapter's under the engine's LoRA
+        dtype; with ``changed_only``, without the layer groups the engine holds already as this connection last sent
+        them (``weights/changes.py``)."""
+        if payload.carries_adapter:
+            limits = self._engine_lora_facts()[0]
+            names = adapter_wire(self.wire, payload.weights, limits.lora_dtype if limits else None)
+        else:
+            names = self.wire
+        stamps = payload.stamps if self.options.changed_only else None
+        if stamps is None:
+            return names
+        groups = WireWeights(payload.weights, names).groups()
+        unchanged = self.sent.unchanged(groups, stamps)
+        if self.backend.traits.sends_every_push and len(unchanged) == len(names):  # (vLLM's nccl: see Traits)
+            unchanged -= set(smallest_group(groups, names))
+        if not unchanged:
+            return names
+        return {name: meta for name, meta in names.items() if name not in unchanged}
+
+    def _outgoing(self, payload: Payload, names: ModelMetadata, version: int) -> Outgoing:
+        """What the backend's sender is handed for one push: the tensors under ``names``, counted for the landing
+        check; the client that commits ``version`` inside the commit window; the adapter's message."""
+        adapter = self.adapter if payload.adapter_config is not None else None
+        pause_for_transfer = self.backend.traits.loads_while_receiving
+        tally = self.landing.tally_for(
+            carries_base=payload.view != "adapter", every_rank=payload.every_rank is not None
+        )
+        # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
+        sent = WireWeights(payload.weights, names, device=self.device, tally=tally)
+        client = self.client.committing(
+            str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
+        )
+        adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
+        return Outgoing(
+            sent,
+            client,
+            adapter_message,
+            payload.every_rank,
+            what=f"the {self.backend.name} transfer to {self.engine.description}",
+            check_alive=lambda: raise_if_dead(self.engine),
+        )
+
+    def _record_landed(self, payload: Payload, names: ModelMetadata) -> int:
+        """After a push committed: what the engine now holds (its base, the stamps of what was sent, the landing
+        check's tally); returns the bytes sent."""
+        if payload.adapter_config is None:
             self.has_policy_base = False  # merged weights replaced the base
-        elif any(not name.startswith(ADAPTER_PREFIX) for name in wire):
+        elif any(not name.startswith(ADAPTER_PREFIX) for name in names):
             self.has_policy_base = True  # the base weights went with the adapter
-        self.sent.landed(wire, stamps)
+        self.sent.landed(names, payload.stamps if self.options.changed_only else None)
         self.landing.landed(committed=True)
-        self.last_num_bytes = self._wire_bytes if wire is self.wire else wire_bytes(wire)
+        self.last_num_bytes = self._wire_bytes if names is self.wire else metadata_bytes(names)
         return self.last_num_bytes
 
     def differing_layers(self) -> list[str]:
@@ -382,13 +397,3 @@ class EngineConnection:
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return call_with_timeout(fn, *args, timeout=self.options.timeout_seconds, what=what)
-
-
-def smallest_group(groups: list[list[str]], wire: ModelMetadata) -> list[str]:
-    """The layer group of ``groups`` whose tensors in ``wire`` take the fewest bytes."""
-    return min(groups, key=lambda group: wire_bytes({name: wire[name] for name in group}))
-
-
-def wire_bytes(wire: ModelMetadata) -> int:
-    """The bytes of the tensors of ``wire``."""
-    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in wire.values())

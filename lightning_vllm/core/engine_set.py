@@ -25,7 +25,6 @@ from lightning_vllm.errors import (
     WeightSyncError,
 )
 from lightning_vllm.weights.payload import Payload
-from lightning_vllm.weights.shares import EveryRankSend
 
 EngineSelection = int | torch.device | Sequence[int | torch.device] | None
 """Engines named by index or by device type (all of that type), or ``None`` for all."""
@@ -115,17 +114,17 @@ class EngineSet:
         self.connections.pop(index, None)
 
     def push_each(
-        self, payload: Payload, indices: Sequence[int], version: int, peers: EveryRankSend | None = None
+        self, payload: Payload, indices: Sequence[int], version: int
     ) -> tuple[list[int], dict[int, BaseException], int, PushTiming]:
         """Send ``payload`` to the engines of ``indices`` and commit ``version`` in each, whatever happened
         to the others: the engines that took it, those it failed on and their errors, the bytes sent and
-        where the seconds went. ``peers``: the other trainer ranks, sending their shares alongside."""
+        where the seconds went."""
         committed: list[int] = []
         failures: dict[int, BaseException] = {}
         num_bytes, timing = 0, PushTiming()
         for position, index in enumerate(indices):
             try:
-                sent, spent = self.push_one(index, payload, version, peers)
+                sent, spent = self.push_one(index, payload, version)
                 num_bytes, timing = num_bytes + sent, timing + spent
             except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
                 failures.update(dict.fromkeys(indices[position:], error))
@@ -136,9 +135,7 @@ class EngineSet:
             committed.append(index)
         return committed, failures, num_bytes, timing
 
-    def push_one(
-        self, index: int, payload: Payload, version: int, peers: EveryRankSend | None = None
-    ) -> tuple[int, PushTiming]:
+    def push_one(self, index: int, payload: Payload, version: int) -> tuple[int, PushTiming]:
         """Send ``payload`` to the connected engine at ``index`` and commit ``version``; the bytes sent and
         where the seconds went.
         A failed push closed the connection, which is forgotten: the next push opens a new one.
@@ -151,7 +148,7 @@ class EngineSet:
         if connection is None:
             raise RuntimeError(f"The updater is not connected to engine {index!r}: call connect() (init()) first.")
         try:
-            return connection.push(payload, version, peers), connection.last_timing
+            return connection.push(payload, version), connection.last_timing
         except BaseException as error:
             self.forget(index)
             if dead := engine_death(error, self.targets[index], "during a push"):

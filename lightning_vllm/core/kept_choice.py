@@ -29,7 +29,6 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.weights.checkpoint_layout import CheckpointWeights, LayoutPlan
 from lightning_vllm.weights.payload import Payload
-from lightning_vllm.weights.shares import EveryRankSend
 from lightning_vllm.weights.sources import ModuleWeights
 from lightning_vllm.weights.survey import Survey, TreeShape
 
@@ -57,7 +56,6 @@ class KeptChoice:
         payload: Payload,
         connections: Mapping[int, EngineConnection],
         unreachable: Mapping[int, BaseException],
-        peers: EveryRankSend | None,
     ) -> KeptChoice | None:
         """The choice of a push that passed its checks, kept if it may be (see the module docstring); else ``None``.
 
@@ -68,7 +66,7 @@ class KeptChoice:
             plan = source.plan
             source = source.source
         if (
-            peers is not None
+            payload.every_rank is not None
             or unreachable
             or survey is None
             or survey.shape is None
@@ -91,12 +89,11 @@ class KeptChoice:
         pushed: Any,
         connections: Mapping[int, EngineConnection],
         unreachable: Mapping[int, BaseException],
-        peers: EveryRankSend | None,
         with_stamps: bool,
     ) -> Payload | None:
         """The payload of a push of ``pushed`` to ``connections`` (its stamps read anew if ``with_stamps``), or
         ``None``: the choice no longer holds, and the push chooses and checks anew."""
-        if pushed is not self.pushed() or peers is not None or unreachable:
+        if pushed is not self.pushed() or unreachable:  # (every rank's shares are pushed as a payload: never kept)
             return None
         if len(connections) != len(self.checked) or any(connections.get(i) is not c for i, c in self.checked):
             return None

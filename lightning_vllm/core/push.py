@@ -18,7 +18,6 @@ from lightning_vllm.core.engine_set import EngineSet
 from lightning_vllm.core.stats import SyncStats
 from lightning_vllm.core.versions import InFlight
 from lightning_vllm.weights.payload import Payload
-from lightning_vllm.weights.shares import EveryRankSend
 
 
 @dataclass(frozen=True)
@@ -29,18 +28,16 @@ class Push:
         payload: what it carries.
         engine_indices: the engines it goes to (connected, checked).
         unreachable: the engines it cannot reach now, with their errors (they count as failed).
-        peers: the other trainer ranks, when each sends its own share of every tensor.
     """
 
     payload: Payload
     engine_indices: list[int]
     unreachable: dict[int, BaseException] = field(default_factory=dict)
-    peers: EveryRankSend | None = None
     engines: EngineSet | None = field(default=None, repr=False, compare=False)
     landed: Callable[[SyncStats], Any] = field(default=lambda stats: None, repr=False, compare=False)
 
     def with_payload(self, payload: Payload) -> Push:
-        """The same push carrying ``payload`` (a background snapshot, every rank's shares): the same
+        """The same push carrying ``payload`` (a background snapshot): the same
         metadata, so the checks made still hold."""
         return replace(self, payload=payload)
 
@@ -66,7 +63,7 @@ class Push:
         committed: list[int] = []
         try:
             committed, failures, num_bytes, timing = self.engines.push_each(
-                self.payload, self.engine_indices, version.version, self.peers
+                self.payload, self.engine_indices, version.version
             )
         finally:
             if committed:

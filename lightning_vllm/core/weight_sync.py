@@ -33,7 +33,6 @@ from lightning_vllm.options import UpdaterOptions, check_updater_options
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
 from lightning_vllm.weights.payload import Payload, PushView
-from lightning_vllm.weights.shares import EveryRankSend
 from lightning_vllm.weights.survey import Surveys
 
 _OPTION_NAMES = frozenset(field.name for field in fields(UpdaterOptions))
@@ -248,7 +247,6 @@ class WeightSync:
         weights: Any,
         engines: EngineSelection = None,
         point: PushPointVersions | None = None,
-        peers: EveryRankSend | None = None,
     ) -> SyncStats:
         """Send ``weights`` to vLLM and commit them as a new version.
 
@@ -259,13 +257,12 @@ class WeightSync:
 
         Args:
             weights: a Hugging Face or PEFT model, a LightningModule holding one, a dict of tensors
-                or a TensorDict (nested keys joined with ``"."``), or a payload already chosen.
+                or a TensorDict (nested keys joined with ``"."``), or a payload already chosen (one that every
+                trainer rank sends a share of: ``Payload.every_rank``).
             engines: engines to update, by index or by device (the engines on that device type);
                 all when ``None``.
             point: the push point's handle on the versions, when the caller opened it (a push
                 every trainer rank takes part in); one of its own otherwise.
-            peers: the other trainer ranks, when each sends its own share of every tensor
-                (``weights`` then yields this rank's shares; ``fronts/lightning/every_rank.py``).
 
         Raises:
             WeightsMismatchError: the weights do not fit an engine's model; nothing is sent.
@@ -274,10 +271,10 @@ class WeightSync:
         """
         if point is None:
             with self.versions.push_point() as point:
-                return self.push(weights, engines, point, peers)
-        return self.prepare(weights, engines, peers).send(point.begin())
+                return self.push(weights, engines, point)
+        return self.prepare(weights, engines).send(point.begin())
 
-    def prepare(self, weights: Any, engines: EngineSelection = None, peers: EveryRankSend | None = None) -> Push:
+    def prepare(self, weights: Any, engines: EngineSelection = None) -> Push:
         """Everything of :meth:`push` before the first byte moves: what to send, to which engines
         (joining their groups if needed), and every check. ``Push.send`` sends it.
 
@@ -292,9 +289,9 @@ class WeightSync:
         reached: tuple[dict[int, EngineConnection], dict[int, BaseException]] | None = None
         if self._kept is not None:  # the same model as last time, unchanged: the same choice, checked already
             reached = connections, unreachable = self._engine_set.connected(targets)
-            kept = self._kept.payload_for(weights, connections, unreachable, peers, self._options.changed_only)
+            kept = self._kept.payload_for(weights, connections, unreachable, self._options.changed_only)
             if kept is not None:
-                return Push(kept, list(connections), unreachable, peers, self._engine_set, self._landed)
+                return Push(kept, list(connections), unreachable, self._engine_set, self._landed)
             self._kept = None
         surveys = Surveys()
         payload = self.choose_payload(weights, targets, surveys=surveys)
@@ -303,9 +300,9 @@ class WeightSync:
             self.model_metadata = offered
         connections, unreachable = reached or self._engine_set.connected(targets)
         for connection in connections.values():  # every check before the first byte moves
-            connection.check(payload, offered, peers)
-        self._kept = KeptChoice.of(weights, surveys.made(weights), payload, connections, unreachable, peers)
-        return Push(payload, list(connections), unreachable, peers, self._engine_set, self._landed)
+            connection.check(payload, offered)
+        self._kept = KeptChoice.of(weights, surveys.made(weights), payload, connections, unreachable)
+        return Push(payload, list(connections), unreachable, self._engine_set, self._landed)
 
     # -- what a push carries ------------------------------------------------------
 

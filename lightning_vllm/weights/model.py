@@ -8,6 +8,7 @@ DDP, ``base_model.model.`` and ``.base_layer`` from PEFT. They are removed here.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -156,3 +157,13 @@ def find_hf_model(module: torch.nn.Module, attribute: str | None = None) -> torc
         f"{type(module).__name__} holds several Hugging Face models ({', '.join(outermost)}); "
         "say which one vLLM serves with model_attribute=..."
     )
+
+
+def metadata_bytes(metadata: ModelMetadata) -> int:
+    """The bytes of the tensors ``metadata`` describes."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in metadata.values())
+
+
+def smallest_group(groups: list[list[str]], metadata: ModelMetadata) -> list[str]:
+    """The group of names of ``groups`` whose tensors in ``metadata`` take the fewest bytes."""
+    return min(groups, key=lambda group: metadata_bytes({name: metadata[name] for name in group}))

@@ -4,8 +4,9 @@ A push is chosen once (``core/payload_choice.py``) and then handed down unchange
 the connection checks it against each engine, a background push copies its tensors
 (``weights/snapshot.py``) and a sharded push walks them in lockstep
 (``fronts/lightning/ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the
-engine needs (the LoRA adapter's config, what each tensor was computed from) stays
-in the :class:`Payload`, so no wrapper of the weights must remember to forward it.
+engine needs (the LoRA adapter's config, what each tensor was computed from, the other trainer ranks sending their
+shares alongside) stays in the :class:`Payload`, so no wrapper of the weights, and no layer between the front end and
+the backend, must remember to forward it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.changes import Stamp
+from lightning_vllm.weights.shares import EveryRankSend
 
 PushView = Literal["merged", "adapter", "base_and_adapter"]
 """What a push of a policy sends: its full weights (a LoRA policy's merged), its LoRA adapter
@@ -32,6 +34,8 @@ class Payload:
             ``"base_and_adapter"`` views); vLLM's loader needs rank, alpha and target modules.
         stamps: what each tensor was computed from when the push was prepared
             (``weights/changes.py``), for changed-only pushes; ``None``: every tensor counts as changed.
+        every_rank: the other trainer ranks, when each sends its own share of every tensor (``weights`` then
+            yields this rank's shares; ``fronts/lightning/every_rank.py``); ``None``: this rank sends it all.
 
     Example::
 
@@ -46,6 +50,7 @@ class Payload:
     view: PushView = "merged"
     adapter_config: dict[str, Any] | None = None
     stamps: dict[str, Stamp] | None = None
+    every_rank: EveryRankSend | None = None
 
     @property
     def carries_adapter(self) -> bool:

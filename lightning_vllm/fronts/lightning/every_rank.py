@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -126,7 +127,7 @@ def _lead(
 ) -> SyncStats:
     every = _StatusGroupSend(ranks, shares, _senders(ranks))
     try:
-        stats = updater.push(payload.with_weights(shares), point=point, peers=every)
+        stats = updater.push(replace(payload, weights=shares, every_rank=every), point=point)
     except PartialPushError as error:
         if not every.aborted:
             _tell(ranks, done=cast("SyncStats", error.stats).weight_version)
