@@ -11,29 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.errors import WeightSyncError
-
-
-@runtime_checkable
-class UpdatesInOneCall(Protocol):
-    """Capability of an engine target whose workers can start, load and finish an update in one call.
-
-    vLLM's control plane is three calls (start, update, finish), each a round trip to the engine core,
-    then one more to set the version; a worker that loads while the call runs (CUDA IPC: the bytes are
-    on the trainer's GPU already) can take all three in one ``collective_rpc`` of a function the backend
-    gives (``backends/lightning_ipc/worker.update_in_one_call``). On an H200 each round trip cost about a
-    millisecond of a push whose copy takes eight (docs/gpu.md).
-    """
-
-    def update_weights_in_one_call(
-        self, update_on_worker: Callable[..., None], update_info: dict[str, Any], weight_version: str | None
-    ) -> None:
-        """Run ``update_on_worker(worker, update_info=update_info)`` on every worker (it starts an update, loads
-        and finishes it), then commit ``weight_version`` (``None``: no version)."""
-        ...
 
 
 class TimedClient:
@@ -95,7 +76,7 @@ class TimedClient:
 
     def update_weights_in_one_call(self, update_on_worker: Callable[..., None], update_info: dict[str, Any]) -> None:
         """Start, load and finish in one call of ``update_on_worker`` on the workers (the inner client is
-        :class:`UpdatesInOneCall`), committing this client's version inside ``commit_window()`` as
+        ``engines/base.UpdatesInOneCall``), committing this client's version inside ``commit_window()`` as
         ``finish_weight_update`` does."""
         with self.commit_window():
             self._call(

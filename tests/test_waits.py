@@ -117,7 +117,8 @@ class OneCallRecorder:
 def test_an_update_in_one_call_commits_the_push_s_version_inside_its_commit_window():
     from contextlib import contextmanager
 
-    from lightning_vllm.engine_client import AbandonedClient, UpdatesInOneCall
+    from lightning_vllm.engine_client import AbandonedClient
+    from lightning_vllm.engines.base import UpdatesInOneCall
     from lightning_vllm.errors import WeightSyncError
 
     inner = OneCallRecorder()

@@ -39,8 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from lightning_vllm import VLLMUpdater  # noqa: E402
 from lightning_vllm.backends import base as backends_base  # noqa: E402
 from lightning_vllm.backends.lightning_ipc import trainer as ipc_trainer  # noqa: E402
-from lightning_vllm.engine_client import UpdatesInOneCall  # noqa: E402
-from lightning_vllm.engines.base import GeneratesOnlyInCalls  # noqa: E402
+from lightning_vllm.engines.base import GeneratesOnlyInCalls, UpdatesInOneCall  # noqa: E402
 
 
 class LandedAtOnce:

@@ -56,7 +56,7 @@ class GroupPlan:
     engine the trainer's own tensors rather than copies."""
     updates_in_one_call: bool = False
     """The engine's workers can start, load and finish an update in one call
-    (``engine_client.UpdatesInOneCall``), for a backend whose workers need nothing more from the trainer
+    (``engines/base.UpdatesInOneCall``), for a backend whose workers need nothing more from the trainer
     while they load."""
 
 

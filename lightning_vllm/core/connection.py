@@ -28,13 +28,14 @@ from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.core.landing_check import LandingCheck
 from lightning_vllm.core.stats import PushTiming
-from lightning_vllm.engine_client import TimedClient, UpdatesInOneCall
+from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
     FollowsUpdaterTimeout,
     GeneratesOnlyInCalls,
     PolicyAdapter,
     ServesLoraAdapters,
+    UpdatesInOneCall,
     version_number,
 )
 from lightning_vllm.engines.failures import raise_if_dead

@@ -21,12 +21,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
-from lightning_vllm.engine_client import UpdatesInOneCall
 from lightning_vllm.engines.base import (
     ChecksIPCHandles,
     Generation,
     PauseMode,
     ReportsLayerSums,
+    UpdatesInOneCall,
     as_prompt,
     generations_from_outputs,
     version_number,

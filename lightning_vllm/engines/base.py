@@ -1,9 +1,21 @@
-"""What the updater and rollouts need from a vLLM engine, wherever it runs."""
+"""What the updater and rollouts need from a vLLM engine, wherever it runs.
+
+:class:`EngineTarget` is the contract every engine target keeps. What only some can do is a capability, a small
+``Protocol`` the target declares (the core asks with ``isinstance``, never by probing for a name):
+
+- :class:`ServesLoraAdapters`: it generates through a LoRA adapter a push staged;
+- :class:`FollowsUpdaterTimeout`: its requests have a timeout of their own, which follows the updater's;
+- :class:`ChecksBackgroundPushes`: it may refuse pushes from another thread, and says so before one is made;
+- :class:`GeneratesOnlyInCalls`: it generates only inside its own ``generate`` calls, so nothing needs pausing;
+- :class:`ChecksIPCHandles`: it can tell, before any byte moves, whether it will take CUDA IPC handles;
+- :class:`UpdatesInOneCall`: its workers start, load and finish an update in one call;
+- :class:`ReportsLayerSums`: its workers sum, per layer, the weights they hold (the check after a push).
+"""
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -112,6 +124,25 @@ class ChecksIPCHandles(Protocol):
 
     def ipc_handles_problem(self) -> str | None:
         """Why ``ipc`` pushes would be refused, with the fix (``None``: they will be taken)."""
+        ...
+
+
+@runtime_checkable
+class UpdatesInOneCall(Protocol):
+    """Capability of an engine target whose workers can start, load and finish an update in one call.
+
+    vLLM's control plane is three calls (start, update, finish), each a round trip to the engine core,
+    then one more to set the version; a worker that loads while the call runs (CUDA IPC: the bytes are
+    on the trainer's GPU already) can take all three in one ``collective_rpc`` of a function the backend
+    gives (``backends/lightning_ipc/worker.update_in_one_call``). On an H200 each round trip cost about a
+    millisecond of a push whose copy takes eight (docs/gpu.md).
+    """
+
+    def update_weights_in_one_call(
+        self, update_on_worker: Callable[..., None], update_info: dict[str, Any], weight_version: str | None
+    ) -> None:
+        """Run ``update_on_worker(worker, update_info=update_info)`` on every worker (it starts an update, loads
+        and finishes it), then commit ``weight_version`` (``None``: no version)."""
         ...
 
 

@@ -8,7 +8,6 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engine_client import UpdatesInOneCall
 from lightning_vllm.engines.base import (
     ChecksBackgroundPushes,
     ChecksIPCHandles,
@@ -16,6 +15,7 @@ from lightning_vllm.engines.base import (
     Generation,
     PauseMode,
     ReportsLayerSums,
+    UpdatesInOneCall,
     as_prompt,
     generations_from_outputs,
     version_number,

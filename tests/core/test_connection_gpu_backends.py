@@ -297,7 +297,7 @@ def test_the_group_plan_says_whether_the_engine_takes_an_update_in_one_call(
     takes_one_call, monkeypatch, trainer_has_cuda
 ):
     from lightning_vllm.backends.lightning_ipc.backend import InPlaceIPCBackend
-    from lightning_vllm.engine_client import UpdatesInOneCall
+    from lightning_vllm.engines.base import UpdatesInOneCall
 
     class OneCallEngine(GPUEngine, UpdatesInOneCall):
         def update_weights_in_one_call(self, update_info, weight_version):

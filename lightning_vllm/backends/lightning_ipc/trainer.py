@@ -43,7 +43,7 @@ class KeptHandlesTrainerInitInfo(IPCTrainerInitInfo):
     Attributes:
         landed_timeout_seconds: the longest the trainer waits, after the commit, for the worker's copies.
         updates_in_one_call: the engine takes start, update and finish as one call
-            (``engine_client.UpdatesInOneCall``); else vLLM's three.
+            (``engines/base.UpdatesInOneCall``); else vLLM's three.
     """
 
     backend: ClassVar[str] = "lightning_ipc"

@@ -80,7 +80,7 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
 
 def update_in_one_call(worker: Any, update_info: dict[str, Any]) -> None:
     """vLLM's ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` on ``worker``, sent as one
-    ``collective_rpc`` (``engine_client.UpdatesInOneCall``): the worker's own methods, so its bookkeeping (one
+    ``collective_rpc`` (``engines/base.UpdatesInOneCall``): the worker's own methods, so its bookkeeping (one
     update at a time, an update that failed ends) is vLLM's. For a worker that loads while the call runs: the
     CUDA IPC engines, whose tensors are on the trainer's GPU before the call."""
     worker.start_weight_update()

@@ -63,7 +63,7 @@ class LandedEvent:
 
 @pytest.fixture(params=[False, True], ids=["three calls", "one call"])
 def in_one_call(request: pytest.FixtureRequest) -> bool:
-    """Whether the engine takes start, update and finish as one call (``engine_client.UpdatesInOneCall``)."""
+    """Whether the engine takes start, update and finish as one call (``engines/base.UpdatesInOneCall``)."""
     return bool(request.param)
 
 
