@@ -4,6 +4,10 @@ Options that conflict (an option another one makes meaningless, two that cannot 
 hold) are refused at construction with an error that names both, instead of being
 ignored or failing later depending on timing. :func:`check_options` is a pure
 function of :class:`SyncOptions`, so every combination is tested without an engine.
+
+Each rule is written once, here: :func:`check_options` and :func:`check_updater_options` apply them all; the parts
+usable on their own (a ``BackgroundPusher``, a ``RolloutSampler``) apply the same ones (:func:`check_choice`,
+:func:`check_max_staleness`), and ``settings.py`` holds the timeout's and the bucket size's.
 """
 
 from __future__ import annotations
@@ -107,6 +111,27 @@ class SyncOptions:
     push_from: str = "rank0"
 
 
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices`` (the one rule for every option that names a choice).
+
+    Example::
+
+        >>> check_choice("when_busy", "queue", ("skip", "wait"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid value for when_busy='queue'. Must be 'skip' or 'wait'.
+    """
+    if value not in choices:
+        listed = f"{', '.join(map(repr, choices[:-1]))} or {choices[-1]!r}" if len(choices) > 1 else repr(choices[0])
+        raise ValueError(f"Invalid value for {name}={value!r}. Must be {listed}.")
+
+
+def check_max_staleness(max_staleness: int | None) -> None:
+    """Raise ``ValueError`` unless ``max_staleness`` is ``None`` or a count of versions, ``>= 0``."""
+    if max_staleness is not None and max_staleness < 0:
+        raise ValueError(f"Invalid value for max_staleness={max_staleness}. Must be >= 0, or None.")
+
+
 def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None:
     """Raise ``ValueError`` for a ``VLLMUpdater`` setting out of range or in conflict with another.
 
@@ -131,10 +156,8 @@ def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None
         raise ValueError(f"Invalid value for vllm_tp_size={options.vllm_tp_size}. Must be >= 1.")
     validate_timeout(options.timeout_seconds)
     validate_bucket_size(options.bucket_size_bytes)
-    if options.pause_mode not in ("keep", "wait", "abort"):
-        raise ValueError(f"Invalid value for pause_mode={options.pause_mode!r}. Must be 'keep', 'wait' or 'abort'.")
-    if options.lora not in ("auto", "adapter", "merged"):
-        raise ValueError(f"Invalid value for lora={options.lora!r}. Must be 'auto', 'adapter' or 'merged'.")
+    check_choice("pause_mode", options.pause_mode, ("keep", "wait", "abort"))
+    check_choice("lora", options.lora, ("auto", "adapter", "merged"))
 
 
 def check_options(options: SyncOptions) -> list[str]:
@@ -160,16 +183,12 @@ def check_options(options: SyncOptions) -> list[str]:
         )
     check_updater_options(options.updater, options.num_engines)
     PushSchedule(options.every_n_train_steps, options.every_n_epochs)  # (checks its intervals)
-    if options.max_staleness is not None and options.max_staleness < 0:
-        raise ValueError(f"Invalid value for max_staleness={options.max_staleness}. Must be >= 0, or None.")
+    check_max_staleness(options.max_staleness)
     if options.generate_timeout_seconds <= 0:
         raise ValueError(f"Invalid value for generate_timeout_seconds={options.generate_timeout_seconds}. Must be > 0.")
-    if options.on_sync_error not in ("raise", "warn"):
-        raise ValueError(f"Invalid value for on_sync_error={options.on_sync_error!r}. Must be 'raise' or 'warn'.")
-    if options.when_busy not in ("skip", "wait"):
-        raise ValueError(f"Invalid value for when_busy={options.when_busy!r}. Must be 'skip' or 'wait'.")
-    if options.push_from not in ("rank0", "every_rank"):
-        raise ValueError(f"Invalid value for push_from={options.push_from!r}. Must be 'rank0' or 'every_rank'.")
+    check_choice("on_sync_error", options.on_sync_error, ("raise", "warn"))
+    check_choice("when_busy", options.when_busy, ("skip", "wait"))
+    check_choice("push_from", options.push_from, ("rank0", "every_rank"))
     if not options.blocking and options.max_staleness == 0:
         raise ValueError(
             "blocking=False cannot hold max_staleness=0: rollouts sampled while a background push is on its way "

@@ -26,7 +26,7 @@ import torch
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.engines.base import ChecksBackgroundPushes
 from lightning_vllm.errors import EngineConfigError, WeightSyncTimeoutError
-from lightning_vllm.options import WhenBusy
+from lightning_vllm.options import WhenBusy, check_choice
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
@@ -63,8 +63,7 @@ class BackgroundPusher:
     """
 
     def __init__(self, updater: WeightSync, when_busy: WhenBusy = "skip") -> None:
-        if when_busy not in ("skip", "wait"):
-            raise ValueError(f"Invalid value for when_busy={when_busy!r}. Must be 'skip' or 'wait'.")
+        check_choice("when_busy", when_busy, ("skip", "wait"))
         self.updater = updater
         self.when_busy: WhenBusy = when_busy
         self.memory = SnapshotMemory()

@@ -31,6 +31,7 @@ from lightning_vllm.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_vllm.fronts.lightning.ranks import TrainerRanks
+from lightning_vllm.options import check_max_staleness
 from lightning_vllm.prompts import PromptLimits, checked_prompts
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, validate_timeout
 
@@ -58,8 +59,7 @@ class RolloutSampler:
         max_staleness: int | None = None,
         timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
     ) -> None:
-        if max_staleness is not None and max_staleness < 0:
-            raise ValueError(f"Invalid value for max_staleness={max_staleness}. Must be >= 0, or None.")
+        check_max_staleness(max_staleness)
         validate_timeout(timeout_seconds)
         self.updater = updater
         self.max_staleness = max_staleness
