@@ -1,5 +1,5 @@
-"""``gloo``: our backend for CPUs. Its wire is ``backends/gloo/``; vLLM's factories know it through
-the plugin (``in_vllm/plugin.py``)."""
+"""``gloo``: our backend for CPUs. Its wire and both of its ends are the modules beside this one (``__init__.py``
+lists them); vLLM's factories know it through the plugin (``in_vllm/plugin.py``)."""
 
 from __future__ import annotations
 
