@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_GENERATE_TIMEOUT_SECONDS,
@@ -182,7 +181,10 @@ def check_options(options: SyncOptions) -> list[str]:
             "VLLMUpdater, or pass engine=... instead of updater=...."
         )
     check_updater_options(options.updater, options.num_engines)
-    PushSchedule(options.every_n_train_steps, options.every_n_epochs)  # (checks its intervals)
+    intervals = {"every_n_train_steps": options.every_n_train_steps, "every_n_epochs": options.every_n_epochs}
+    for name, interval in intervals.items():
+        if interval < 0:
+            raise ValueError(f"Invalid value for {name}={interval}. Must be >= 0.")
     check_max_staleness(options.max_staleness)
     if options.generate_timeout_seconds <= 0:
         raise ValueError(f"Invalid value for generate_timeout_seconds={options.generate_timeout_seconds}. Must be > 0.")

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).parents[1] / "lightning_vllm"
 
 # Lowest first; a module may import from its own layer or from those below. docs/index.md draws them.
 LAYERS: dict[str, list[str]] = {
-    "base": ["settings", "errors", "options", "_waits", "engine_client", "prompts", "schedule"],
+    "base": ["settings", "errors", "options", "_waits", "engine_client", "prompts"],
     "in vLLM": ["in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_adapters", "in_vllm.lora_ops"],
     "what is sent": [
         "weights", "weights.base", "weights.model", "weights.changes", "weights.lora_merge", "weights.fsdp",
@@ -28,7 +28,7 @@ LAYERS: dict[str, list[str]] = {
         "backends", "backends.base", "backends.registry", "backends.vllm_engines",
         "backends.gloo", "backends.gloo.buckets", "backends.gloo.messages", "backends.gloo.group",
         "backends.gloo.tied_embedding_fix", "backends.gloo.moe_prepack_fix", "backends.gloo.receiver",
-        "backends.gloo.worker", "backends.gloo.staging", "backends.gloo.shares", "backends.gloo.trainer",
+        "backends.gloo.worker", "backends.gloo.shares", "backends.gloo.trainer",
         "backends.gloo.backend",
         "backends.nccl", "backends.nccl.worker", "backends.nccl.backend",
         "backends.ipc", "backends.ipc.backend",

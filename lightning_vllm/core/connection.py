@@ -104,7 +104,7 @@ class EngineConnection:
         # (Asked once: an engine that generates only inside its calls has nothing to pause.)
         self._pauses = not (isinstance(engine, GeneratesOnlyInCalls) and engine.generates_only_in_calls())
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
-        self.landing = LandingCheck(engine, options.verify_pushes, options.timeout_seconds)
+        self.landing = LandingCheck.for_engine(engine, options.verify_pushes, options.timeout_seconds)
         # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
         # so engines sharing a host, and later connections, never read each other's adapter.
         self.adapter = PolicyAdapter(key=uuid.uuid4().hex)
@@ -233,12 +233,10 @@ class EngineConnection:
         """Send ``payload`` and commit it as ``version``; returns the bytes sent. With ``payload.every_rank``, the
         other trainer ranks send their shares of each tensor at the same time (``weights/shares.py``).
 
-        With the gloo backend the workers receive the whole update while the engine
-        keeps generating with its current weights, and generation is paused only
-        around the call that loads and commits it (then the prefix cache is reset).
-        With vLLM's own backends, which load while receiving, generation is paused
-        around the whole transfer. A push that fails closes the connection (the next
-        push opens a new one), and the engine resumes generation either way.
+        With the gloo backend the workers receive the whole update while the engine keeps generating with its
+        current weights, and generation is paused only around the call that loads and commits it (then the prefix
+        cache is reset). With vLLM's own backends, which load while receiving, generation is paused around the whole
+        transfer. A push that fails closes the connection (the next push opens a new one); the engine resumes anyway.
 
         A payload that carries a LoRA adapter: the workers stage it for vLLM's LoRA
         loader, and from the commit on the engine generates through it.
@@ -255,7 +253,8 @@ class EngineConnection:
         try:
             self.sender.send(outgoing)
         except BaseException:
-            self.landing.landed(committed=False)
+            if self.landing:
+                self.landing.landed(committed=False)
             # The engine may be frozen or gone: release its side without waiting, so the error reaches the caller
             # within timeout_seconds. vLLM's engines may be left inside the update (after_failure.py).
             self.close(wait=False, update_open=pause_for_transfer)
@@ -291,9 +290,8 @@ class EngineConnection:
         check; the client that commits ``version`` inside the commit window; the adapter's message."""
         adapter = self.adapter if payload.adapter_config is not None else None
         pause_for_transfer = self.backend.traits.loads_while_receiving
-        tally = self.landing.tally_for(
-            carries_base=payload.view != "adapter", every_rank=payload.every_rank is not None
-        )
+        landing, every_rank = self.landing, payload.every_rank is not None
+        tally = landing.tally_for(payload.view != "adapter", every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
         sent = WireWeights(payload.weights, names, device=self.device, tally=tally)
         client = self.client.committing(
@@ -317,14 +315,15 @@ class EngineConnection:
         elif any(not name.startswith(ADAPTER_PREFIX) for name in names):
             self.has_policy_base = True  # the base weights went with the adapter
         self.sent.landed(names, payload.stamps if self.options.changed_only else None)
-        self.landing.landed(committed=True)
+        if self.landing:
+            self.landing.landed(committed=True)
         self.last_num_bytes = self._wire_bytes if names is self.wire else metadata_bytes(names)
         return self.last_num_bytes
 
     def differing_layers(self) -> list[str]:
         """After a push that committed: the layers the engine holds otherwise than sent (``verify_pushes``;
         ``[]``: none, or not checked). If any, the next push sends every tensor again."""
-        layers = self.landing.differing_layers()
+        layers = self.landing.differing_layers() if self.landing else []
         if layers:
             self.sent = SentStamps()
         return layers

@@ -30,34 +30,41 @@ _LISTED = 8  # layers named in a message, at most
 class LandingCheck:
     """Checks what one engine holds after each push (see the module docstring).
 
+    Build it with :meth:`for_engine`.
+
     Args:
-        engine: the engine.
-        enabled: the updater's ``verify_pushes``.
+        engine: the engine, which reports its layer sums (``engines/base.ReportsLayerSums``).
         timeout_seconds: the longest the engine may take to report.
     """
 
-    def __init__(self, engine: EngineTarget, enabled: bool, timeout_seconds: float) -> None:
+    def __init__(self, engine: EngineTarget, timeout_seconds: float) -> None:
         self.engine = engine
         self.timeout_seconds = timeout_seconds
         self.sent = SentSums()
         self._said: set[str] = set()
         self._pending = False
         self._unverifiable: set[str] = set()  # the engine's layers it cannot verify: not summed after the first push
-        problem = None
-        if enabled:
-            if not isinstance(engine, ReportsLayerSums):
-                problem = f"the {engine.description} engine target does not declare ReportsLayerSums"
-            else:
-                problem = engine.layer_sums_problem()
-            if problem is not None:
-                self._say_once("engine", f"Pushes to {engine.description} are not checked: {problem}.")
-        self.enabled = enabled and problem is None
+
+    @classmethod
+    def for_engine(cls, engine: EngineTarget, enabled: bool, timeout_seconds: float) -> LandingCheck | None:
+        """The check of ``engine``'s pushes, or ``None``: not asked for (``verify_pushes=False``), or the engine
+        cannot report its sums (said once, in a warning). A push that is not checked never enters this module."""
+        if not enabled:
+            return None
+        if not isinstance(engine, ReportsLayerSums):
+            problem: str | None = f"the {engine.description} engine target does not declare ReportsLayerSums"
+        else:
+            problem = engine.layer_sums_problem()
+        if problem is not None:
+            log.warning("Pushes to %s are not checked: %s.", engine.description, problem)
+            return None
+        return cls(engine, timeout_seconds)
 
     def tally_for(self, carries_base: bool, every_rank: bool) -> Callable[[str, torch.Tensor], None] | None:
         """What the push's tensors are to be given to as they go on the wire (``None``: the push is not
-        checked: nothing checkable, a LoRA adapter alone, or shares the other ranks send too)."""
+        checked: a LoRA adapter alone, or shares the other ranks send too)."""
         self._pending = False
-        if not self.enabled or not carries_base:
+        if not carries_base:
             return None
         if every_rank:
             self._say_once(
@@ -89,7 +96,7 @@ class LandingCheck:
         self._pending = False
         try:
             reports = call_with_timeout(
-                self.engine.layer_sums,  # type: ignore[attr-defined]  # enabled only for ReportsLayerSums
+                self.engine.layer_sums,  # type: ignore[attr-defined]  # built only for ReportsLayerSums
                 timeout=self.timeout_seconds,
                 what=f"{self.engine.description} to sum the weights it holds",
             )

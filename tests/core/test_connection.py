@@ -77,8 +77,8 @@ def test_a_push_sends_the_wire_bytes_and_commits_the_version_it_is_given():
     timing = connection.last_timing  # gloo: the engine loads in the commit, paused around it only
     assert timing.transfer_seconds > 0 and 0 < timing.commit_seconds <= timing.pause_seconds
     assert engine.holds(model) and engine.version == "7"
-    # Our transport is handed each push's source and client: the engine object keeps what it was built with.
-    transfer = connection.sender.engine  # type: ignore[attr-defined]  # (gloo's: ours)
+    # Our trainer engine, the sender itself, is handed each push's weights and client: it keeps what it was built with.
+    transfer = connection.sender  # (gloo's: ours)
     assert isinstance(transfer.source, DeclaredWeights) and transfer.client is connection.client
     connection.close()
     assert engine.receiver is None

@@ -92,12 +92,14 @@ def _pushed(check, tensors: dict) -> None:
 def test_a_check_that_is_off_or_cannot_ask_sums_nothing(caplog):
     from lightning_vllm.core.landing_check import LandingCheck
 
-    assert LandingCheck(ReportingEngine(), enabled=False, timeout_seconds=5).tally_for(True, False) is None
+    assert LandingCheck.for_engine(ReportingEngine(), enabled=False, timeout_seconds=5) is None
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
-        check = LandingCheck(ReportingEngine(problem="built without the extension"), enabled=True, timeout_seconds=5)
-        assert check.tally_for(True, False) is None and check.differing_layers() == []
-        bare = LandingCheck(object.__new__(type("Bare", (), {"description": "bare"})), True, 5)
-        assert bare.tally_for(True, False) is None
+        unable = ReportingEngine(problem="built without the extension")
+        assert LandingCheck.for_engine(unable, enabled=True, timeout_seconds=5) is None
+        bare = object.__new__(type("Bare", (), {"description": "bare"}))
+        assert LandingCheck.for_engine(bare, True, 5) is None  # type: ignore[arg-type]
+    check = LandingCheck.for_engine(ReportingEngine(), enabled=True, timeout_seconds=5)
+    assert check is not None and check.tally_for(carries_base=False, every_rank=False) is None
     assert "Pushes to test engine are not checked: built without the extension." in caplog.text
     assert "does not declare ReportsLayerSums" in caplog.text
 
@@ -112,7 +114,7 @@ def test_the_engines_report_is_held_against_what_was_sent_and_unverifiable_layer
         "unverifiable": {"model.layers.0.self_attn": "repacked"},
     }
     engine = ReportingEngine([report])
-    check = LandingCheck(engine, enabled=True, timeout_seconds=5)
+    check = LandingCheck.for_engine(engine, enabled=True, timeout_seconds=5)
     _pushed(check, {norm: torch.ones(3), attention: torch.ones(4)})
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
         assert check.differing_layers() == []
@@ -126,7 +128,7 @@ def test_the_engines_report_is_held_against_what_was_sent_and_unverifiable_layer
 def test_an_engine_that_does_not_report_in_time_leaves_the_push_as_it_was(caplog):
     from lightning_vllm.core.landing_check import LandingCheck
 
-    check = LandingCheck(ReportingEngine(delay=2.0), enabled=True, timeout_seconds=0.2)
+    check = LandingCheck.for_engine(ReportingEngine(delay=2.0), enabled=True, timeout_seconds=0.2)
     _pushed(check, {"lm_head.weight": torch.ones(2)})
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
         assert check.differing_layers() == []

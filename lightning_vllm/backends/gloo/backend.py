@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender, Traits
+from lightning_vllm.backends.base import Backend, GroupPlan, Sender, Traits
 from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo
 from lightning_vllm.backends.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.in_vllm.plugin import register_backends
@@ -41,17 +41,4 @@ class GlooBackend(Backend):
             self.init_info(plan), client=client, source=DeclaredWeights(wire)
         )  # (each of its waits is bounded by timeout_seconds)
         assert isinstance(engine, GlooTrainerWeightTransferEngine)
-        return GlooSender(engine)
-
-
-class GlooSender(Sender):
-    """Hands each push to our trainer engine with its own client: nothing of a push stays on it."""
-
-    def __init__(self, engine: GlooTrainerWeightTransferEngine) -> None:
-        self.engine = engine
-
-    def send(self, push: Outgoing) -> None:
-        self.engine.send_push(push.weights, push.client, push.adapter, push.every_rank)
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+        return engine  # (each push brings its own client: nothing of a push stays on it)

@@ -14,12 +14,15 @@ from typing_extensions import Self, override
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from lightning_vllm._waits import BackgroundCall, wait_polling
+from lightning_vllm.backends.base import Outgoing, Sender
 from lightning_vllm.backends.gloo.buckets import (
     DEFAULT_COALESCE_BYTES,
     Segment,
+    StagingRing,
     TensorSpec,
     plan_buckets,
     plan_segments,
+    segment_payloads,
 )
 from lightning_vllm.backends.gloo.group import Wire, accept_workers, listen, post_broadcast
 from lightning_vllm.backends.gloo.messages import (
@@ -28,12 +31,10 @@ from lightning_vllm.backends.gloo.messages import (
     GlooWeightTransferUpdateInfo,
 )
 from lightning_vllm.backends.gloo.shares import send_in_shares
-from lightning_vllm.backends.gloo.staging import StagingRing, segment_payloads
 from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights.base import ForeignWeights, Weights
-from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ def send_order(source: Weights) -> list[list[TensorSpec]]:
     return [[by_name[name] for name in group] for group in source.groups()]
 
 
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """Drives a sync from the trainer: vLLM's four-phase handshake plus the gloo broadcasts.
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo], Sender):
+    """Drives a sync from the trainer: vLLM's four-phase handshake plus the gloo broadcasts; our connection's
+    :class:`~lightning_vllm.backends.base.Sender` as it is.
 
     Built with :meth:`trainer_init` (which returns once every worker has joined)
     and used with :meth:`send_weights`, which replays the ``source`` attribute (as
@@ -172,28 +174,28 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @override
     def send_weights(self) -> None:
-        """vLLM's entry point: send ``self.source`` through ``self.client`` (see :meth:`send_push`)."""
+        """vLLM's entry point: send ``self.source`` through ``self.client`` (see :meth:`send`)."""
         if self.source is None:
             raise ValueError("No weights to send: pass a WeightSource to trainer_init.")
         source = self.source if isinstance(self.source, Weights) else ForeignWeights(self.source)
-        self.send_push(source, self.client)
+        self.send(Outgoing(source, self.client))
 
-    def send_push(
-        self, source: Weights, client: Any, adapter: dict[str, Any] | None = None, every: EveryRankSend | None = None
-    ) -> None:
-        """Send every tensor of ``source`` and load it in vLLM, between start and finish.
+    @override
+    def send(self, push: Outgoing) -> None:
+        """Send every tensor of ``push.weights`` and load it in vLLM, between start and finish.
 
-        Our connection calls this with each push's own source and client (whose
+        Our connection calls this with each push's own weights and client (whose
         ``finish_weight_update`` commits the version), so nothing of one push is left on
-        the engine object for the next. ``adapter`` is the LoRA adapter among the
+        the engine object for the next. ``push.adapter`` is the LoRA adapter among the
         tensors, as the workers are told (``GlooWeightTransferUpdateInfo``).
 
-        With ``every``, ``source`` yields rank 0's shares (``weights/shares.py``) and every
+        With ``push.every_rank``, the weights are rank 0's shares (``weights/shares.py``) and every
         other trainer rank sends its own at the same time (``shares.send_in_shares``).
 
         Blocks until the workers have loaded the weights and finished the update,
         each wait bounded by ``timeout_seconds``.
         """
+        source, client, every = push.weights, push.client, push.every_rank
         groups = send_order(source)
         tensors = (tensor for _, batch in source.iter_groups() for tensor in batch)
         if not self.is_sender:
@@ -205,7 +207,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if groups and every is not None:
             send_in_shares(self, wire, groups, tensors, client, every)
         elif groups:  # (nothing changed since the last push: only the version moves)
-            self.send_update(groups, tensors, adapter=adapter, client=client)
+            self.send_update(groups, tensors, adapter=push.adapter, client=client)
         client.finish_weight_update()
 
     def _start_update(self, client: Any) -> None:

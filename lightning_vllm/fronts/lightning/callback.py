@@ -1,9 +1,11 @@
-"""When to send: a Lightning callback that keeps a vLLM engine on the trainer's weights."""
+"""When to send: a Lightning callback that keeps a vLLM engine on the trainer's weights, and its schedule
+(:class:`PushSchedule`, the decision alone; ``push_points.py`` acts on it)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -19,10 +21,40 @@ from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.fronts.lightning.push_points import PushPoints
 from lightning_vllm.fronts.lightning.rollouts import RolloutSampler, SamplesRollouts
 from lightning_vllm.options import LoraMode, PauseMode, PushFrom, SyncOptions, UpdaterOptions, WhenBusy, check_options
-from lightning_vllm.schedule import PushSchedule
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushSchedule:
+    """When a push is due; ``0`` turns an interval off (``options.check_options`` checks the intervals).
+
+    ``trainer.global_step`` moves only at an optimizer step and stays put for the
+    batches of a gradient-accumulation cycle, so a push is due once per step: never
+    again at the step last pushed (as ``ModelCheckpoint`` remembers the step it saved).
+
+    Example::
+
+        >>> schedule = PushSchedule(every_n_train_steps=2)
+        >>> [step for step in range(1, 7) if schedule.due_after_batch(step, last_pushed_step=-1)]
+        [2, 4, 6]
+        >>> schedule.due_after_batch(4, last_pushed_step=4)
+        False
+    """
+
+    every_n_train_steps: int = 0
+    every_n_epochs: int = 0
+
+    def due_after_batch(self, global_step: int, last_pushed_step: int) -> bool:
+        """Whether to push after a training batch that left the trainer at ``global_step``."""
+        every = self.every_n_train_steps
+        return bool(every) and global_step > 0 and global_step % every == 0 and global_step != last_pushed_step
+
+    def due_after_epoch(self, epochs_done: int, global_step: int, last_pushed_step: int) -> bool:
+        """Whether to push after ``epochs_done`` training epochs, unless this step was just pushed."""
+        every = self.every_n_epochs
+        return bool(every) and epochs_done % every == 0 and global_step != last_pushed_step
 
 
 class VLLMWeightSync(Callback, SamplesRollouts):

@@ -22,7 +22,7 @@ from helpers import (
 )
 
 from lightning_vllm import EngineConfigError, VLLMWeightSync, WeightSyncError, WeightSyncTimeoutError
-from lightning_vllm.schedule import PushSchedule
+from lightning_vllm.fronts.lightning.callback import PushSchedule
 
 # -- the decision alone ---------------------------------------------------------------
 
