@@ -18,7 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.stats import SyncStats
+    from lightning_vllm.core.push import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
     from lightning_vllm.engines import (
         AsyncLLMEngine,
@@ -66,7 +66,7 @@ _MODULES = {
     "PauseLease": "lightning_vllm.server",
     "PushedAdapters": "lightning_vllm.server",
     "RequireAPIKey": "lightning_vllm.server",
-    "SyncStats": "lightning_vllm.core.stats",
+    "SyncStats": "lightning_vllm.core.push",
     "VLLMUpdater": "lightning_vllm.fronts.torchrl.updater",
     "vLLMUpdater": "lightning_vllm.fronts.torchrl.updater",
     "WeightSync": "lightning_vllm.core.weight_sync",

@@ -37,7 +37,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.facts", "core.connection", "core.engine_set",
-        "core.payload_choice", "core.kept_choice", "core.stats", "core.landing_check", "core.push", "core.weight_sync",
+        "core.payload_choice", "core.kept_choice", "core.landing_check", "core.push", "core.weight_sync",
     ],
     "fronts": [
         "fronts", "fronts.lightning", "fronts.lightning.ranks", "fronts.lightning.every_rank",

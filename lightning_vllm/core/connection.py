@@ -1,12 +1,10 @@
-"""One engine's connection: the checks before any byte moves, the transfer group, and a push.
+"""One engine's connection: the checks before any byte moves, the transfer group, a push, and where its seconds went.
 
-``WeightSync`` holds one :class:`EngineConnection` per engine. Opening it finds the engine's
-backend (``backends/``) and lets it check the trainer and the engine, checks the
-tensor-parallel size and the metadata against the engine's model, fixes what goes on the
-wire (the engine's names and serving dtypes), then has the backend join a group with the
-engine's workers. A push sends the weights through the backend's sender, commits the version
-in the same call that finishes the update and resets the prefix cache; generation is paused
-only as long as the backend's traits need (see :meth:`EngineConnection.push`).
+``WeightSync`` holds one :class:`EngineConnection` per engine. Opening it finds the engine's backend (``backends/``)
+and lets it check the trainer and the engine, checks the tensor-parallel size and the metadata against the engine's
+model, fixes what goes on the wire (the engine's names and serving dtypes), then has the backend join a group with the
+engine's workers. A push sends the weights through the backend's sender, commits the version in the same call that
+finishes the update and resets the prefix cache; generation is paused only as long as the backend's traits need.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from typing_extensions import Self
@@ -25,9 +24,8 @@ from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender
 from lightning_vllm.backends.registry import backend_for_engine, carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
-from lightning_vllm.core.facts import EngineFacts
+from lightning_vllm.core.facts import EngineFacts, lora_facts
 from lightning_vllm.core.landing_check import LandingCheck
-from lightning_vllm.core.stats import PushTiming
 from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
@@ -62,13 +60,40 @@ log = logging.getLogger(__name__)
 _RENDEZVOUS_GRACE = 1.5
 
 
+@dataclass(frozen=True)
+class PushTiming:
+    """Where the seconds of a push to an engine went, so that a slow link tells itself from a slow engine.
+
+    Attributes:
+        transfer_seconds: moving the bytes (the sender's work, the commit left out): what ``GB/s`` is of.
+        commit_seconds: the call that finishes the update, and around it the commit window (on ``gloo`` the engine
+            loads everything there; vLLM's backends loaded while receiving).
+        pause_seconds: how long the engine's generation was paused (around the whole transfer when the backend loads
+            while receiving, around the commit otherwise).
+        check_seconds: the check after the push (``verify_pushes``): the engine's per-layer sums, asked and held
+            against the trainer's (summed during the transfer).
+    """
+
+    transfer_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    pause_seconds: float = 0.0
+    check_seconds: float = 0.0
+
+    def __add__(self, other: PushTiming) -> PushTiming:
+        return PushTiming(
+            self.transfer_seconds + other.transfer_seconds,
+            self.commit_seconds + other.commit_seconds,
+            self.pause_seconds + other.pause_seconds,
+            self.check_seconds + other.check_seconds,
+        )
+
+
 class EngineConnection:
     """A formed transfer group with one engine, and what goes on its wire.
 
-    ``reported_version`` is the weight version the engine served when the group
-    formed (0 if it is not a number: none pushed), so that an updater that connects to an
-    engine another trainer already pushed to continues after it. ``has_policy_base`` says
-    whether this connection gave the engine the policy's base weights (with an adapter),
+    ``reported_version`` is the weight version the engine served when the group formed (0 if it is not a number:
+    none pushed), so that an updater that connects to an engine another trainer already pushed to continues after it.
+    ``has_policy_base`` says whether this connection gave the engine the policy's base weights (with an adapter),
     after which an adapter push sends the adapter alone.
 
     Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`.
@@ -95,8 +120,7 @@ class EngineConnection:
         self.wire = wire
         self.ties_word_embeddings = ties_word_embeddings
         self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
-        self.has_policy_base = False
-        self.last_num_bytes = 0
+        self.has_policy_base, self.last_num_bytes = False, 0
         self._wire_bytes = metadata_bytes(wire)  # (summed once: a push of every tensor sends these)
         self.last_timing = PushTiming()  # where the last push's seconds went
         self._commit_seconds = self._pause_seconds = 0.0
@@ -175,34 +199,15 @@ class EngineConnection:
         return cls(engine, options, client, backend, sender, wire, ties, reported_version)
 
     def facts(self) -> EngineFacts:
-        """What a push's choice needs of this engine (``core/payload_choice.py``). Its LoRA side (backend,
-        LoRA settings, a server's middleware) is asked once per connection."""
+        """What a push's choice needs of this engine (``core/payload_choice.py``); its LoRA side is asked once."""
         limits, expected, problems = self._engine_lora_facts()
         return EngineFacts(
             self.engine.description, self.backend.traits, limits, expected, tuple(problems), self.has_policy_base
         )
 
     def _engine_lora_facts(self) -> tuple[LoraLimits | None, ExpectedWeights | None, list[str]]:
-        if self._lora_facts is not None:
-            return self._lora_facts
-        engine, problems = self.engine, []
-        limits = expected = None
-        if not self.backend.traits.carries_adapters:
-            problems.append(
-                f"adapter pushes need the {' or '.join(carrying('carries_adapters'))} backend; the "
-                f"{engine.description} engine uses {self.backend.name!r}"
-            )
-        elif not isinstance(engine, ServesLoraAdapters):
-            problems.append(f"the {engine.description} engine target does not declare ServesLoraAdapters")
-        else:
-            limits = self._call(engine.lora_limits, what=f"{engine.description}'s LoRA settings")
-            expected = self._call(engine.expected_weights, what=f"{engine.description}'s model facts")
-            if limits is not None:
-                try:
-                    self._call(engine.check_serves_adapters, what=f"{engine.description} to describe its LoRA routes")
-                except EngineConfigError as error:
-                    problems.append(str(error))
-        self._lora_facts = (limits, expected, problems)
+        if self._lora_facts is None:
+            self._lora_facts = lora_facts(self.engine, self.backend, self._call)
         return self._lora_facts
 
     def check(self, payload: Payload, offered: ModelMetadata) -> None:
@@ -238,11 +243,11 @@ class EngineConnection:
         cache is reset). With vLLM's own backends, which load while receiving, generation is paused around the whole
         transfer. A push that fails closes the connection (the next push opens a new one); the engine resumes anyway.
 
-        A payload that carries a LoRA adapter: the workers stage it for vLLM's LoRA
-        loader, and from the commit on the engine generates through it.
+        A payload that carries a LoRA adapter: the workers stage it for vLLM's LoRA loader, and from the commit on
+        the engine generates through it.
         """
-        # Workers that receive the whole update while vLLM serves and load it inside
-        # finish_weight_update need generation paused around that call only.
+        # Workers that receive the whole update while vLLM serves and load it inside finish_weight_update need
+        # generation paused around that call only.
         pause_for_transfer = self.backend.traits.loads_while_receiving
         self._commit_seconds = self._pause_seconds = 0.0
         if pause_for_transfer:
@@ -321,8 +326,8 @@ class EngineConnection:
         return self.last_num_bytes
 
     def differing_layers(self) -> list[str]:
-        """After a push that committed: the layers the engine holds otherwise than sent (``verify_pushes``;
-        ``[]``: none, or not checked). If any, the next push sends every tensor again."""
+        """After a push that committed: the layers the engine holds otherwise than sent (``[]``: none, or not
+        checked); if any, the next push sends every tensor again."""
         layers = self.landing.differing_layers() if self.landing else []
         if layers:
             self.sent = SentStamps()
@@ -330,10 +335,9 @@ class EngineConnection:
 
     @contextmanager
     def _commit_window(self, pause: bool, adapter: PolicyAdapter | None = None) -> Iterator[None]:
-        """Around the call that finishes (and on gloo, loads) an update: generation paused if
-        ``pause``; then, before anything is generated with the new weights, generation is
-        pointed at the adapter the update carried (or back at the base model) and the
-        prefix cache is reset."""
+        """Around the call that finishes (and on gloo, loads) an update: generation paused if ``pause``; then, before
+        anything is generated with the new weights, generation is pointed at the adapter the update carried (or back
+        at the base model) and the prefix cache is reset."""
         if pause:
             self._pause()
         started = time.perf_counter()
@@ -372,28 +376,25 @@ class EngineConnection:
         """Leave the group and release the engine's side of it; the engine keeps serving.
 
         Args:
-            wait: wait (at most ``timeout_seconds`` a call) for the engine; ``False`` asks on a
-                background thread and returns at once (the next connection waits for it).
-            update_open: a failed push over ``nccl``/``ipc`` may have left the engine inside the update,
-                paused: it is closed, then generation resumes, then the engine's side is released.
+            wait: wait (at most ``timeout_seconds`` a call) for the engine; ``False`` asks on a background thread
+                and returns at once (the next connection waits for it).
+            update_open: a failed push over ``nccl``/``ipc`` may have left the engine inside the update, paused: it
+                is closed, then generation resumes, then the engine's side is released.
         """
         self.sender.shutdown()
 
         def release() -> None:
             if update_open:
                 end_failed_update(self.client, self._resume, self.engine)
-            self._release_engine_side()
+            try:
+                self.client.shutdown_weight_transfer_engine()
+            except Exception as error:  # the engine may be gone; nothing left to release then
+                log.warning("Could not release the weight-transfer engine of %s: %s", self.engine.description, error)
 
         if not wait:
             after_failure.started(self.engine, BackgroundCall(release, what=f"{self.engine.description} to release"))
             return
         release()
-
-    def _release_engine_side(self) -> None:
-        try:
-            self.client.shutdown_weight_transfer_engine()
-        except Exception as error:  # the engine may be gone; nothing left to release then
-            log.warning("Could not release the weight-transfer engine of %s: %s", self.engine.description, error)
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return call_with_timeout(fn, *args, timeout=self.options.timeout_seconds, what=what)

@@ -12,14 +12,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_vllm.core.connection import EngineConnection
-from lightning_vllm.core.stats import PushTiming, SyncStats
+from lightning_vllm.core.connection import EngineConnection, PushTiming
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.failures import engine_death
 from lightning_vllm.errors import (
     EngineConfigError,
-    LandedWeightsMismatchError,
-    PartialPushError,
     PushAborted,
     WeightsMismatchError,
     WeightSyncError,
@@ -160,39 +157,6 @@ class EngineSet:
         than sent (``verify_pushes``), for the engines where any does."""
         found = {index: self.connections[index].differing_layers() for index in indices if index in self.connections}
         return {index: layers for index, layers in found.items() if layers}
-
-    def mismatch_error(self, stats: SyncStats, layers: dict[int, list[str]]) -> LandedWeightsMismatchError:
-        """The error of a push that committed in engines that now hold other weights than were sent."""
-        named = "; ".join(
-            f"engine {index} ({self.targets[index].description}): {len(found)} layer(s), "
-            + ", ".join(found[:8])
-            + (" ..." if len(found) > 8 else "")
-            for index, found in sorted(layers.items())
-        )
-        return LandedWeightsMismatchError(
-            f"Weight version {stats.weight_version} was committed, but what the engine holds now differs from what "
-            f"was sent beyond float64 rounding (per-layer sum and sum of squares): {named}. The engine serves those "
-            "weights; the next push sends every tensor again. If the layers differ after every push, the model's "
-            "vLLM loader changes weights as it loads them (its sums cannot match): pass verify_pushes=False.",
-            stats,
-            layers,
-        )
-
-    def partial_push_error(self, stats: SyncStats, failures: dict[int, BaseException]) -> PartialPushError:
-        """The error of a push that reached the engines of ``stats`` and failed on those of ``failures``."""
-        named = "; ".join(
-            f"engine {index} ({self.targets[index].description}): {type(error).__name__}: {error}"
-            for index, error in sorted(failures.items())
-        )
-        error = PartialPushError(
-            f"Weight version {stats.weight_version} reached engine(s) {list(stats.engine_indices)} but failed on "
-            f"{named}. Those engines keep their previous weights, and their rollouts say so; the next push joins "
-            "them again.",
-            stats,
-            failures,
-        )
-        error.__cause__ = next(iter(failures.values()))
-        return error
 
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""

@@ -1,4 +1,4 @@
-"""One push as an object: prepared (every check done, nothing sent), then sent and committed.
+"""One push as an object: prepared (every check done, nothing sent), then sent and committed, and what it reports.
 
 ``WeightSync.prepare`` builds a :class:`Push`: what it carries (its :class:`Payload`), the
 engines it goes to, and those it cannot reach now. :meth:`Push.send` sends it to each engine,
@@ -14,10 +14,40 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lightning_vllm.core.connection import PushTiming
 from lightning_vllm.core.engine_set import EngineSet
-from lightning_vllm.core.stats import SyncStats
 from lightning_vllm.core.versions import InFlight
+from lightning_vllm.errors import LandedWeightsMismatchError, PartialPushError
 from lightning_vllm.weights.payload import Payload
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """Figures of one push that landed in at least one engine.
+
+    Attributes:
+        weight_version: the version committed.
+        seconds: how long the push took, every engine included.
+        num_bytes: the bytes sent, every engine included.
+        engine_indices: the engines that committed it (their positions in ``engine=``).
+        failed_engine_indices: the engines it failed on (they keep their previous weights; see
+            :class:`~lightning_vllm.errors.PartialPushError`).
+        timing: where the seconds went, summed over the engines that took it (:class:`PushTiming`).
+    """
+
+    weight_version: int
+    seconds: float
+    num_bytes: int
+    engine_indices: tuple[int, ...] = ()
+    failed_engine_indices: tuple[int, ...] = ()
+    timing: PushTiming = PushTiming()
+
+    @property
+    def gb_per_second(self) -> float:
+        """The bytes sent over the seconds spent moving them (``timing.transfer_seconds``), in GB/s
+        (1e9 bytes); 0 when nothing moved."""
+        seconds = self.timing.transfer_seconds
+        return self.num_bytes / seconds / 1e9 if seconds > 0 and self.num_bytes else 0.0
 
 
 @dataclass(frozen=True)
@@ -79,8 +109,43 @@ class Push:
         elapsed = time.perf_counter() - start
         stats = SyncStats(version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing)
         if mismatched:  # committed (the engines hold this version), but not as sent: the post hooks do not run
-            raise self.engines.mismatch_error(stats, mismatched)
+            raise _mismatch_error(self.engines, stats, mismatched)
         self.landed(stats)
         if failures:
-            raise self.engines.partial_push_error(stats, failures)
+            raise _partial_push_error(self.engines, stats, failures)
         return stats
+
+
+def _mismatch_error(engines: EngineSet, stats: SyncStats, layers: dict[int, list[str]]) -> LandedWeightsMismatchError:
+    """The error of a push that committed in engines that now hold other weights than were sent."""
+    named = "; ".join(
+        f"engine {index} ({engines.targets[index].description}): {len(found)} layer(s), "
+        + ", ".join(found[:8])
+        + (" ..." if len(found) > 8 else "")
+        for index, found in sorted(layers.items())
+    )
+    return LandedWeightsMismatchError(
+        f"Weight version {stats.weight_version} was committed, but what the engine holds now differs from what "
+        f"was sent beyond float64 rounding (per-layer sum and sum of squares): {named}. The engine serves those "
+        "weights; the next push sends every tensor again. If the layers differ after every push, the model's "
+        "vLLM loader changes weights as it loads them (its sums cannot match): pass verify_pushes=False.",
+        stats,
+        layers,
+    )
+
+
+def _partial_push_error(engines: EngineSet, stats: SyncStats, failures: dict[int, BaseException]) -> PartialPushError:
+    """The error of a push that reached the engines of ``stats`` and failed on those of ``failures``."""
+    named = "; ".join(
+        f"engine {index} ({engines.targets[index].description}): {type(error).__name__}: {error}"
+        for index, error in sorted(failures.items())
+    )
+    error = PartialPushError(
+        f"Weight version {stats.weight_version} reached engine(s) {list(stats.engine_indices)} but failed on "
+        f"{named}. Those engines keep their previous weights, and their rollouts say so; the next push joins "
+        "them again.",
+        stats,
+        failures,
+    )
+    error.__cause__ = next(iter(failures.values()))
+    return error

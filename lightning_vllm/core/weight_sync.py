@@ -23,8 +23,7 @@ from lightning_vllm.core.engine_set import EngineSelection, EngineSet
 from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.core.kept_choice import KeptChoice
 from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for, policy_of
-from lightning_vllm.core.push import Push
-from lightning_vllm.core.stats import SyncStats
+from lightning_vllm.core.push import Push, SyncStats
 from lightning_vllm.core.versions import PushPointVersions, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters

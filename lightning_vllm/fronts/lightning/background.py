@@ -30,7 +30,7 @@ from lightning_vllm.options import WhenBusy, check_choice
 from lightning_vllm.weights.snapshot import SnapshotMemory
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.stats import SyncStats
+    from lightning_vllm.core.push import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)

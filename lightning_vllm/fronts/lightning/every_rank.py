@@ -45,7 +45,7 @@ from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.stats import SyncStats
+    from lightning_vllm.core.push import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import cast
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_vllm.core.stats import SyncStats
+from lightning_vllm.core.push import SyncStats
 from lightning_vllm.core.versions import VersionState
 from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.errors import (

@@ -47,7 +47,7 @@ from lightning_vllm.weights.shares import RankShares
 from lightning_vllm.weights.survey import survey
 
 if TYPE_CHECKING:
-    from lightning_vllm.core.stats import SyncStats
+    from lightning_vllm.core.push import SyncStats
     from lightning_vllm.core.weight_sync import WeightSync
 
 PROCEED, DONE, FAILED = 0, 1, 2
