@@ -1,4 +1,4 @@
-"""How many of the package's modules one steady-state push runs through (``push_trace_run.py``): each is a place a
+"""How many of the package's modules one steady-state ``gloo`` push runs through (``push_trace.py``): each is a place a
 maintainer reads to follow a push, so the count is held down. The house we head for (issue 45) takes a push over
 ``gloo`` through at most 17; the bound below is where the house stands, lowered as it gets there."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-MOST_MODULES_A_GLOO_PUSH_ENTERS = 24
+MOST_MODULES_A_GLOO_PUSH_ENTERS = 23
 
 
 @pytest.mark.engine

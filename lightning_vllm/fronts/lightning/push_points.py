@@ -1,20 +1,21 @@
-"""What happens at a push point, once the callback has decided one is due (``schedule.py``).
+"""What happens at a push point, once the callback has decided one is due (``callback.PushSchedule``).
 
-A push point pushes blocking, or in the background (``background.py``); with the trainer's
-ranks as the plan chosen at fit start says (``ranks.RankPlan``: rank 0 alone, lockstep
-gathers of a sharded policy, or every rank's own share). Under DDP
-the ranks that do not push then receive rank 0's versions. A failed push is raised or,
-with ``on_sync_error="warn"``, counted and warned about. Every push's figures go to the
-Lightning loggers. The callback (``callback.py``) only calls in at its hooks.
+A push point pushes blocking, or in the background (``background.py``); with the trainer's ranks as the plan chosen
+at fit start says (a ``ranks.RankPlan``: :class:`RankZeroAlone`, the plan of a policy every rank holds whole, here;
+lockstep gathers of a sharded policy, ``ranks.py``; or every rank's own share, ``every_rank.py``). Under DDP the ranks
+that do not push then receive rank 0's versions. A failed push is raised or, with ``on_sync_error="warn"``, counted
+and warned about. Every push's figures go to the Lightning loggers. The callback (``callback.py``) only calls in at
+its hooks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import cast
+from typing import ClassVar, cast
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_vllm.core.push import SyncStats
@@ -30,10 +31,23 @@ from lightning_vllm.errors import (
 )
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.fronts.lightning.every_rank import EveryRankShares
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankPlan, RankZeroAlone, TrainerRanks, is_sharded
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankPlan, TrainerRanks, is_sharded
 from lightning_vllm.options import PushFrom, WhenBusy
 
 log = logging.getLogger(__name__)
+
+
+class RankZeroAlone(RankPlan):
+    """One process, or every rank holding the full weights: rank 0 sends; no other rank takes part in
+    the push itself (they take rank 0's versions at each push point: ``PushPoints.share_versions``)."""
+
+    every_rank_walks: ClassVar[bool] = False
+
+    def __init__(self, ranks: TrainerRanks | None = None) -> None:
+        self.ranks = ranks
+
+    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
+        return sync.push(module) if self.ranks is None or self.ranks.rank == 0 else None
 
 
 class PushPoints:

@@ -251,7 +251,7 @@ class RankPlan(ABC):
     """Which trainer ranks take part in a push, and how; chosen once when fitting starts
     (``PushPoints.join_ranks``). Three plans, one protocol:
 
-    * :class:`RankZeroAlone`: every rank holds the full weights (one process, DDP); rank 0 pushes
+    * ``push_points.RankZeroAlone``: every rank holds the full weights (one process, DDP); rank 0 pushes
       (blocking or in the background) and the others take its versions;
     * :class:`LockstepGathers`: a sharded policy (FSDP2, FSDP, ZeRO-3); every rank gathers in
       lockstep, rank 0 sends;
@@ -270,19 +270,6 @@ class RankPlan(ABC):
         Raises:
             WeightSyncError: the push failed (on some rank: every rank raises with its message).
         """
-
-
-class RankZeroAlone(RankPlan):
-    """One process, or every rank holding the full weights: rank 0 sends; no other rank takes part in
-    the push itself (they take rank 0's versions at each push point: ``PushPoints.share_versions``)."""
-
-    every_rank_walks: ClassVar[bool] = False
-
-    def __init__(self, ranks: TrainerRanks | None = None) -> None:
-        self.ranks = ranks
-
-    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        return sync.push(module) if self.ranks is None or self.ranks.rank == 0 else None
 
 
 class LockstepGathers(RankPlan):
