@@ -107,3 +107,10 @@ class TracedSync(VLLMWeightSync):
         finally:
             if traced:
                 self.tracer.stop()
+
+
+def assert_few_modules(modules: list[str], backend_trainer: str, most: int) -> None:
+    """``modules`` (a traced push's) hold the callback's, the core's and ``backend_trainer``'s (a push the trace missed
+    would enter none of them), and are at most ``most``."""
+    assert {"lightning_vllm.fronts.lightning.callback", "lightning_vllm.core.push", backend_trainer} <= set(modules)
+    assert len(modules) <= most, (len(modules), modules)
