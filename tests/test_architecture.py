@@ -32,7 +32,7 @@ LAYERS: dict[str, list[str]] = {
         "backends.gloo.backend",
         "backends.nccl", "backends.nccl.worker", "backends.nccl.backend",
         "backends.ipc", "backends.ipc.backend",
-        "backends.lightning_ipc", "backends.lightning_ipc.load_plan", "backends.lightning_ipc.worker",
+        "backends.lightning_ipc", "backends.lightning_ipc.recorded_loads", "backends.lightning_ipc.worker",
         "backends.lightning_ipc.trainer", "backends.lightning_ipc.backend",
     ],
     "core": [

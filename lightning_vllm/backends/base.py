@@ -42,7 +42,7 @@ class Traits:
 
 
 @dataclass(frozen=True)
-class GroupPlan:
+class GroupSettings:
     """What a backend's init info is made of, for one engine's group (the trainer is rank 0)."""
 
     master_address: str
@@ -65,7 +65,7 @@ class Outgoing:
     """One push as a sender sends it.
 
     Attributes:
-        weights: the tensors, on the wire's names and dtypes.
+        weights: the tensors, under the engine's names and serving dtypes.
         client: the engine's control plane for this push; its ``finish_weight_update`` commits the version.
         adapter: the LoRA adapter among the tensors, as the workers are told (``carries_adapters``).
         every_rank: the other trainer ranks sending their shares at the same time (``carries_shares``).
@@ -87,7 +87,7 @@ class Sender(ABC):
 
     Attributes:
         device: the device it sends from, where a push's tensors go first (``None``: where they are;
-            the wire converts them on the way).
+            the backend converts them on the way).
     """
 
     device: torch.device | None = None
@@ -137,15 +137,15 @@ class Backend(ABC):
         return torch.device("cuda", torch.accelerator.current_device_index()) if self.traits.needs_cuda else None
 
     @abstractmethod
-    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+    def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
         """The trainer-side init info vLLM's ``WeightTransferTrainerFactory`` builds this backend from."""
 
     @abstractmethod
-    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+    def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:
         """Form the group with the engine's workers (every wait bounded); its sender.
 
         Args:
-            plan: the group's settings.
+            settings: the group's settings.
             client: the engine's control plane (bounded calls).
-            wire: what every push will send at most: the engine's names and serving dtypes.
+            engine_metadata: what every push will send at most: the engine's names and serving dtypes.
         """

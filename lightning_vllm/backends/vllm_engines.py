@@ -22,7 +22,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine
 
 from lightning_vllm._waits import call_watched
-from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender
+from lightning_vllm.backends.base import Backend, GroupSettings, Outgoing, Sender
 from lightning_vllm.engine_client import AbandonedClient
 from lightning_vllm.weights import DeclaredWeights
 from lightning_vllm.weights.base import Weights
@@ -90,14 +90,16 @@ class CopiesOutlastSend(Protocol):
 class VLLMEngineBackend(Backend):
     """A backend whose trainer side is one of vLLM's engines, joined through vLLM's factory."""
 
-    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+    def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         # vLLM 0.33's engines check at trainer_init the weights they will replay: what every push sends,
-        # declared (the engine's wire).
-        source, replayed_client = ReplayedWeights(DeclaredWeights(wire)), ReplayedClient(client)
-        engine = WeightTransferTrainerFactory.trainer_init(self.init_info(plan), client=replayed_client, source=source)
-        return VLLMEngineSender(engine, source, replayed_client, self.sender_device(), plan.timeout_seconds)
+        # declared (the engine's metadata).
+        source, replayed_client = ReplayedWeights(DeclaredWeights(engine_metadata)), ReplayedClient(client)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            self.init_info(settings), client=replayed_client, source=source
+        )
+        return VLLMEngineSender(engine, source, replayed_client, self.sender_device(), settings.timeout_seconds)
 
 
 class VLLMEngineSender(Sender):

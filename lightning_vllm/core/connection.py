@@ -2,9 +2,9 @@
 
 ``WeightSync`` holds one :class:`EngineConnection` per engine. Opening it finds the engine's backend (``backends/``)
 and lets it check the trainer and the engine, checks the tensor-parallel size and the metadata against the engine's
-model, fixes what goes on the wire (the engine's names and serving dtypes), then has the backend join a group with the
-engine's workers. A push sends the weights through the backend's sender, commits the version in the same call that
-finishes the update and resets the prefix cache; generation is paused only as long as the backend's traits need.
+model, fixes what the engine is sent (``engine_metadata``: its names and serving dtypes), then has the backend join a
+group with the engine's workers. A push sends the weights through the backend's sender, commits the version in the
+same call that finishes the update and resets the prefix cache; generation pauses only as the backend's traits need.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from typing_extensions import Self
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout
-from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender
+from lightning_vllm.backends.base import Backend, GroupSettings, Outgoing, Sender
 from lightning_vllm.backends.registry import backend_for_engine, carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
@@ -39,16 +39,16 @@ from lightning_vllm.engines.base import (
 from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
-from lightning_vllm.lora.adapter import adapter_wire
+from lightning_vllm.lora.adapter import adapter_metadata
 from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.options import UpdaterOptions
-from lightning_vllm.weights import ModelMetadata, WireWeights, check_weights
+from lightning_vllm.weights import EngineWeights, ModelMetadata, check_weights
 from lightning_vllm.weights.changes import SentStamps
 from lightning_vllm.weights.checks import (
     ExpectedWeights,
     check_tied_output_embedding,
     loaded_by_engine,
-    wire_for_engine,
+    metadata_for_engine,
 )
 from lightning_vllm.weights.model import metadata_bytes, smallest_group
 from lightning_vllm.weights.payload import Payload
@@ -89,7 +89,7 @@ class PushTiming:
 
 
 class EngineConnection:
-    """A formed transfer group with one engine, and what goes on its wire.
+    """A formed transfer group with one engine, and what the engine loads (``engine_metadata``).
 
     ``reported_version`` is the weight version the engine served when the group formed (0 if it is not a number:
     none pushed), so that an updater that connects to an engine another trainer already pushed to continues after it.
@@ -107,7 +107,7 @@ class EngineConnection:
         client: TimedClient,
         backend: Backend,
         sender: Sender,
-        wire: ModelMetadata,
+        engine_metadata: ModelMetadata,
         ties_word_embeddings: bool,
         reported_version: int = 0,
     ) -> None:
@@ -117,11 +117,11 @@ class EngineConnection:
         self.client = client
         self.backend = backend
         self.sender = sender
-        self.wire = wire
+        self.engine_metadata = engine_metadata
         self.ties_word_embeddings = ties_word_embeddings
         self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
         self.has_policy_base, self.last_num_bytes = False, 0
-        self._wire_bytes = metadata_bytes(wire)  # (summed once: a push of every tensor sends these)
+        self._all_bytes = metadata_bytes(engine_metadata)  # (summed once: a push of every tensor sends these)
         self.last_timing = PushTiming()  # where the last push's seconds went
         self._commit_seconds = self._pause_seconds = 0.0
         self._paused_at: float | None = None
@@ -164,7 +164,7 @@ class EngineConnection:
                 f"pass vllm_tp_size={tp_size} or leave it None."
             )
         expected = bounded(engine.expected_weights, "the engine's model facts")
-        wire, ties = wire_for_engine(expected, metadata, engine.description)
+        engine_metadata, ties = metadata_for_engine(expected, metadata, engine.description)
         reported_version = version_number(bounded(engine.get_weight_version, f"{engine.description}'s weight version"))
         if reported_version:
             log.info(
@@ -172,14 +172,14 @@ class EngineConnection:
             )
         client = TimedClient(engine, options.timeout_seconds)
         world_size = 1 + bounded(engine.num_workers, "the engine's world size")
-        plan = GroupPlan(
+        settings = GroupSettings(
             master_address=options.address,
             master_port=options.engine_port(index),
             world_size=world_size,
             bucket_size_bytes=options.bucket_size_bytes,
             timeout_seconds=options.timeout_seconds,
-            largest_tensor_bytes=max((metadata_bytes({name: meta}) for name, meta in wire.items()), default=0),
-            sends_as_held=all(metadata[name][0] == dtype for name, (dtype, _) in wire.items()),
+            largest_tensor_bytes=max((metadata_bytes({name: m}) for name, m in engine_metadata.items()), default=0),
+            sends_as_held=all(metadata[name][0] == dtype for name, (dtype, _) in engine_metadata.items()),
             updates_in_one_call=isinstance(engine, UpdatesInOneCall),
         )
         # A trainer killed inside an earlier push's commit window (between pause and
@@ -190,13 +190,13 @@ class EngineConnection:
         # trainer endpoint stuck in NCCL's own init, which has no timeout.
         sender = call_with_timeout(
             backend.join,
-            plan,
+            settings,
             client,
-            wire,
+            engine_metadata,
             timeout=options.timeout_seconds * _RENDEZVOUS_GRACE,
             what=f"the {backend.name} group with {engine.description}'s workers to form",
         )
-        return cls(engine, options, client, backend, sender, wire, ties, reported_version)
+        return cls(engine, options, client, backend, sender, engine_metadata, ties, reported_version)
 
     def facts(self) -> EngineFacts:
         """What a push's choice needs of this engine (``core/payload_choice.py``); its LoRA side is asked once."""
@@ -230,7 +230,7 @@ class EngineConnection:
         if payload.carries_adapter and not base:
             return
         offered_here = loaded_by_engine(base, self.ties_word_embeddings)
-        check_weights(self.wire, offered_here, what="The weights pushed")
+        check_weights(self.engine_metadata, offered_here, what="The weights pushed")
         if self.ties_word_embeddings:
             check_tied_output_embedding(payload.weights, offered)
 
@@ -276,13 +276,13 @@ class EngineConnection:
         them (``weights/changes.py``)."""
         if payload.carries_adapter:
             limits = self._engine_lora_facts()[0]
-            names = adapter_wire(self.wire, payload.weights, limits.lora_dtype if limits else None)
+            names = adapter_metadata(self.engine_metadata, payload.weights, limits.lora_dtype if limits else None)
         else:
-            names = self.wire
+            names = self.engine_metadata
         stamps = payload.stamps if self.options.changed_only else None
         if stamps is None:
             return names
-        groups = WireWeights(payload.weights, names).groups()
+        groups = EngineWeights(payload.weights, names).groups()
         unchanged = self.sent.unchanged(groups, stamps)
         if self.backend.traits.sends_every_push and len(unchanged) == len(names):  # (vLLM's nccl: see Traits)
             unchanged -= set(smallest_group(groups, names))
@@ -298,7 +298,7 @@ class EngineConnection:
         landing, every_rank = self.landing, payload.every_rank is not None
         tally = landing.tally_for(payload.view != "adapter", every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
-        sent = WireWeights(payload.weights, names, device=self.device, tally=tally)
+        sent = EngineWeights(payload.weights, names, device=self.device, tally=tally)
         client = self.client.committing(
             str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
         )
@@ -322,7 +322,7 @@ class EngineConnection:
         self.sent.landed(names, payload.stamps if self.options.changed_only else None)
         if self.landing:
             self.landing.landed(committed=True)
-        self.last_num_bytes = self._wire_bytes if names is self.wire else metadata_bytes(names)
+        self.last_num_bytes = self._all_bytes if names is self.engine_metadata else metadata_bytes(names)
         return self.last_num_bytes
 
     def differing_layers(self) -> list[str]:

@@ -1,6 +1,6 @@
 """The core: the engines, the versions, the options and the post hooks of one trainer's pushes.
 
-:class:`WeightSync` knows no framework. The Lightning front end (``fronts/lightning/``: the callback, its rank plans,
+:class:`WeightSync` knows no framework. The Lightning front end (``fronts/lightning/``: the callback, its rank roles,
 background pushes, rollouts) and TorchRL's ``VLLMUpdater`` (``fronts/torchrl/``) are two front ends on top of it,
 side by side. A push is prepared
 (:meth:`WeightSync.prepare`: what to send, to which engines, every check), then sent and

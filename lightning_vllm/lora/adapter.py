@@ -187,16 +187,16 @@ def adapter_source(model: torch.nn.Module, with_base: bool) -> tuple[Weights, di
     return source, adapter.adapter_config
 
 
-def adapter_wire(
-    wire: Mapping[str, tuple[torch.dtype, Any]], source: Weights, lora_dtype: torch.dtype | None
+def adapter_metadata(
+    engine_metadata: Mapping[str, tuple[torch.dtype, Any]], source: Weights, lora_dtype: torch.dtype | None
 ) -> dict[str, tuple[torch.dtype, Any]]:
-    """What a push of ``source`` (an adapter, or base weights then adapter) puts on the wire of an engine
-    that loads ``wire``: its base weights as the engine loads them, and the adapter's tensors in the
+    """What a push of ``source`` (an adapter, or base weights then adapter) sends an engine
+    that loads ``engine_metadata``: its base weights as the engine loads them, and the adapter's tensors in the
     engine's ``lora_dtype``, else in the dtype of the weights they adapt."""
     adapter = {meta.name: meta for meta in source.metadata if meta.name.startswith(ADAPTER_PREFIX)}
-    sent = dict(wire) if len(adapter) < len(source.metadata) else {}
+    sent = dict(engine_metadata) if len(adapter) < len(source.metadata) else {}
     for name, meta in adapter.items():
         adapted = name.removeprefix(ADAPTER_PREFIX).rsplit(".", 2)[0] + ".weight"
-        dtype = lora_dtype or wire.get(adapted, (meta.dtype,))[0]
+        dtype = lora_dtype or engine_metadata.get(adapted, (meta.dtype,))[0]
         sent[name] = (dtype, torch.Size(meta.shape))
     return sent

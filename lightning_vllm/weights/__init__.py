@@ -4,10 +4,10 @@ from lightning_vllm.weights.checks import ExpectedWeights, check_weights, checkp
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model, unwrap
 from lightning_vllm.weights.sources import (
     DeclaredWeights,
+    EngineWeights,
     LoraMergedWeights,
     MappingWeights,
     ModuleWeights,
-    WireWeights,
     source_metadata,
     weights_from,
 )
@@ -26,6 +26,6 @@ __all__ = [
     "metadata_problems",
     "source_metadata",
     "unwrap",
-    "WireWeights",
+    "EngineWeights",
     "weights_from",
 ]

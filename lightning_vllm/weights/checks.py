@@ -150,7 +150,7 @@ def check_tied_output_embedding(source: Weights, offered: Mapping[str, Any]) -> 
         )
 
 
-def wire_for_engine(
+def metadata_for_engine(
     expected: ExpectedWeights | None, metadata: Mapping[str, tuple[torch.dtype, Any]], engine: str
 ) -> tuple[dict[str, tuple[torch.dtype, Any]], bool]:
     """What goes on the wire to an engine whose model loads ``expected`` (its names and serving

@@ -231,9 +231,9 @@ class EveryRankSend(ABC):
         """Where the workers reach trainer ranks 1, 2, ...: ``{"address", "port"}`` each."""
 
     @abstractmethod
-    def begin_pass(self, group: str, num_workers: int, wire: Sequence[tuple[str, torch.dtype]]) -> None:
+    def begin_pass(self, group: str, num_workers: int, tensors: Sequence[tuple[str, torch.dtype]]) -> None:
         """Tell the other ranks to accept ``num_workers`` workers naming ``group``, then send their
-        shares of the tensors of ``wire`` (names and wire dtypes, in send order)."""
+        shares of ``tensors`` (names and dtypes as sent, in send order)."""
 
     @abstractmethod
     def end_pass(self, error: BaseException | None) -> None:

@@ -242,21 +242,21 @@ class DeclaredWeights(Weights):
     the weights it sends. Reading tensors from this one is a bug, and says so.
 
     Args:
-        wire: ``{name: (dtype, shape)}``.
+        declared: ``{name: (dtype, shape)}``.
     """
 
-    def __init__(self, wire: Mapping[str, tuple[torch.dtype, Any]]) -> None:
-        self.wire = dict(wire)
+    def __init__(self, declared: Mapping[str, tuple[torch.dtype, Any]]) -> None:
+        self.declared = dict(declared)
 
     def declare(self) -> list[ParamMeta]:
-        return [ParamMeta(name, dtype, tuple(shape)) for name, (dtype, shape) in self.wire.items()]
+        return [ParamMeta(name, dtype, tuple(shape)) for name, (dtype, shape) in self.declared.items()]
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise RuntimeError("DeclaredWeights holds no tensors: a push hands the transfer engine the weights it sends.")
 
 
-class WireWeights(Weights):
-    """A source seen through an engine's wire: its names and serving dtypes only.
+class EngineWeights(Weights):
+    """A source as one engine gets it: under the engine's names and serving dtypes only.
 
     Tensors the engine does not load (the output embedding of a model that ties it
     to the input embedding) are left out; the others are declared in the engine's
@@ -266,7 +266,7 @@ class WireWeights(Weights):
 
     Args:
         source: the weights of one push.
-        wire: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
+        engine_metadata: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
         device: where vLLM's engine sends from (the trainer's GPU); ``None`` when the
             transport converts by itself.
         tally: given each ``(name, tensor)`` as the engine gets it (its serving dtype), as it goes
@@ -276,26 +276,26 @@ class WireWeights(Weights):
     def __init__(
         self,
         source: Weights,
-        wire: Mapping[str, tuple[torch.dtype, Any]],
+        engine_metadata: Mapping[str, tuple[torch.dtype, Any]],
         device: torch.device | None = None,
         tally: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.source = source
-        self.wire = wire
-        self.wire_dtypes = {name: dtype for name, (dtype, _) in wire.items()}
+        self.engine_metadata = engine_metadata
+        self.engine_dtypes = {name: dtype for name, (dtype, _) in engine_metadata.items()}
         self.device = device
         self.tally = tally
 
     def declare(self) -> list[ParamMeta]:
         return [
-            ParamMeta(meta.name, self.wire_dtypes[meta.name], meta.shape)
+            ParamMeta(meta.name, self.engine_dtypes[meta.name], meta.shape)
             for meta in self.source.metadata
-            if meta.name in self.wire_dtypes
+            if meta.name in self.engine_dtypes
         ]
 
     def groups(self) -> list[list[str]]:
         # The source's own grouping (a base-then-adapter source keeps the two apart), minus what is not sent.
-        kept = ([name for name in group if name in self.wire_dtypes] for group in self.source.groups())
+        kept = ([name for name in group if name in self.engine_dtypes] for group in self.source.groups())
         return [group for group in kept if group]
 
     def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
@@ -304,21 +304,21 @@ class WireWeights(Weights):
         if held is None:
             return None
         names, tensors = held
-        if all(map(self.wire_dtypes.__contains__, names)):
+        if all(map(self.engine_dtypes.__contains__, names)):
             return held
-        kept = [(name, tensor) for name, tensor in zip(names, tensors) if name in self.wire_dtypes]
+        kept = [(name, tensor) for name, tensor in zip(names, tensors) if name in self.engine_dtypes]
         return [name for name, _ in kept], [tensor for _, tensor in kept]
 
     def held_signature(self) -> tuple[Any, ...] | None:
-        """The source's, with the wire that filters it (a connection's, the same object at every push)."""
+        """The source's, with the engine's metadata that filters it (a connection's, the same object at every push)."""
         held = None if self.tally is not None else self.source.held_signature()
-        return None if held is None else (self.wire, held)
+        return None if held is None else (self.engine_metadata, held)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.source.iter_full():
-            if name not in self.wire_dtypes:
+            if name not in self.engine_dtypes:
                 continue
-            dtype = self.wire_dtypes[name]
+            dtype = self.engine_dtypes[name]
             # (Asked first: a no-op ``to`` still costs microseconds, and an 8B model has hundreds of tensors.)
             if self.device is not None and (tensor.dtype != dtype or tensor.device != self.device):
                 tensor = tensor.to(device=self.device, dtype=dtype, non_blocking=True)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import Backend, GroupPlan, Outgoing, Sender, Traits
+from lightning_vllm.backends.base import Backend, GroupSettings, Outgoing, Sender, Traits
 from lightning_vllm.weights.model import ModelMetadata
 
 MAILBOXES: dict[str, dict[str, torch.Tensor]] = {}
@@ -34,11 +34,11 @@ class LoopbackBackend(Backend):
         loads_while_receiving=True, carries_adapters=False, carries_shares=False, needs_cuda=False
     )
 
-    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+    def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
         return LoopbackInitInfo(group=uuid.uuid4().hex, rank=0)
 
-    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
-        info = self.init_info(plan)
+    def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:
+        info = self.init_info(settings)
         assert isinstance(info, LoopbackInitInfo)
         MAILBOXES[info.group] = {}
         client.init_weight_transfer_engine({"group": info.group})

@@ -9,7 +9,7 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync
-from lightning_vllm.backends.base import GroupPlan
+from lightning_vllm.backends.base import GroupSettings
 from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo
 from lightning_vllm.backends.registry import backend_for_engine, backend_named, check_requested
 from lightning_vllm.errors import EngineConfigError
@@ -74,8 +74,8 @@ def test_vllms_gpu_engines_need_cuda_in_the_trainer(monkeypatch):
 SETTINGS = dict(master_address="127.0.0.1", world_size=3, bucket_size_bytes=1 << 20, timeout_seconds=5.0)
 
 
-def trainer_init_info(backend: str, **plan):
-    return backend_named(backend).init_info(GroupPlan(**{**SETTINGS, **plan}))
+def trainer_init_info(backend: str, **settings):
+    return backend_named(backend).init_info(GroupSettings(**{**SETTINGS, **settings}))
 
 
 def test_gloo_settings_keep_port_zero_for_the_transport_to_pick():
@@ -117,7 +117,7 @@ def test_lightning_ipc_names_our_trainer_engine_in_vllms_factory():
         "lightning_ipc", master_port=None, sends_as_held=True, updates_in_one_call=True
     ).updates_in_one_call
     with pytest.raises(RuntimeError, match="accelerator"):  # vLLM's IPC engine needs a GPU; registering came first
-        backend_named("lightning_ipc").join(GroupPlan(**SETTINGS, master_port=None), None, {})
+        backend_named("lightning_ipc").join(GroupSettings(**SETTINGS, master_port=None), None, {})
     assert WeightTransferTrainerFactory._registry["lightning_ipc"]() is KeptHandlesIPCTrainerEngine
     assert trainer_init_info("lightning_ipc", master_port=None).packed  # not in the engine's dtypes: vLLM's packed
 
@@ -155,11 +155,11 @@ def test_nccl_into_a_worker_on_the_trainers_gpu_is_refused_naming_what_to_use(ra
         raise RuntimeError("the engine failed to initialise its weight-transfer engine") from nccl_said
 
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", staticmethod(trainer_init))
-    plan = GroupPlan(**{**SETTINGS, "master_port": 29555})
+    settings = GroupSettings(**{**SETTINGS, "master_port": 29555})
     with pytest.raises(
         EngineConfigError, match="backend='nccl' with a vLLM worker on the trainer's own GPU"
     ) as refused:
-        backend_named("nccl").join(plan, client=None, wire={})
+        backend_named("nccl").join(settings, client=None, engine_metadata={})
     assert "'lightning_ipc'" in str(refused.value) and "CUDA_VISIBLE_DEVICES" in str(refused.value)
 
     def other_failure(init_info, *, client, source=None):
@@ -167,4 +167,4 @@ def test_nccl_into_a_worker_on_the_trainers_gpu_is_refused_naming_what_to_use(ra
 
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", staticmethod(other_failure))
     with pytest.raises(RuntimeError, match="unhandled system error"):  # anything else is raised as it is
-        backend_named("nccl").join(plan, client=None, wire={})
+        backend_named("nccl").join(settings, client=None, engine_metadata={})

@@ -67,7 +67,7 @@ def test_metadata_that_does_not_fit_is_refused_before_joining():
     assert engine.init_calls == 0
 
 
-def test_a_push_sends_the_wire_bytes_and_commits_the_version_it_is_given():
+def test_a_push_sends_every_byte_the_engine_loads_and_commits_the_version_it_is_given():
     model = tiny_qwen2(seed=4)
     engine = FakeEngine(model)
     connection = EngineConnection.open(engine, source_metadata(ModuleWeights(model)), SETTINGS)

@@ -25,7 +25,7 @@ from lightning_vllm.backends.vllm_engines import ReplayedClient, ReplayedWeights
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.engine_client import TimedClient
-from lightning_vllm.weights import DeclaredWeights, ModuleWeights, WireWeights, source_metadata
+from lightning_vllm.weights import DeclaredWeights, EngineWeights, ModuleWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
 
 SETTINGS = replace(CONNECTION_SETTINGS, timeout_seconds=2.0, changed_only=False)
@@ -101,7 +101,9 @@ def trainer_has_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
-def test_vllms_trainer_engine_gets_the_wire_as_its_source_when_the_group_forms(backend, monkeypatch, trainer_has_cuda):
+def test_vllms_trainer_engine_gets_the_engines_metadata_as_its_source_when_the_group_forms(
+    backend, monkeypatch, trainer_has_cuda
+):
     model = tiny_qwen2()
     metadata = source_metadata(ModuleWeights(model))
     engine = GPUEngine(model, backend)
@@ -129,17 +131,17 @@ CUDA = torch.device("cuda")
 def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=CUDA):
     """A connection over vLLM's real NCCL trainer engine, whose broadcast (the NCCL call) is ``broadcast``
     (``device=None``: the weights stay where they are, so that ``broadcast`` may read them here)."""
-    wire = source_metadata(ModuleWeights(model))
+    engine_metadata = source_metadata(ModuleWeights(model))
     client = TimedClient(engine, timeout_seconds)
-    source, replayed = ReplayedWeights(DeclaredWeights(wire)), ReplayedClient(client)
+    source, replayed = ReplayedWeights(DeclaredWeights(engine_metadata)), ReplayedClient(client)
     transfer = NCCLTrainerWeightTransferEngine(client=replayed, source=source)
     transfer._broadcast = broadcast  # type: ignore[method-assign]
     sender = VLLMEngineSender(transfer, source, replayed, device, timeout_seconds)
     options = replace(SETTINGS, backend="nccl", timeout_seconds=timeout_seconds)
-    return EngineConnection(engine, options, client, backend_named("nccl"), sender, wire, False)
+    return EngineConnection(engine, options, client, backend_named("nccl"), sender, engine_metadata, False)
 
 
-def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_wire_dtypes_and_commits_the_version():
+def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_engines_dtypes_and_commits_the_version():
     model = tiny_qwen2()
     engine = GPUEngine(model, "nccl")
     broadcasts = []
@@ -149,7 +151,7 @@ def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_wire_dtypes_and_c
     connection.push(Payload(ModuleWeights(model)), version=1)
 
     ((source, meta),) = broadcasts
-    assert isinstance(source, WireWeights) and source.device == torch.device("cuda")
+    assert isinstance(source, EngineWeights) and source.device == torch.device("cuda")
     assert [m.name for m in meta] == list(source_metadata(ModuleWeights(model)))
     assert engine.update_infos[0]["names"] == [m.name for m in meta]  # the workers size their buffers from it
     assert engine.version == "1" and engine.paused == 1  # committed at finish; paused around the transfer
@@ -305,16 +307,16 @@ def test_the_group_plan_says_whether_the_engine_takes_an_update_in_one_call(
 
     model = tiny_qwen2()
     engine = (OneCallEngine if takes_one_call else GPUEngine)(model, "lightning_ipc")
-    plans = []
+    joined_with = []
 
-    def join(self, plan, client, wire):
-        plans.append(plan)
+    def join(self, settings, client, engine_metadata):
+        joined_with.append(settings)
         raise RuntimeError("joined no further")
 
     monkeypatch.setattr(InPlaceIPCBackend, "join", join)
     with pytest.raises(RuntimeError, match="joined no further"):
         EngineConnection.open(engine, source_metadata(ModuleWeights(model)), replace(SETTINGS, backend="auto"))
-    assert plans[0].updates_in_one_call is takes_one_call
+    assert joined_with[0].updates_in_one_call is takes_one_call
 
 
 def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_within_the_push_s_timeout():
@@ -336,9 +338,11 @@ def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_w
         def shutdown(self) -> None: ...
 
     model = tiny_qwen2()
-    wire = source_metadata(ModuleWeights(model))
+    engine_metadata = source_metadata(ModuleWeights(model))
     engine = CopyingEngine()
-    sender = VLLMEngineSender(engine, ReplayedWeights(DeclaredWeights(wire)), ReplayedClient(None), None, 5.0)
+    sender = VLLMEngineSender(
+        engine, ReplayedWeights(DeclaredWeights(engine_metadata)), ReplayedClient(None), None, 5.0
+    )
     assert engine.caller_waits
     alive = lambda: None  # noqa: E731
     started = time.monotonic()
@@ -360,7 +364,9 @@ def test_an_nccl_push_in_which_nothing_changed_still_sends_its_smallest_layer_gr
     connection.push(Payload(ModuleWeights(model), stamps=ModuleWeights(model).stamps()), version=2)
 
     everything, unchanged = (info["names"] for info in engine.update_infos)
-    groups = WireWeights(ModuleWeights(model), connection.wire).groups()
+    groups = EngineWeights(ModuleWeights(model), connection.engine_metadata).groups()
     smallest = min(groups, key=lambda group: sum(dict(model.named_parameters())[name].numel() for name in group))
-    assert len(everything) == len(connection.wire) and unchanged == smallest  # never an update naming nothing
+    assert (
+        len(everything) == len(connection.engine_metadata) and unchanged == smallest
+    )  # never an update naming nothing
     assert engine.version == "2"

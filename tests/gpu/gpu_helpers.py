@@ -160,7 +160,7 @@ def worker_state(llm: Any) -> tuple[int, int]:
 
     def read(worker: Any) -> tuple[int, int]:  # runs in vLLM's worker (cloudpickled: defined here)
         engine = worker.weight_transfer_engine
-        return len(engine._slots), int(engine.plan.replayed)
+        return len(engine._slots), int(engine.loads.replayed)
 
     (state,) = llm.collective_rpc(read)
     return tuple(state)

@@ -98,7 +98,7 @@ def test_every_push_of_a_10b_bf16_moe_over_lightning_ipc_lands_exactly(tmp_path:
             moe_10b_push_seconds_median=statistics.median(pushes[1:]),
             moe_10b_push_wall_seconds_median=statistics.median(walls[1:]),
             moe_10b_handles_sent=handles,
-            # Loads replayed from lightning_ipc's recorded copies (backends/lightning_ipc/load_plan.py tells the views
+            # Loads replayed from lightning_ipc's recorded copies (lightning_ipc/recorded_loads.py tells the views
             # of one fused tensor apart by their bytes): every push after the first, without vLLM's loaders.
             moe_10b_loads_replayed=replayed,
         )

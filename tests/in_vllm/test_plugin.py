@@ -52,7 +52,7 @@ IN_VLLM = {
     "backends.gloo.messages", "backends.gloo.buckets", "backends.gloo.tied_embedding_fix",
     "backends.gloo.moe_prepack_fix",
     "backends.nccl", "backends.nccl.worker",
-    "backends.lightning_ipc", "backends.lightning_ipc.worker", "backends.lightning_ipc.load_plan",
+    "backends.lightning_ipc", "backends.lightning_ipc.worker", "backends.lightning_ipc.recorded_loads",
 }  # fmt: skip
 """What a vLLM process loads of this package (names under ``lightning_vllm``; ``""``: the package): the plugin and
 what it applies, each backend's worker side, and the errors and settings they share with the trainer. Not the

@@ -12,7 +12,7 @@ from helpers import lora_policy, tiny_qwen2
 from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
 
 from lightning_vllm.lora.adapter import AdapterWeights, adapter_source
-from lightning_vllm.weights import DeclaredWeights, MappingWeights, ModuleWeights, WireWeights, weights_from
+from lightning_vllm.weights import DeclaredWeights, EngineWeights, MappingWeights, ModuleWeights, weights_from
 from lightning_vllm.weights.base import ParamList, Weights
 from lightning_vllm.weights.snapshot import SnapshotMemory
 from lightning_vllm.weights.sources import LoraBaseWeights, LoraMergedWeights
@@ -33,7 +33,9 @@ def test_the_vllm_under_test_is_the_one_asked_for():
 def every_source() -> dict[str, Weights]:
     model, peft = tiny_qwen2(), lora_policy()
     module = ModuleWeights(model)
-    wire = {meta.name: (torch.bfloat16, meta.shape) for meta in module.metadata if "layers.0" not in meta.name}
+    engine_metadata = {
+        meta.name: (torch.bfloat16, meta.shape) for meta in module.metadata if "layers.0" not in meta.name
+    }
     return {
         "module": module,
         "mapping": MappingWeights({"model.norm.weight": torch.ones(4), "lm_head.weight": torch.zeros(2, 3)}),
@@ -41,7 +43,7 @@ def every_source() -> dict[str, Weights]:
         "lora base": LoraBaseWeights(peft),
         "adapter": AdapterWeights(peft),
         "base and adapter": adapter_source(peft, with_base=True)[0],
-        "wire": WireWeights(module, wire),
+        "engine": EngineWeights(module, engine_metadata),
         "snapshot": SnapshotMemory().take(ModuleWeights(model)),
         "foreign (vLLM's ModuleSource)": weights_from(ModuleSource(model)),
     }
@@ -64,13 +66,15 @@ def test_each_source_iterates_as_the_installed_vllm_reads_it(kind):
         assert all(meta.owners is None for meta in declared)
 
 
-def test_a_wire_for_vllms_engines_converts_to_its_dtypes_on_the_way():
+def test_engine_weights_for_vllms_engines_convert_to_its_dtypes_on_the_way():
     module = ModuleWeights(tiny_qwen2())
-    wire = {meta.name: (torch.bfloat16, meta.shape) for meta in module.metadata}
+    engine_metadata = {meta.name: (torch.bfloat16, meta.shape) for meta in module.metadata}
     # vLLM's engines send the bytes they are given, and 0.33's NCCL engine checks each tensor's dtype.
-    converted = WireWeights(module, wire, device=torch.device("cpu"))
+    converted = EngineWeights(module, engine_metadata, device=torch.device("cpu"))
     assert {tensor.dtype for _, tensor in converted} == {torch.bfloat16}
-    assert {tensor.dtype for _, tensor in WireWeights(module, wire)} == {torch.float32}  # gloo converts itself
+    assert {tensor.dtype for _, tensor in EngineWeights(module, engine_metadata)} == {
+        torch.float32
+    }  # gloo converts itself
 
 
 def test_declared_weights_declare_and_refuse_to_be_read():

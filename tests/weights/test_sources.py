@@ -6,10 +6,10 @@ from helpers import tiny_qwen2
 from tensordict import TensorDict
 
 from lightning_vllm.weights import (
+    EngineWeights,
     LoraMergedWeights,
     MappingWeights,
     ModuleWeights,
-    WireWeights,
     source_metadata,
     weights_from,
 )
@@ -99,10 +99,10 @@ def test_a_source_names_the_tensors_it_holds_only_when_it_sends_them_as_held():
     assert all(held is param for held, param in zip(tensors, model.parameters()))
     assert weights_from(lora_model()).held_tensors() is None  # merged: computed for the push
     assert MappingWeights({"w": torch.ones(2)}).held_tensors() is None  # (not said: the default)
-    wire = {name: (torch.bfloat16, None) for name in names if name != "model.norm.weight"}
-    shown = WireWeights(ModuleWeights(model), wire)  # converted on the way: still the tensors read
+    engine_metadata = {name: (torch.bfloat16, None) for name in names if name != "model.norm.weight"}
+    shown = EngineWeights(ModuleWeights(model), engine_metadata)  # converted on the way: still the tensors read
     assert shown.held_tensors()[0] == [name for name, _ in shown.iter_full()]
-    tallied = WireWeights(ModuleWeights(model), wire, tally=lambda name, tensor: None)
+    tallied = EngineWeights(ModuleWeights(model), engine_metadata, tally=lambda name, tensor: None)
     assert tallied.held_tensors() is None  # each tensor is read as it goes
 
 

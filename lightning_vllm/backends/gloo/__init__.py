@@ -7,10 +7,9 @@ port the trainer listens on (``group.py`` says why). One module per question:
 
 * ``backend.py``: :class:`GlooBackend`, what the core asks of the backend.
 * ``messages.py``: what crosses the process boundary (init and update infos, dtype names).
-* ``buckets.py``: the wire layout: tensors packed into buckets, split into segments.
+* ``buckets.py``: the wire layout: tensors packed into buckets, split into segments; the trainer's staging ring.
 * ``group.py``: the wire: the trainer's listening socket, the workers' connections, the broadcasts.
-* ``trainer.py``: :class:`GlooTrainerWeightTransferEngine`, which plans a sync and sends it.
-* ``staging.py``: the trainer's staging ring, and what each segment sends from it.
+* ``trainer.py``: :class:`GlooTrainerWeightTransferEngine`, which lays a sync out and sends it (it is the sender).
 * ``shares.py``: a push every trainer rank sends a share of.
 * ``receiver.py``: a worker's connection to the trainer and its kept receive buffers.
 * ``worker.py``: :class:`GlooWeightTransferEngine`, what vLLM builds in every worker.
@@ -20,7 +19,7 @@ The worker's side (``worker.py``, ``receiver.py``, ``group.py``, ``messages.py``
 what vLLM's workers import; nothing is imported with this package, so they load none of the trainer's side.
 
 A sync is one ``start_weight_update``, one ``update_weights`` (carrying the whole
-bucket plan) and one ``finish_weight_update`` call, whatever the number of tensors.
+bucket layout) and one ``finish_weight_update`` call, whatever the number of tensors.
 No pickled data crosses the wire: control messages are plain dataclasses, tensors
 are raw bytes.
 """

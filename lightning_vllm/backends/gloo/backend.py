@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import Backend, GroupPlan, Sender, Traits
+from lightning_vllm.backends.base import Backend, GroupSettings, Sender, Traits
 from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo
 from lightning_vllm.backends.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.in_vllm.plugin import register_backends
@@ -23,22 +23,22 @@ class GlooBackend(Backend):
         loads_while_receiving=False, carries_adapters=True, carries_shares=True, needs_cuda=False
     )
 
-    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+    def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
         return GlooTrainerInitInfo(
-            master_address=plan.master_address,
-            master_port=plan.master_port or 0,  # 0: the transport holds a port the kernel picks (no race)
-            world_size=plan.world_size,
-            bucket_size_bytes=plan.bucket_size_bytes,
-            timeout_seconds=plan.timeout_seconds,
+            master_address=settings.master_address,
+            master_port=settings.master_port or 0,  # 0: the transport holds a port the kernel picks (no race)
+            world_size=settings.world_size,
+            bucket_size_bytes=settings.bucket_size_bytes,
+            timeout_seconds=settings.timeout_seconds,
             rank=0,
         )
 
-    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+    def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:
         register_backends()
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         engine = WeightTransferTrainerFactory.trainer_init(
-            self.init_info(plan), client=client, source=DeclaredWeights(wire)
+            self.init_info(settings), client=client, source=DeclaredWeights(engine_metadata)
         )  # (each of its waits is bounded by timeout_seconds)
         assert isinstance(engine, GlooTrainerWeightTransferEngine)
         return engine  # (each push brings its own client: nothing of a push stays on it)

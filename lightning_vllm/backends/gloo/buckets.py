@@ -1,8 +1,8 @@
 """How tensors are grouped into fixed-size buckets on the wire, and staged on the trainer to be sent.
 
-Both halves of a transfer follow one plan, made by the trainer and shipped to the
+Both halves of a transfer follow one layout, made by the trainer and shipped to the
 workers in the single ``update_weights`` call of a sync, so they cannot split the
-byte stream differently. A plan keeps whole layers together (vLLM's
+byte stream differently. A layout keeps whole layers together (vLLM's
 ``layerwise_groups``) while they fit in a bucket: vLLM's layer-wise reload
 re-processes a layer once all of its tensors have arrived, so a bucket that ends on
 a layer boundary lets the worker finish that layer before the next bucket lands.
@@ -54,7 +54,7 @@ class Bucket:
     num_bytes: int
 
 
-def plan_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_size_bytes: int) -> list[Bucket]:
+def cut_into_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_size_bytes: int) -> list[Bucket]:
     """Split tensors, given as layer groups in send order, into buckets.
 
     A group is added whole to the open bucket while it fits; a group that does not
@@ -107,7 +107,7 @@ class Segment:
             yield self.offset + begin, self.offset + min(begin + bucket_size_bytes, self.num_bytes)
 
 
-def plan_segments(specs: Sequence[TensorSpec], buckets: Sequence[Bucket], coalesce_bytes: int) -> list[int]:
+def choose_segment_ends(specs: Sequence[TensorSpec], buckets: Sequence[Bucket], coalesce_bytes: int) -> list[int]:
     """Where segments end (index one past their last tensor), bucket by bucket.
 
     Every bucket end is a segment end. A tensor of ``coalesce_bytes`` or more is a
@@ -129,7 +129,7 @@ def plan_segments(specs: Sequence[TensorSpec], buckets: Sequence[Bucket], coales
 
 
 def bucket_segments(specs: Sequence[TensorSpec], bucket: Bucket, segment_ends: Sequence[int]) -> list[Segment]:
-    """The segments of ``bucket``, given every segment end of the plan."""
+    """The segments of ``bucket``, given every segment end of the layout."""
     segments = []
     start = bucket.start
     offset = 0

@@ -5,7 +5,7 @@ when none is given). Each worker connects out to it, says which group and rank i
 line of JSON), and is answered once every worker has joined. From then on the trainer
 writes every broadcast to each worker's connection in the order posted, and each worker
 reads them, in the same order, into the buffers it posted. Both sides post the same
-sequence of sizes (the update's plan), so the stream carries raw bytes and no framing.
+sequence of sizes (the update's bucket layout), so the stream carries raw bytes and no framing.
 
 Why not gloo, whose name the backend keeps: gloo's TCP device listens on a port the
 kernel picks, in every process, and neither gloo nor torch can be given one, so no

@@ -59,7 +59,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass(kw_only=True)
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One sync's metadata and bucket plan (sent once per sync, before the bytes).
+    """One sync's metadata and bucket layout (sent once per sync, before the bytes).
 
     ``bucket_ends[i]`` is the index one past the last tensor of bucket ``i``, and
     ``segment_ends`` the same for the segments (one broadcast each) inside the
@@ -138,7 +138,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         return bucket_segments(specs, bucket, self.segment_ends)
 
     @classmethod
-    def from_plan(
+    def from_buckets(
         cls,
         specs: Sequence[TensorSpec],
         buckets: Sequence[Bucket],
@@ -146,7 +146,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         adapter: dict[str, Any] | None = None,
         **every_rank: Any,
     ) -> Self:
-        """The message for a plan; without ``segment_ends``, each bucket is one segment.
+        """The message for a bucket layout; without ``segment_ends``, each bucket is one segment.
         ``every_rank``: the ``pieces``, ``senders`` and ``sender_group`` of a push every trainer
         rank sends a share of."""
         bucket_ends = [bucket.stop for bucket in buckets]

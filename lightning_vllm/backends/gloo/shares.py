@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_vllm._waits import BackgroundCall, wait_polling
-from lightning_vllm.backends.gloo.buckets import TensorSpec, piece_slices, plan_buckets
+from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets, piece_slices
 from lightning_vllm.backends.gloo.group import Transfer, Wire, accept_workers
 from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
@@ -156,9 +156,9 @@ def send_in_shares(
     bucket_size_bytes, timeout_seconds = sender.bucket_size_bytes, sender.timeout_seconds
     try:
         pieces = [[count * spec.dtype.itemsize for count in every.shares.counts(spec.name)] for spec in specs]
-        update_info = GlooWeightTransferUpdateInfo.from_plan(
+        update_info = GlooWeightTransferUpdateInfo.from_buckets(
             specs,
-            plan_buckets(groups, bucket_size_bytes),
+            cut_into_buckets(groups, bucket_size_bytes),
             pieces=pieces,
             senders=every.senders,
             sender_group=group_name,

@@ -1,4 +1,4 @@
-"""Trainer half of the ``gloo`` backend: the rendezvous, the plan and the broadcasts of a sync."""
+"""Trainer half of the ``gloo`` backend: the rendezvous, the bucket layout and the broadcasts of a sync."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from lightning_vllm.backends.gloo.buckets import (
     Segment,
     StagingRing,
     TensorSpec,
-    plan_buckets,
-    plan_segments,
+    choose_segment_ends,
+    cut_into_buckets,
     segment_payloads,
 )
 from lightning_vllm.backends.gloo.group import Wire, accept_workers, listen, post_broadcast
@@ -253,9 +253,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """
         process_group = self._connected_group()
         specs = [spec for group in groups for spec in group]
-        buckets = plan_buckets(groups, self.bucket_size_bytes)
-        segment_ends = plan_segments(specs, buckets, min(self.coalesce_bytes, self.bucket_size_bytes))
-        update_info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets, segment_ends, adapter)
+        buckets = cut_into_buckets(groups, self.bucket_size_bytes)
+        segment_ends = choose_segment_ends(specs, buckets, min(self.coalesce_bytes, self.bucket_size_bytes))
+        update_info = GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, segment_ends, adapter)
         client = self.client if client is None else client
         receive = BackgroundCall(client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
         segments = [update_info.segments(specs, bucket) for bucket in buckets]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import GroupPlan, Traits
+from lightning_vllm.backends.base import GroupSettings, Traits
 from lightning_vllm.backends.vllm_engines import VLLMEngineBackend
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ChecksIPCHandles
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class IPCBackend(VLLMEngineBackend):
     """vLLM's CUDA-IPC engine: the worker opens handles of memory on the trainer's GPU and loads from it.
 
-    When every tensor is already in the engine's serving dtype (``GroupPlan.sends_as_held``), the
+    When every tensor is already in the engine's serving dtype (``GroupSettings.sends_as_held``), the
     engine is handed the trainer's own tensors (vLLM's unpacked mode): the worker's load is the one
     copy a push makes. Otherwise vLLM's packed producer converts them into one buffer of
     ``bucket_size_bytes`` at a time, which bounds the trainer's extra memory.
@@ -54,12 +54,12 @@ class IPCBackend(VLLMEngineBackend):
             if problem := ask(engine.ipc_handles_problem, f"{engine.description} to describe its RPC"):
                 raise EngineConfigError(problem)
 
-    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+    def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
         """Unpacked when the trainer holds the tensors as the engine loads them; packed otherwise. vLLM's
         packed producer refuses a tensor larger than its buffer (a large vocabulary's embedding is
         ~0.5 GB), so the buffer grows to the largest tensor when that is larger than ``bucket_size_bytes``."""
-        packed = not (plan.sends_as_held and self.share_trainer_tensors)
-        buffer_size = max(plan.bucket_size_bytes, plan.largest_tensor_bytes)
+        packed = not (settings.sends_as_held and self.share_trainer_tensors)
+        buffer_size = max(settings.bucket_size_bytes, settings.largest_tensor_bytes)
         return self.init_info_class()(packed=packed, packed_buffer_size_bytes=buffer_size, rank=0)
 
     def init_info_class(self) -> type[IPCTrainerInitInfo]:

@@ -1,7 +1,7 @@
 """``lightning_ipc``: vLLM's CUDA-IPC protocol with handles kept open, our backend for an engine on the trainer's own
 GPU. Its trainer side is ``trainer.py`` (each tensor's handle sent once while the trainer's storage stays put), its
 worker side ``worker.py`` (loaded in vLLM's workers: one batched copy a push, the handles kept open) with the loads
-it records and replays (``load_plan.py``)."""
+it records and replays (``recorded_loads.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import GroupPlan, Sender
+from lightning_vllm.backends.base import GroupSettings, Sender
 from lightning_vllm.backends.ipc.backend import IPCBackend
 from lightning_vllm.weights.model import ModelMetadata
 
@@ -24,23 +24,23 @@ class InPlaceIPCBackend(IPCBackend):
 
     name: ClassVar[str] = "lightning_ipc"
 
-    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+    def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:
         """As ``ipc``'s, with our trainer engine in vLLM's factory (vLLM's plugin loader may not have run in
         this process: an engine behind ``vllm serve`` or in Ray)."""
         from lightning_vllm.in_vllm.plugin import register_backends
 
         register_backends()
-        return super().join(plan, client, wire)
+        return super().join(settings, client, engine_metadata)
 
-    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+    def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
         """As ``ipc``'s; the wait for the worker's copies after the commit is bounded by ``timeout_seconds``, and
         an engine that can take the update in one call (start, load, finish) is sent it so."""
         from lightning_vllm.backends.lightning_ipc.trainer import KeptHandlesTrainerInitInfo
 
-        info = super().init_info(plan)
+        info = super().init_info(settings)
         assert isinstance(info, KeptHandlesTrainerInitInfo)
-        info.landed_timeout_seconds = plan.timeout_seconds
-        info.updates_in_one_call = plan.updates_in_one_call
+        info.landed_timeout_seconds = settings.timeout_seconds
+        info.updates_in_one_call = settings.updates_in_one_call
         return info
 
     def init_info_class(self) -> type[IPCTrainerInitInfo]:

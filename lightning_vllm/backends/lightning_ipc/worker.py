@@ -14,8 +14,8 @@ This engine is vLLM's, with three changes:
   the model's own weight loaders copy each tensor straight into the parameter it belongs
   to, the fused q/k/v and gate/up included. Otherwise it loads as vLLM's engine does.
 - **Loaders run once.** That first in-place load of a tensor is recorded as the copies (and
-  padding fills) it made (``load_plan.py``); later pushes replay them as a few batched copies,
-  without vLLM's Python loaders. A loader that computes anything leaves no plan, and its
+  padding fills) it made (``recorded_loads.py``); later pushes replay them as a few batched copies,
+  without vLLM's Python loaders. A loader that computes anything leaves no record, and its
   tensors keep going through it.
 - **Handles kept open** (with our trainer engine, ``trainer.py``). Each tensor the trainer
   shares is a numbered *slot*, opened once here and kept; while the trainer's storage stays put
@@ -49,7 +49,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 
-from lightning_vllm.backends.lightning_ipc.load_plan import BoundLoad, LoadPlan, Replay
+from lightning_vllm.backends.lightning_ipc.recorded_loads import BoundLoad, RecordedLoads, Replay
 
 
 @dataclass
@@ -116,7 +116,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.in_place = loads_as_held(vllm_config)
-        self.plan = LoadPlan()  # the in-place loads, recorded as copies
+        self.loads = RecordedLoads()  # the in-place loads, recorded as copies
         self._slots: dict[int, torch.Tensor] = {}  # the trainer's tensors, opened once
         self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
         self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
@@ -179,7 +179,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         if kept and self._replay is not None and self._replay[0] == tuple(slots or ()) and self._loads_in_place():
             # The tensors opened and bound at an earlier push, holding new values: its copies, again.
             with torch.cuda.device(self.device):
-                self.plan.rerun(self._replay[1])
+                self.loads.rerun(self._replay[1])
             return
         self._replay = None
         for slot in released:
@@ -198,7 +198,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         bound = [self._bound_load(name, tensor, slot) for (name, tensor), slot in zip(weights, numbers)]
         with torch.cuda.device(self.device), self._loading():
             load_weights = self.model.load_weights  # a vLLM model, not a bare Module
-            replay = self.plan.load(load_weights, weights, self._held, bound)  # type: ignore[arg-type]
+            replay = self.loads.load(load_weights, weights, self._held, bound)  # type: ignore[arg-type]
         if replay is None:
             for number in numbers:  # bound to the plans this load replaced
                 if number is not None:
@@ -232,7 +232,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
     def _bound_load(self, name: str, tensor: torch.Tensor, slot: int | None) -> BoundLoad | None:
         if slot is not None and slot in self._bound:
             return self._bound[slot]
-        load = self.plan.bind(name, tensor)
+        load = self.loads.bind(name, tensor)
         if load is not None and slot is not None:
             self._bound[slot] = load
         return load

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import GroupPlan, Sender, Traits
+from lightning_vllm.backends.base import GroupSettings, Sender, Traits
 from lightning_vllm.backends.vllm_engines import VLLMEngineBackend, free_port
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.weights.model import ModelMetadata
@@ -23,19 +23,19 @@ class NCCLBackend(VLLMEngineBackend):
         loads_while_receiving=True, carries_adapters=False, carries_shares=False, needs_cuda=True, sends_every_push=True
     )
 
-    def init_info(self, plan: GroupPlan) -> TrainerInitInfo:
+    def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         return NCCLTrainerInitInfo(
-            master_address=plan.master_address,
-            master_port=plan.master_port or free_port(plan.master_address),
-            world_size=plan.world_size,
+            master_address=settings.master_address,
+            master_port=settings.master_port or free_port(settings.master_address),
+            world_size=settings.world_size,
             packed=True,
-            packed_buffer_size_bytes=plan.bucket_size_bytes,
+            packed_buffer_size_bytes=settings.bucket_size_bytes,
             rank=0,
         )
 
-    def join(self, plan: GroupPlan, client: Any, wire: ModelMetadata) -> Sender:
+    def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:
         """As vLLM's; a worker on the trainer's own GPU is refused, saying what to use instead.
 
         NCCL puts each rank of a group on a GPU of its own. With a worker on the trainer's GPU, vLLM's NCCL
@@ -45,7 +45,7 @@ class NCCLBackend(VLLMEngineBackend):
             EngineConfigError: a vLLM worker is on the trainer's GPU.
         """
         try:
-            return super().join(plan, client, wire)
+            return super().join(settings, client, engine_metadata)
         except Exception as error:
             if not any(_SAME_GPU in str(each) for each in _chain(error)):
                 raise

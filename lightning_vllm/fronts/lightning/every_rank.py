@@ -175,12 +175,12 @@ def _follow(updater: WeightSync, shares: RankShares, ranks: TrainerRanks) -> int
             raise PushAborted(f"The push failed on trainer rank {word['failed']['rank']}: {word['failed']['message']}")
         error: BaseException | None = None
         try:
-            wire = [(name, dtype_from_name(dtype)) for name, dtype in word["wire"]]
+            tensors = [(name, dtype_from_name(dtype)) for name, dtype in word["tensors"]]
             send_share(
                 listener,
                 word["group"],
                 int(word["workers"]),
-                _pieces(shares, wire),
+                _pieces(shares, tensors),
                 updater.options.bucket_size_bytes,
                 updater.options.timeout_seconds,
             )
@@ -202,10 +202,10 @@ def _end_pass(ranks: TrainerRanks, error: BaseException | None) -> None:
         raise PushAborted(f"The push failed on trainer rank {rank}: {message}")
 
 
-def _pieces(shares: RankShares, wire: Sequence[tuple[str, torch.dtype]]) -> Iterator[torch.Tensor]:
-    """This rank's shares of the tensors of ``wire``, in its order, as the wire's bytes."""
+def _pieces(shares: RankShares, sent: Sequence[tuple[str, torch.dtype]]) -> Iterator[torch.Tensor]:
+    """This rank's shares of the tensors ``sent`` names, in its order, as the bytes sent."""
     tensors = shares.iter_full()
-    for name, dtype in wire:
+    for name, dtype in sent:
         for have, piece in tensors:
             if have == name:
                 yield piece_bytes(piece, dtype)
@@ -236,10 +236,12 @@ class _StatusGroupSend(EveryRankSend):
     def senders(self) -> list[dict[str, Any]]:
         return list(self._senders)
 
-    def begin_pass(self, group: str, num_workers: int, wire: Sequence[tuple[str, torch.dtype]]) -> None:
+    def begin_pass(self, group: str, num_workers: int, tensors: Sequence[tuple[str, torch.dtype]]) -> None:
         if self.aborted:  # any failed pass ends the push on every rank: the others have left
             raise PushAborted("The push ended at an earlier engine's failure; the engines after it keep their weights.")
-        _tell(self.ranks, group=group, workers=num_workers, wire=[[name, dtype_name(dtype)] for name, dtype in wire])
+        _tell(
+            self.ranks, group=group, workers=num_workers, tensors=[[name, dtype_name(dtype)] for name, dtype in tensors]
+        )
 
     def end_pass(self, error: BaseException | None) -> None:
         try:

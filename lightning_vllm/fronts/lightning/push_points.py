@@ -1,7 +1,7 @@
 """What happens at a push point, once the callback has decided one is due (``callback.PushSchedule``).
 
-A push point pushes blocking, or in the background (``background.py``); with the trainer's ranks as the plan chosen
-at fit start says (a ``ranks.RankPlan``: :class:`RankZeroAlone`, the plan of a policy every rank holds whole, here;
+A push point pushes blocking, or in the background (``background.py``); with the trainer's ranks in the roles chosen
+at fit start says (a ``ranks.RankRoles``: :class:`RankZeroAlone`, the roles of a policy every rank holds whole, here;
 lockstep gathers of a sharded policy, ``ranks.py``; or every rank's own share, ``every_rank.py``). Under DDP the ranks
 that do not push then receive rank 0's versions. A failed push is raised or, with ``on_sync_error="warn"``, counted
 and warned about. Every push's figures go to the Lightning loggers. The callback (``callback.py``) only calls in at
@@ -31,13 +31,13 @@ from lightning_vllm.errors import (
 )
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.fronts.lightning.every_rank import EveryRankShares
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankPlan, TrainerRanks, is_sharded
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankRoles, TrainerRanks, is_sharded
 from lightning_vllm.options import PushFrom, WhenBusy
 
 log = logging.getLogger(__name__)
 
 
-class RankZeroAlone(RankPlan):
+class RankZeroAlone(RankRoles):
     """One process, or every rank holding the full weights: rank 0 sends; no other rank takes part in
     the push itself (they take rank 0's versions at each push point: ``PushPoints.share_versions``)."""
 
@@ -76,14 +76,14 @@ class PushPoints:
         self.sync_failures = 0
         self.unsent = 0  # push points skipped since the last push that started
         self.ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
-        self.plan: RankPlan = RankZeroAlone()  # which ranks take part (chosen again at fit start)
+        self.roles: RankRoles = RankZeroAlone()  # which ranks take part (chosen again at fit start)
 
     def join_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generate_timeout: float) -> TrainerRanks:
         """Every rank: a status group of the trainer's ranks, and whether all take part in pushes (a sharded
         policy). A collective of every rank, when fitting starts."""
         self.ranks = TrainerRanks(self.updater.options.timeout_seconds, generate_timeout)
-        self.plan = choose_rank_plan(self.ranks, is_sharded(trainer.strategy.model or pl_module), self.push_from)
-        if self.plan.every_rank_walks and self.pusher is not None:
+        self.roles = choose_rank_roles(self.ranks, is_sharded(trainer.strategy.model or pl_module), self.push_from)
+        if self.roles.every_rank_walks and self.pusher is not None:
             rank_zero_warn(
                 "VLLMWeightSync(blocking=False) pushes a sharded policy blocking: its gathers are collectives "
                 "of every rank and run in the training loop's thread."
@@ -96,7 +96,7 @@ class PushPoints:
             return
         try:
             self._push_now(
-                trainer, pl_module, background and self.pusher is not None and not self.plan.every_rank_walks
+                trainer, pl_module, background and self.pusher is not None and not self.roles.every_rank_walks
             )
         except WeightSyncError as error:
             self.failed(trainer, error)
@@ -126,14 +126,14 @@ class PushPoints:
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
-        self.plan = RankZeroAlone()
+        self.roles = RankZeroAlone()
 
     def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
-        if self.plan.every_rank_walks:  # a sharded policy: every rank takes part
+        if self.roles.every_rank_walks:  # a sharded policy: every rank takes part
             # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
             # the parameters no sub-module unit does.
             start = time.perf_counter()
-            stats = self.plan.push(self.updater, trainer.strategy.model or pl_module)
+            stats = self.roles.push(self.updater, trainer.strategy.model or pl_module)
             self.unsent = 0
             if stats is not None:
                 self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
@@ -154,7 +154,7 @@ class PushPoints:
             self.pusher.wait_or_raise("before a blocking push")
             self.collect(trainer)
         try:
-            stats = self.plan.push(self.updater, pl_module)
+            stats = self.roles.push(self.updater, pl_module)
             assert stats is not None, "rank 0 sends"
         except PartialPushError as error:
             self.unsent = 0
@@ -167,7 +167,7 @@ class PushPoints:
     def share_versions(self) -> None:
         """Under DDP, global rank 0's versions (and skipped push points) on every rank; a collective
         of every rank at each push point. Sharded pushes share them themselves."""
-        if self.ranks is None or self.plan.every_rank_walks:
+        if self.ranks is None or self.roles.every_rank_walks:
             return
         values = [*self.updater.versions.state().to_ints(), self.unsent]
         shared = self.ranks.broadcast_ints(values)
@@ -236,8 +236,8 @@ class PushPoints:
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
-def choose_rank_plan(ranks: TrainerRanks, sharded: bool, push_from: PushFrom) -> RankPlan:
-    """The plan of every push of a fit: rank 0 alone unless the policy is sharded; then lockstep
+def choose_rank_roles(ranks: TrainerRanks, sharded: bool, push_from: PushFrom) -> RankRoles:
+    """The rank roles of every push of a fit: rank 0 alone unless the policy is sharded; then lockstep
     gathers, or every rank's own share with ``push_from="every_rank"``."""
     if not sharded:
         return RankZeroAlone(ranks)

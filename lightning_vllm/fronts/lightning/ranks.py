@@ -1,4 +1,4 @@
-"""Which trainer ranks take part in a push (:class:`RankPlan`), and the pushes every rank takes part in:
+"""Which trainer ranks take part in a push (:class:`RankRoles`), and the pushes every rank takes part in:
 policies sharded across ranks (FSDP2, FSDP, ZeRO-3).
 
 A sharded parameter is gathered with a collective, so every rank must walk the
@@ -247,9 +247,9 @@ class LockstepWeights(Weights):
         self.ranks.shared_error(f"{type(error).__name__}: {error}")
 
 
-class RankPlan(ABC):
+class RankRoles(ABC):
     """Which trainer ranks take part in a push, and how; chosen once when fitting starts
-    (``PushPoints.join_ranks``). Three plans, one protocol:
+    (``PushPoints.join_ranks``). Three sets of roles, one protocol:
 
     * ``push_points.RankZeroAlone``: every rank holds the full weights (one process, DDP); rank 0 pushes
       (blocking or in the background) and the others take its versions;
@@ -272,7 +272,7 @@ class RankPlan(ABC):
         """
 
 
-class LockstepGathers(RankPlan):
+class LockstepGathers(RankRoles):
     """A sharded policy: every rank gathers in lockstep (checking in before each layer group), rank 0 sends.
 
     Args:
@@ -335,8 +335,8 @@ class LockstepGathers(RankPlan):
     def push_shares(
         self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
     ) -> SyncStats | None:
-        """Push with every rank sending ``shares`` (the figures on rank 0), for a plan whose :meth:`shares_of`
-        gives them; this plan's never does, so this is never called."""
+        """Push with every rank sending ``shares`` (the figures on rank 0), for roles whose :meth:`shares_of`
+        gives them; these never do, so this is never called."""
         raise AssertionError(f"{type(self).__name__} gathers every push: shares_of gave it no shares to send.")
 
 

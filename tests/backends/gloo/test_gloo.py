@@ -22,7 +22,7 @@ from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
 def test_update_info_round_trips_through_plain_data():
     specs = [TensorSpec("a", torch.bfloat16, (2, 3)), TensorSpec("b", torch.float32, (4,))]
-    info = GlooWeightTransferUpdateInfo.from_plan(specs, [Bucket(0, 1, 12), Bucket(1, 2, 16)])
+    info = GlooWeightTransferUpdateInfo.from_buckets(specs, [Bucket(0, 1, 12), Bucket(1, 2, 16)])
     payload = dataclasses.asdict(info)  # what crosses the process boundary: lists, strings, ints
     assert payload == {
         "names": ["a", "b"],

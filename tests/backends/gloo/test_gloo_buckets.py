@@ -7,8 +7,8 @@ from lightning_vllm.backends.gloo.buckets import (
     StagingRing,
     TensorSpec,
     bucket_segments,
-    plan_buckets,
-    plan_segments,
+    choose_segment_ends,
+    cut_into_buckets,
     unpack_bucket,
 )
 
@@ -21,28 +21,28 @@ def test_whole_layers_share_a_bucket_while_they_fit():
     layer0 = [spec("l.0.a", 10), spec("l.0.b", 10)]  # 80 bytes
     layer1 = [spec("l.1.a", 10), spec("l.1.b", 10)]
     layer2 = [spec("l.2.a", 5)]
-    buckets = plan_buckets([layer0, layer1, layer2], bucket_size_bytes=100)
+    buckets = cut_into_buckets([layer0, layer1, layer2], bucket_size_bytes=100)
     # layer1 would overflow the first bucket, so it starts a new one; layer2 (20 bytes) joins it.
     assert buckets == [Bucket(0, 2, 80), Bucket(2, 5, 100)]
 
 
 def test_a_layer_larger_than_a_bucket_is_split_between_tensors():
     layer = [spec("a", 20), spec("b", 20), spec("c", 20)]  # 80 bytes each
-    assert plan_buckets([layer], bucket_size_bytes=160) == [Bucket(0, 2, 160), Bucket(2, 3, 80)]
+    assert cut_into_buckets([layer], bucket_size_bytes=160) == [Bucket(0, 2, 160), Bucket(2, 3, 80)]
 
 
 def test_a_tensor_larger_than_a_bucket_travels_alone_in_slices():
     specs = [spec("small", 2), spec("huge", 100), spec("tail", 2)]
-    buckets = plan_buckets([[s] for s in specs], bucket_size_bytes=64)
+    buckets = cut_into_buckets([[s] for s in specs], bucket_size_bytes=64)
     assert buckets == [Bucket(0, 1, 8), Bucket(1, 2, 400), Bucket(2, 3, 8)]
-    (huge,) = bucket_segments(specs, buckets[1], plan_segments(specs, buckets, coalesce_bytes=64))
+    (huge,) = bucket_segments(specs, buckets[1], choose_segment_ends(specs, buckets, coalesce_bytes=64))
     assert list(huge.slices(64))[-1] == (384, 400)
     assert sum(end - begin for begin, end in huge.slices(64)) == 400
 
 
 def test_every_tensor_is_planned_exactly_once():
     groups = [[spec(f"l.{i}.{j}", (i * 7 + j * 3) % 50 + 1) for j in range(3)] for i in range(20)]
-    buckets = plan_buckets(groups, bucket_size_bytes=256)
+    buckets = cut_into_buckets(groups, bucket_size_bytes=256)
     assert [b.start for b in buckets][1:] == [b.stop for b in buckets][:-1]
     assert buckets[0].start == 0 and buckets[-1].stop == 60
     assert all(b.num_bytes <= 256 or b.stop - b.start == 1 for b in buckets)
@@ -50,7 +50,7 @@ def test_every_tensor_is_planned_exactly_once():
 
 def test_bucket_size_must_be_positive():
     with pytest.raises(ValueError, match="bucket_size_bytes=0"):
-        plan_buckets([[spec("a", 1)]], bucket_size_bytes=0)
+        cut_into_buckets([[spec("a", 1)]], bucket_size_bytes=0)
 
 
 def test_unpack_restores_names_dtypes_and_shapes():
@@ -72,8 +72,8 @@ def test_small_tensors_share_a_segment_and_large_ones_travel_alone():
         spec("d", 4),
         spec("e", 4),
     ]  # 16, 16, 160, 16...
-    buckets = plan_buckets([specs], bucket_size_bytes=1024)
-    ends = plan_segments(specs, buckets, coalesce_bytes=40)
+    buckets = cut_into_buckets([specs], bucket_size_bytes=1024)
+    ends = choose_segment_ends(specs, buckets, coalesce_bytes=40)
     # a+b pack (32 bytes); big (>= 40) is alone; c+d pack, e would overflow 40 so it starts a new segment.
     assert ends == [2, 3, 5, 6]
     assert bucket_segments(specs, buckets[0], ends) == [
@@ -87,8 +87,8 @@ def test_small_tensors_share_a_segment_and_large_ones_travel_alone():
 def test_segments_never_cross_a_bucket_and_cover_every_byte():
     groups = [[spec(f"l.{i}.{j}", (i * 7 + j * 3) % 50 + 1) for j in range(3)] for i in range(20)]
     specs = [s for group in groups for s in group]
-    buckets = plan_buckets(groups, bucket_size_bytes=256)
-    ends = plan_segments(specs, buckets, coalesce_bytes=64)
+    buckets = cut_into_buckets(groups, bucket_size_bytes=256)
+    ends = choose_segment_ends(specs, buckets, coalesce_bytes=64)
     assert {b.stop for b in buckets} <= set(ends) and ends == sorted(set(ends))
     for bucket in buckets:
         segments = bucket_segments(specs, bucket, ends)

@@ -166,7 +166,7 @@ def test_an_update_whose_trainer_stops_after_some_buckets_is_not_landed_not_even
     receiver = GlooReceiver(init, rank=1)
     wire = trainer.result(10)
     specs = [TensorSpec(name, torch.uint8, (1024,)) for name in "abc"]
-    update = GlooWeightTransferUpdateInfo.from_plan(specs, [Bucket(i, i + 1, 1024) for i in range(3)])
+    update = GlooWeightTransferUpdateInfo.from_buckets(specs, [Bucket(i, i + 1, 1024) for i in range(3)])
     posted = receiver.post_update(update)
     assert post_broadcast(wire, torch.ones(1024, dtype=torch.uint8)).wait(10)  # bucket "a" lands
     deadline = time.monotonic() + 10

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.buckets import TensorSpec, plan_buckets
+from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets
 from lightning_vllm.backends.gloo.group import accept_workers, listen
 from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 from lightning_vllm.backends.gloo.receiver import GlooReceiver
@@ -60,9 +60,9 @@ def pushed(rank1_pieces, timeout: float = TIMEOUT):
     joining = [BackgroundCall(GlooReceiver, init, rank, what=f"worker {rank}") for rank in (1, 2)]
     wire, workers = rank0.result(timeout), [worker.result(timeout) for worker in joining]
     pieces = [[share.numel() * 4 for share in shares_of(tensor)] for tensor in tensors.values()]
-    update = GlooWeightTransferUpdateInfo.from_plan(
+    update = GlooWeightTransferUpdateInfo.from_buckets(
         specs,
-        plan_buckets([[spec] for spec in specs], BUCKET),
+        cut_into_buckets([[spec] for spec in specs], BUCKET),
         pieces=pieces,
         senders=[{"address": "127.0.0.1", "port": rank1_listener.getsockname()[1]}],
         sender_group=SENDERS_GROUP,
@@ -118,13 +118,13 @@ def test_a_rank_that_fails_half_way_leaves_every_worker_with_nothing_to_load():
 
 def test_pieces_must_add_up_to_each_tensor_and_name_every_rank():
     specs = [TensorSpec("a", torch.float32, (2, 2))]
-    buckets = plan_buckets([specs], BUCKET)
+    buckets = cut_into_buckets([specs], BUCKET)
     senders = [{"address": "127.0.0.1", "port": 1}]
-    info = GlooWeightTransferUpdateInfo.from_plan(specs, buckets, pieces=[[8, 8]], senders=senders, sender_group="g")
+    info = GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, pieces=[[8, 8]], senders=senders, sender_group="g")
     assert GlooWeightTransferUpdateInfo(**dataclasses.asdict(info)).pieces == [[8, 8]]
     with pytest.raises(ValueError, match=r"pieces of 'a' are \[8, 4\].*adding up to its 16 bytes"):
-        GlooWeightTransferUpdateInfo.from_plan(specs, buckets, pieces=[[8, 4]], senders=senders, sender_group="g")
+        GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, pieces=[[8, 4]], senders=senders, sender_group="g")
     with pytest.raises(ValueError, match=r"one count of bytes per trainer rank \(2\)"):
-        GlooWeightTransferUpdateInfo.from_plan(specs, buckets, pieces=[[16]], senders=senders, sender_group="g")
+        GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, pieces=[[16]], senders=senders, sender_group="g")
     with pytest.raises(ValueError, match="must name their sender_group"):
-        GlooWeightTransferUpdateInfo.from_plan(specs, buckets, pieces=[[8, 8]], senders=senders)
+        GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, pieces=[[8, 8]], senders=senders)

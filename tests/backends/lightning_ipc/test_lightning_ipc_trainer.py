@@ -15,7 +15,7 @@ from lightning_vllm.backends.lightning_ipc import trainer as ipc_trainer
 from lightning_vllm.backends.lightning_ipc.trainer import KeptHandlesIPCTrainerEngine, KeptHandlesTrainerInitInfo
 from lightning_vllm.backends.lightning_ipc.worker import KeptHandlesUpdateInfo, update_in_one_call
 from lightning_vllm.errors import WeightSyncTimeoutError
-from lightning_vllm.weights import MappingWeights, ModuleWeights, WireWeights
+from lightning_vllm.weights import EngineWeights, MappingWeights, ModuleWeights
 
 
 class RecordingClient:
@@ -157,9 +157,9 @@ def test_a_push_of_the_same_tensors_in_their_kept_slots_sends_the_last_update_ag
 
 
 def push_module(engine: KeptHandlesIPCTrainerEngine, module: torch.nn.Module, **wire: Any) -> KeptHandlesUpdateInfo:
-    """A push of ``module``'s parameters, as a connection hands them over (through the engine's wire)."""
+    """A push of ``module``'s parameters, as a connection hands them over (under the engine's names and dtypes)."""
     source = ModuleWeights(module)
-    engine.source = WireWeights(source, {meta.name: (meta.dtype, meta.shape) for meta in source.metadata}, **wire)
+    engine.source = EngineWeights(source, {meta.name: (meta.dtype, meta.shape) for meta in source.metadata}, **wire)
     engine.send_weights()
     return KeptHandlesUpdateInfo(**engine.client.updates[-1])  # type: ignore[attr-defined]
 

@@ -48,7 +48,7 @@ def tiny_qwen3_moe(seed: int = 0) -> torch.nn.Module:
 
 
 class Heard(logging.Handler):
-    """The warnings of the every-rank plan (it says when a push is gathered instead), while in a ``with``."""
+    """The warnings of the every-rank roles (it says when a push is gathered instead), while in a ``with``."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

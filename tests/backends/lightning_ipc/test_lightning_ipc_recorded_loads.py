@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_vllm.backends.lightning_ipc.load_plan import LoadPlan
+from lightning_vllm.backends.lightning_ipc.recorded_loads import RecordedLoads
 
 
 class FusedModel(torch.nn.Module):
@@ -46,7 +46,7 @@ def loaded(weights, **kwargs) -> dict[str, torch.Tensor]:
 
 
 def test_a_replayed_load_leaves_what_the_loaders_leave_without_running_them():
-    model, plan = FusedModel(), LoadPlan()
+    model, plan = FusedModel(), RecordedLoads()
     plan.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     for seed in (1, 2):
@@ -59,7 +59,7 @@ def test_a_replayed_load_leaves_what_the_loaders_leave_without_running_them():
 
 
 def test_a_subset_replays_its_own_copies_and_a_new_shape_goes_through_the_loaders_again():
-    model, plan = FusedModel(), LoadPlan()
+    model, plan = FusedModel(), RecordedLoads()
     plan.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     subset = [pair for pair in incoming(3) if pair[0] in ("k", "norm")]
@@ -73,7 +73,7 @@ def test_a_subset_replays_its_own_copies_and_a_new_shape_goes_through_the_loader
 
 
 def test_a_loader_that_computes_leaves_no_plan():
-    model, plan = FusedModel(scale_norm=True), LoadPlan()
+    model, plan = FusedModel(scale_norm=True), RecordedLoads()
     plan.load(model.load_weights, incoming(0), model.parameters)
     plan.load(model.load_weights, incoming(1), model.parameters)
     assert plan.replayed == 0 and model.loader_calls == 10
@@ -83,9 +83,9 @@ def test_a_loader_that_computes_leaves_no_plan():
 
 
 def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its_fills_in_place():
-    from lightning_vllm.backends.lightning_ipc.load_plan import Replay
+    from lightning_vllm.backends.lightning_ipc.recorded_loads import Replay
 
-    model, plan = FusedModel(), LoadPlan()
+    model, plan = FusedModel(), RecordedLoads()
     plan.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     tensors = incoming(4)
@@ -102,7 +102,7 @@ def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its
 
 
 def test_nothing_binds_without_a_plan_or_to_a_tensor_of_another_shape():
-    model, plan = FusedModel(), LoadPlan()
+    model, plan = FusedModel(), RecordedLoads()
     assert plan.bind("q", torch.zeros(6, 4)) is None
     plan.load(model.load_weights, incoming(0), model.parameters)
     assert plan.bind("q", torch.zeros(6, 4)) is not None and plan.recorded == 1
@@ -131,7 +131,7 @@ class LargeAndSmall(torch.nn.Module):
 
 
 def test_a_replay_copies_large_tensors_alone_batches_the_small_and_runs_again_on_new_values():
-    model, plan = LargeAndSmall(), LoadPlan()
+    model, plan = LargeAndSmall(), RecordedLoads()
     names = ["small0", "big0", "small1", "small2", "padded", "big1"]
 
     def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -172,7 +172,7 @@ def test_a_moe_layers_experts_sent_as_views_of_one_tensor_replay_as_one_copy_per
         gates, ups = fused[:, :intermediate], fused[:, intermediate:]
         return [(f"{e}.gate", gates[e]) for e in range(experts)] + [(f"{e}.up", ups[e]) for e in range(experts)]
 
-    plan = LoadPlan()
+    plan = RecordedLoads()
     assert plan.load(load, views(torch.randn(experts, 2 * intermediate, hidden)), lambda: [w13]) is None
     fused = torch.randn(experts, 2 * intermediate, hidden)
     replay = plan.load(load, views(fused), lambda: [w13])

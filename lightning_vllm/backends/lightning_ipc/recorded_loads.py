@@ -6,7 +6,7 @@ of a push once the bytes move with one copy (docs/gpu.md). What it does to the p
 is the same at every push of tensors of the same shapes: copy a view of each incoming
 tensor into a view of a parameter, and fill padding with a constant. :func:`record_load`
 watches one load (a ``TorchDispatchMode`` sees every tensor operation) and keeps exactly
-that, per incoming tensor; :meth:`LoadPlan.bind` resolves the copies against one incoming
+that, per incoming tensor; :meth:`RecordedLoads.bind` resolves the copies against one incoming
 tensor, and :class:`Replay` runs bound loads as PyTorch's copies: a ``copy_`` per large tensor, small ones
 batched (``torch._foreach_copy_``).
 
@@ -17,7 +17,7 @@ later push of it is one batched copy with no Python per tensor.
 A load is kept only when everything it did to the parameters and with the incoming tensors
 was such a copy, a constant fill or taking a view: a loader that computes (scales,
 concatenates, converts into a new tensor) or changes a parameter in place otherwise leaves
-no plan, and every push of that tensor goes through the loaders.
+no record, and every push of that tensor goes through the loaders.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class Replay:
 
 
 @dataclass
-class _TensorPlan:
+class _TensorRecord:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
@@ -181,7 +181,7 @@ class _TensorPlan:
         return (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype) == (self.shape, self.stride, self.dtype)
 
 
-class LoadPlan:
+class RecordedLoads:
     """What loading each incoming tensor (by name) did to the model: copies and fills, in order.
 
     Example::
@@ -190,33 +190,33 @@ class LoadPlan:
         >>> def load(weights):
         ...     for _, tensor in weights:
         ...         model.weight.data.copy_(tensor)
-        >>> plan = LoadPlan()
-        >>> plan.load(load, [("w", torch.ones(2, 2))], model.parameters) is None  # through the loaders, recorded
+        >>> loads = RecordedLoads()
+        >>> loads.load(load, [("w", torch.ones(2, 2))], model.parameters) is None  # through the loaders, recorded
         True
-        >>> replayed = plan.load(load, [("w", torch.full((2, 2), 3.0))], model.parameters)  # without them
+        >>> replayed = loads.load(load, [("w", torch.full((2, 2), 3.0))], model.parameters)  # without them
         >>> replayed is not None
         True
-        >>> model.weight.tolist(), plan.replayed
+        >>> model.weight.tolist(), loads.replayed
         ([[3.0, 3.0], [3.0, 3.0]], 1)
     """
 
     def __init__(self) -> None:
-        self._plans: dict[str, _TensorPlan] = {}
+        self._records: dict[str, _TensorRecord] = {}
         self._computed: set[str] = set()  # names whose load did more than copies and fills: not watched again
         self.replayed = 0  # loads replayed so far
         self.recorded = 0  # loads that went through the loaders, watched
 
     def bind(self, name: str, tensor: torch.Tensor) -> BoundLoad | None:
-        """The load of ``tensor`` as ``name``, resolved against it; ``None`` without a plan that fits it."""
-        plan = self._plans.get(name)
-        if plan is None or not plan.fits(tensor):
+        """The load of ``tensor`` as ``name``, resolved against it; ``None`` without a record that fits it."""
+        record = self._records.get(name)
+        if record is None or not record.fits(tensor):
             return None
         return BoundLoad(
             tuple(
                 (step.destination, step.source_view(tensor), True)
                 if isinstance(step, _Copy)
                 else (step.destination, step.value, False)
-                for step in plan.steps
+                for step in record.steps
             )
         )
 
@@ -228,8 +228,8 @@ class LoadPlan:
         bound: Sequence[BoundLoad | None] | None = None,
     ) -> Replay | None:
         """Load ``weights`` into the model whose parameters and buffers ``held()`` returns (asked only when
-        recording): replayed when every tensor has a plan that fits it, else through ``load_weights``, watched,
-        its plans replaced by what the load did (or dropped, if it did anything else than copies and fills).
+        recording): replayed when every tensor has a record that fits it, else through ``load_weights``, watched,
+        its records replaced by what the load did (or dropped, if it did anything else than copies and fills).
 
         Args:
             bound: each tensor's load, bound already (a caller that keeps bindings between loads of the same
@@ -247,14 +247,14 @@ class LoadPlan:
             return replay
         names = [name for name, _ in weights]
         for name in names:
-            self._plans.pop(name, None)
+            self._records.pop(name, None)
         if self._computed.intersection(names):  # watching it again would find the same: load it as it is
             load_weights(weights)
             return None
-        plans = record_load(load_weights, weights, held())
-        if not plans:
+        records = record_load(load_weights, weights, held())
+        if not records:
             self._computed.update(names)
-        self._plans.update(plans)
+        self._records.update(records)
         self.recorded += 1
         return None
 
@@ -268,8 +268,8 @@ def record_load(
     load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
     weights: list[tuple[str, torch.Tensor]],
     held: Iterable[torch.Tensor],
-) -> dict[str, _TensorPlan]:
-    """Run ``load_weights(weights)``, watching it; the plan of each tensor whose load was copies and fills
+) -> dict[str, _TensorRecord]:
+    """Run ``load_weights(weights)``, watching it; the record of each tensor whose load was copies and fills
     only (none if the load did anything else, or if two incoming tensors overlap in one storage)."""
     incoming = _Incoming([tensor for _, tensor in weights])
     if not incoming.apart:
@@ -281,10 +281,11 @@ def record_load(
         load_weights(weights)
     if not recorder.ok:
         return {}
-    plans = {}
+    records = {}
     for position, (name, tensor) in enumerate(weights):
-        plans[name] = _TensorPlan(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, recorder.steps[position])
-    return plans
+        steps = recorder.steps[position]
+        records[name] = _TensorRecord(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, steps)
+    return records
 
 
 class _Incoming:
