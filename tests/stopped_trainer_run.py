@@ -20,8 +20,8 @@ import time
 
 from helpers import tiny_qwen2
 
-import lightning_vllm.backends.gloo.trainer as gloo_trainer
 from lightning_vllm import HTTPEngine, VLLMUpdater
+from lightning_vllm.backends.gloo.group import Wire
 
 TIMEOUT_SECONDS = 5.0
 
@@ -52,15 +52,15 @@ class StoppingHTTPEngine(HTTPEngine):
 
 
 def stop_after_first_broadcast() -> None:
-    post_broadcast = gloo_trainer.post_broadcast
+    broadcast = Wire.broadcast  # (in this process, only the trainer's pushes broadcast)
 
-    def post_then_stop(group, tensor):
-        work = post_broadcast(group, tensor)
-        work.wait()  # this one is on the wire; the rest never will be
+    def broadcast_then_stop(wire, tensor):
+        transfer = broadcast(wire, tensor)
+        transfer.wait()  # this one is on the wire; the rest never will be
         stop_here()
-        return work
+        return transfer
 
-    gloo_trainer.post_broadcast = post_then_stop
+    Wire.broadcast = broadcast_then_stop  # type: ignore[method-assign]
 
 
 def main(url: str, point: str, seed: int) -> None:

@@ -46,7 +46,7 @@ def test_lightning_ipc_loads_in_place_only_where_vllm_uses_weights_as_loaded():
 
 
 IN_VLLM = {
-    "", "errors", "settings",
+    "", "errors", "settings", "_waits",
     "in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_ops", "in_vllm.lora_adapters",
     "backends", "backends.gloo", "backends.gloo.worker", "backends.gloo.receiver", "backends.gloo.group",
     "backends.gloo.messages", "backends.gloo.buckets", "backends.gloo.tied_embedding_fix",
@@ -55,8 +55,8 @@ IN_VLLM = {
     "backends.lightning_ipc", "backends.lightning_ipc.worker", "backends.lightning_ipc.recorded_loads",
 }  # fmt: skip
 """What a vLLM process loads of this package (names under ``lightning_vllm``; ``""``: the package): the plugin and
-what it applies, each backend's worker side, and the errors and settings they share with the trainer. Not the
-trainer's side of any backend, nor the core, the weights, the engines or the front ends; not Lightning."""
+what it applies, each backend's worker side, and the errors, settings and bounded waits they share with the trainer.
+Not the trainer's side of any backend, nor the core, the weights, the engines or the front ends; not Lightning."""
 
 
 def test_vllms_processes_load_the_plugin_and_the_workers_sides_and_nothing_of_the_trainers():

@@ -22,9 +22,12 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
+from lightning_vllm._waits import wait_polling
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,8 @@ log = logging.getLogger(__name__)
 _READY = b"\x01"  # the trainer's answer once every worker has joined
 _MAX_HELLO_BYTES = 1024
 _MAX_STRAY_CONNECTIONS = 64  # connections that are not a worker of this group, before giving up
+# Waiting on a broadcast polls, so that a failure of the workers' side ends it early.
+_POLL_SECONDS = 0.0005
 
 
 class Transfer:
@@ -270,7 +275,92 @@ def _tuned(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def post_broadcast(wire: Wire, tensor: torch.Tensor) -> Transfer:
-    """Start broadcasting a flat contiguous uint8 CPU tensor from the trainer; returns the
-    :class:`Transfer` to wait on. Both sides post the same sequence of sizes."""
-    return wire.broadcast(tensor)
+class InFlight:
+    """The broadcasts a sender posted down a wire and has not seen finish: at most ``limit_bytes`` of them, so that
+    the memory they read (a staging region, a gathered layer, a share) stays bounded. The trainer's update
+    (``trainer.py``) and each rank's shares when every rank sends (``shares.py``) go through one.
+
+    Args:
+        wire: the connections the broadcasts go down.
+        limit_bytes: the most bytes posted and not yet sent.
+        timeout_seconds: how long one broadcast may take.
+        what: what is sent, as errors name it (``"A broadcast to vLLM"``).
+        check: raises once the receiving side is known to have failed (asked while waiting).
+
+    Example::
+
+        >>> window = InFlight(Wire([]), limit_bytes=8, timeout_seconds=1.0)
+        >>> _ = window.post(torch.zeros(8, dtype=torch.uint8)); _ = window.post(torch.zeros(4, dtype=torch.uint8))
+        >>> window.finish()  # (no connection: each is complete as posted; the first was waited for to post the second)
+        12
+    """
+
+    def __init__(
+        self,
+        wire: Wire,
+        limit_bytes: int,
+        timeout_seconds: float,
+        what: str = "A broadcast to vLLM",
+        check: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.wire = wire
+        self.limit_bytes = limit_bytes
+        self.timeout_seconds = timeout_seconds
+        self.what = what
+        self.check = check
+        self.sent = 0  # the bytes of the broadcasts waited for
+        self._posted: deque[Transfer] = deque()
+        self._posted_bytes = 0
+
+    def post(self, data: torch.Tensor) -> Transfer:
+        """Post ``data`` (flat ``uint8``), once the broadcasts in flight leave room for it."""
+        while self._posted and self._posted_bytes + data.numel() > self.limit_bytes:
+            self.wait_oldest()
+        transfer = self.wire.broadcast(data)
+        self._posted.append(transfer)
+        self._posted_bytes += data.numel()
+        return transfer
+
+    def wait_oldest(self) -> None:
+        """Wait for the oldest broadcast in flight (at most ``timeout_seconds``).
+
+        Raises:
+            WeightSyncTimeoutError: it did not finish in time.
+            WeightSyncError: a connection broke (or ``check`` raised its own error first).
+        """
+        transfer = self._posted.popleft()
+        wait_for_transfer(transfer, self.sent, self.timeout_seconds, self.what, self.check)
+        self.sent += transfer.tensor.numel()
+        self._posted_bytes -= transfer.tensor.numel()
+
+    def finish(self) -> int:
+        """Wait for every broadcast posted; the bytes sent."""
+        while self._posted:
+            self.wait_oldest()
+        return self.sent
+
+
+def wait_for_transfer(
+    transfer: Transfer, sent: int, timeout_seconds: float, what: str, check: Callable[[], None] = lambda: None
+) -> None:
+    """Wait at most ``timeout_seconds`` for ``transfer``, ``sent`` bytes into what is sent; ``check`` may raise first.
+
+    Raises:
+        WeightSyncTimeoutError: it did not finish in time.
+        WeightSyncError: a connection broke.
+    """
+    stopped = "The engine may have stopped; re-initialise the updater (init) once it is back."
+    wait_polling(
+        transfer.is_completed,
+        timeout=timeout_seconds,
+        interval=_POLL_SECONDS,
+        check=check,
+        timeout_error=lambda: WeightSyncTimeoutError(
+            f"{what} did not finish within {timeout_seconds:g} s after {sent} bytes. {stopped}"
+        ),
+    )
+    try:
+        transfer.wait()
+    except RuntimeError as error:
+        check()
+        raise WeightSyncError(f"{what} failed after {sent} bytes: {error}. {stopped}") from error

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_vllm.backends.gloo.buckets import piece_slices, unpack_bucket
-from lightning_vllm.backends.gloo.group import Transfer, Wire, connect_to_trainer, post_broadcast
+from lightning_vllm.backends.gloo.group import Transfer, Wire, connect_to_trainer
 from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -124,7 +124,7 @@ class GlooReceiver:
             posted.num_buffers += 1
             for segment in update_info.segments(specs, bucket):
                 slices = segment.slices(self.bucket_size_bytes)
-                works = [post_broadcast(self._group, buffer[begin:end]) for begin, end in slices]
+                works = [self._group.broadcast(buffer[begin:end]) for begin, end in slices]
                 data = buffer[segment.offset : segment.offset + segment.num_bytes]
                 posted.add(works, unpack_bucket(data, specs[segment.start : segment.stop]))
         return posted
@@ -160,7 +160,7 @@ class GlooReceiver:
             for pieces in update_info.pieces[bucket.start : bucket.stop]:
                 for wire, num_bytes in zip(wires, pieces):
                     for begin, end in piece_slices(num_bytes, self.bucket_size_bytes):
-                        works.append(post_broadcast(wire, buffer[offset + begin : offset + end]))
+                        works.append(wire.broadcast(buffer[offset + begin : offset + end]))
                     offset += num_bytes
             posted.add(works, unpack_bucket(buffer, specs[bucket.start : bucket.stop]))
 

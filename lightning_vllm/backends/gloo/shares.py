@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
 import torch
 
-from lightning_vllm._waits import BackgroundCall, wait_polling
+from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets, piece_slices
-from lightning_vllm.backends.gloo.group import Transfer, Wire, accept_workers
+from lightning_vllm.backends.gloo.group import InFlight, Wire, accept_workers
 from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
-from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.shares import EveryRankSend
-
-_WORK_POLL_SECONDS = 0.0005
 
 
 def piece_bytes(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -37,63 +33,10 @@ def piece_bytes(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return piece.reshape(-1).view(torch.uint8)
 
 
-class BoundedPoster:
-    """Posts slices on a wire with at most ``limit_bytes`` in flight; each wait bounded.
-
-    Args:
-        wire: the connections the slices go down.
-        limit_bytes: the most bytes posted and not yet sent (the sender's extra memory).
-        wait: waits for one transfer (``(transfer, bytes sent so far)``), raising if it failed.
-    """
-
-    def __init__(self, wire: Wire, limit_bytes: int, wait: Callable[[Transfer, int], None]) -> None:
-        self.wire = wire
-        self.limit_bytes = limit_bytes
-        self.sent = 0
-        self._wait = wait
-        self._in_flight: deque[Transfer] = deque()
-        self._in_flight_bytes = 0
-
-    def post_piece(self, data: torch.Tensor, bucket_size_bytes: int) -> None:
-        """Post one piece's bytes, slice by slice."""
-        for begin, end in piece_slices(data.numel(), bucket_size_bytes):
-            while self._in_flight and self._in_flight_bytes + end - begin > self.limit_bytes:
-                self._wait_oldest()
-            self._in_flight.append(self.wire.broadcast(data[begin:end]))
-            self._in_flight_bytes += end - begin
-
-    def finish(self) -> int:
-        """Wait for every posted slice; the bytes sent."""
-        while self._in_flight:
-            self._wait_oldest()
-        return self.sent
-
-    def _wait_oldest(self) -> None:
-        transfer = self._in_flight.popleft()
-        self._wait(transfer, self.sent)
-        self.sent += transfer.tensor.numel()
-        self._in_flight_bytes -= transfer.tensor.numel()
-
-
-def wait_for_transfer(transfer: Transfer, sent: int, timeout_seconds: float) -> None:
-    """Wait (at most ``timeout_seconds``) for one slice of this rank's shares to go out.
-
-    Raises:
-        WeightSyncTimeoutError: it did not within the timeout.
-        WeightSyncError: a worker's connection broke.
-    """
-    wait_polling(
-        transfer.is_completed,
-        timeout=timeout_seconds,
-        interval=_WORK_POLL_SECONDS,
-        timeout_error=lambda: WeightSyncTimeoutError(
-            f"This rank's share of a push did not reach vLLM within {timeout_seconds:g} s after {sent} bytes."
-        ),
-    )
-    try:
-        transfer.wait()
-    except RuntimeError as error:
-        raise WeightSyncError(f"Sending this rank's share to vLLM failed after {sent} bytes: {error}.") from error
+def post_piece(window: InFlight, data: torch.Tensor, bucket_size_bytes: int) -> None:
+    """Post one piece's bytes through ``window``, slice by slice, as the workers post their receives."""
+    for begin, end in piece_slices(data.numel(), bucket_size_bytes):
+        window.post(data[begin:end])
 
 
 def send_share(
@@ -114,12 +57,10 @@ def send_share(
     """
     wire = accept_workers(listener, group, range(1, num_workers + 1), timeout_seconds, keep_listener=True)
     try:
-        poster = BoundedPoster(
-            wire, bucket_size_bytes, lambda transfer, sent: wait_for_transfer(transfer, sent, timeout_seconds)
-        )
+        window = InFlight(wire, bucket_size_bytes, timeout_seconds, what="This rank's share of a push")
         for data in pieces:
-            poster.post_piece(data, bucket_size_bytes)
-        return poster.finish()
+            post_piece(window, data, bucket_size_bytes)
+        return window.finish()
     finally:
         wire.close()
 
@@ -130,8 +71,9 @@ class RankZeroTrainerEngine(Protocol):
     bucket_size_bytes: int
     timeout_seconds: float
 
-    def wait_for(self, work: Any, receive: BackgroundCall[None], sent: int) -> None:
-        """Wait for one slice, failing early if the workers' call fails."""
+    def window(self, group: Wire, receive: BackgroundCall[None]) -> InFlight:
+        """Its one in-flight window down ``group``, which ends a wait early once ``receive`` (the workers' call)
+        failed."""
 
 
 def send_in_shares(
@@ -164,14 +106,14 @@ def send_in_shares(
             sender_group=group_name,
         )
         receive = BackgroundCall(client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
-        poster = BoundedPoster(wire, bucket_size_bytes, lambda work, sent: sender.wait_for(work, receive, sent))
+        window = sender.window(wire, receive)
         with torch.no_grad():
             for spec, piece, share in zip(specs, tensors, pieces):
                 data = piece_bytes(piece, spec.dtype)
                 if data.numel() != share[0]:
                     raise ValueError(f"Rank 0's share of {spec.name!r} is {data.numel()} bytes, not {share[0]}.")
-                poster.post_piece(data, bucket_size_bytes)
-        poster.finish()
+                post_piece(window, data, bucket_size_bytes)
+        window.finish()
         receive.result(timeout_seconds)
     except BaseException as caught:
         error = caught

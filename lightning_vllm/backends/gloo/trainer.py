@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -24,7 +23,7 @@ from lightning_vllm.backends.gloo.buckets import (
     cut_into_buckets,
     segment_payloads,
 )
-from lightning_vllm.backends.gloo.group import Wire, accept_workers, listen, post_broadcast
+from lightning_vllm.backends.gloo.group import InFlight, Wire, accept_workers, listen
 from lightning_vllm.backends.gloo.messages import (
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
@@ -39,8 +38,6 @@ from lightning_vllm.weights.base import ForeignWeights, Weights
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
-# Waiting on a broadcast polls, so a failure of the workers' update call ends it early.
-_WORK_POLL_SECONDS = 0.0005
 
 
 def send_order(source: Weights) -> list[list[TensorSpec]]:
@@ -288,16 +285,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._staging = StagingRing(self.bucket_size_bytes)
         ring = self._staging
         ring.reset()
-        in_flight: deque[tuple[Any, int]] = deque()
-        sent = in_flight_bytes = 0
-
-        def wait_oldest() -> None:
-            nonlocal sent, in_flight_bytes
-            work, num_bytes = in_flight.popleft()
-            self.wait_for(work, receive, sent)
-            sent += num_bytes
-            in_flight_bytes -= num_bytes
-
+        window = self.window(group, receive)
         with torch.no_grad():
             for segments in segments_per_bucket:
                 for segment in segments:
@@ -306,47 +294,24 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     for spec, tensor in zip(segment_specs, segment_tensors):
                         _check_shape(spec, tensor)
                     for payload, region in segment_payloads(
-                        segment_specs, segment_tensors, ring, self.bucket_size_bytes, wait_oldest
+                        segment_specs, segment_tensors, ring, self.bucket_size_bytes, window.wait_oldest
                     ):
                         if receive.done():
                             receive.result(0)  # the workers failed: say why instead of sending on
-                        while in_flight and in_flight_bytes + payload.numel() > self.bucket_size_bytes:
-                            wait_oldest()
-                        work = post_broadcast(group, payload)
-                        in_flight.append((work, payload.numel()))
-                        in_flight_bytes += payload.numel()
+                        transfer = window.post(payload)
                         if region is not None:
-                            ring.hold(region, work)
-            while in_flight:
-                wait_oldest()
+                            ring.hold(region, transfer)
+            window.finish()
 
-    def wait_for(self, work: Any, receive: BackgroundCall[None], sent: int) -> None:
-        """Wait for one broadcast, failing early if the workers' update call fails first."""
+    def window(self, group: Wire, receive: BackgroundCall[None]) -> InFlight:
+        """The one in-flight window of an update's broadcasts down ``group`` (a bucket at most), which ends a wait
+        early once the workers' ``update_weights`` call (``receive``) failed."""
 
         def workers_failed() -> None:
             if receive.done():
                 receive.result(0)
 
-        try:
-            wait_polling(
-                work.is_completed,
-                timeout=self.timeout_seconds,
-                interval=_WORK_POLL_SECONDS,
-                check=workers_failed,
-                timeout_error=lambda: WeightSyncTimeoutError(
-                    f"A broadcast to vLLM did not finish within {self.timeout_seconds:g} s after {sent} bytes. "
-                    "The engine may have stopped; re-initialise the updater (init) once it is back."
-                ),
-            )
-            work.wait()
-        except WeightSyncError:
-            raise  # already says what happened (a timeout stays a WeightSyncTimeoutError)
-        except RuntimeError as error:
-            workers_failed()
-            raise WeightSyncError(
-                f"Sending weights to vLLM failed after {sent} bytes: {error}. The engine may have "
-                "stopped; re-initialise the updater (init) once it is back."
-            ) from error
+        return InFlight(group, self.bucket_size_bytes, self.timeout_seconds, check=workers_failed)
 
     @override
     def shutdown(self) -> None:

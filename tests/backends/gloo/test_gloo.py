@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends.gloo.buckets import Bucket, TensorSpec
+from lightning_vllm.backends.gloo.group import Wire, _Connection
 from lightning_vllm.backends.gloo.messages import (
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
@@ -73,18 +75,17 @@ def test_bucket_size_must_be_a_positive_multiple_of_eight(size):
         )
 
 
-class NeverCompletes:
-    """A broadcast whose peer never takes the bytes (stands in for a gloo Work)."""
-
-    def is_completed(self) -> bool:
-        return False
-
-
 def test_a_broadcast_that_never_finishes_ends_in_a_timeout_error_that_says_so():
     engine = GlooTrainerWeightTransferEngine(client=object(), timeout_seconds=0.2)
     workers_loading = BackgroundCall(time.sleep, 5, what="vLLM workers to load the weights")
-    with pytest.raises(WeightSyncTimeoutError, match="did not finish within 0.2 s after 1024 bytes"):
-        engine.wait_for(NeverCompletes(), workers_loading, sent=1024)
+    trainer_end, worker_end = socket.socketpair()  # a worker that never reads: a large broadcast never finishes
+    wire = Wire([_Connection(trainer_end, "worker 1", receives=False)])
+    window = engine.window(wire, workers_loading)
+    window.post(torch.zeros(32 << 20, dtype=torch.uint8))
+    with pytest.raises(WeightSyncTimeoutError, match="did not finish within 0.2 s after 0 bytes"):
+        window.finish()
+    wire.close()
+    worker_end.close()
 
 
 class RecordingClient:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.group import Wire, accept_workers, connect_to_trainer, listen, post_broadcast
+from lightning_vllm.backends.gloo.group import Wire, accept_workers, connect_to_trainer, listen
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
 GROUP = "lightning_vllm/test-group"
@@ -36,8 +36,8 @@ def test_every_worker_receives_every_broadcast_in_the_order_posted():
         sizes = [5, 0, 3 << 20, 17]
         sent = [torch.randint(0, 256, (size,), dtype=torch.uint8) for size in sizes]
         received = [[torch.empty(size, dtype=torch.uint8) for size in sizes] for _ in workers]
-        receives = [post_broadcast(wire, buffer) for wire, buffers in zip(workers, received) for buffer in buffers]
-        sends = [post_broadcast(trainer, tensor) for tensor in sent]
+        receives = [wire.broadcast(buffer) for wire, buffers in zip(workers, received) for buffer in buffers]
+        sends = [trainer.broadcast(tensor) for tensor in sent]
         for transfer in sends + receives:
             assert transfer.wait(10)
         for buffers in received:
@@ -87,8 +87,8 @@ def test_workers_that_never_come_end_in_a_timeout_that_counts_them():
 def test_a_trainer_that_goes_away_mid_broadcast_fails_the_workers_receives_at_once():
     trainer, (worker,), _ = connected(num_workers=1)
     buffers = [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(2)]
-    receives = [post_broadcast(worker, buffer) for buffer in buffers]
-    post_broadcast(trainer, torch.zeros(1 << 20, dtype=torch.uint8)).wait(10)
+    receives = [worker.broadcast(buffer) for buffer in buffers]
+    trainer.broadcast(torch.zeros(1 << 20, dtype=torch.uint8)).wait(10)
     trainer.close()  # what a killed trainer's kernel does to its sockets
     assert receives[0].wait(10)
     start = time.monotonic()
@@ -100,7 +100,7 @@ def test_a_trainer_that_goes_away_mid_broadcast_fails_the_workers_receives_at_on
 
 def test_a_receive_that_gets_no_bytes_ends_within_its_timeout():
     trainer, (worker,), _ = connected(num_workers=1, timeout=0.5)
-    receive = post_broadcast(worker, torch.empty(8, dtype=torch.uint8))
+    receive = worker.broadcast(torch.empty(8, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="did not move within 0.2 s"):
         receive.wait(0.2)  # the caller's bound
     with pytest.raises(RuntimeError, match="broke"):
@@ -112,7 +112,7 @@ def test_a_receive_that_gets_no_bytes_ends_within_its_timeout():
 def test_only_flat_uint8_tensors_go_on_the_wire():
     trainer, (worker,), _ = connected(num_workers=1)
     with pytest.raises(ValueError, match="flat contiguous uint8 tensors, not torch.float32"):
-        post_broadcast(trainer, torch.zeros(4))
+        trainer.broadcast(torch.zeros(4))
     trainer.close()
     worker.close()
 
@@ -139,7 +139,7 @@ def test_workers_that_joined_a_rendezvous_that_failed_are_let_go():
             GlooTrainerInitInfo(world_size=2, timeout_seconds=10), client=client
         )
     assert client.worker is not None
-    receive = post_broadcast(client.worker, torch.empty(8, dtype=torch.uint8))
+    receive = client.worker.broadcast(torch.empty(8, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="broke"):  # the trainer closed its side: nothing waits on it
         receive.wait(5)
     client.worker.close()
@@ -168,7 +168,7 @@ def test_an_update_whose_trainer_stops_after_some_buckets_is_not_landed_not_even
     specs = [TensorSpec(name, torch.uint8, (1024,)) for name in "abc"]
     update = GlooWeightTransferUpdateInfo.from_buckets(specs, [Bucket(i, i + 1, 1024) for i in range(3)])
     posted = receiver.post_update(update)
-    assert post_broadcast(wire, torch.ones(1024, dtype=torch.uint8)).wait(10)  # bucket "a" lands
+    assert wire.broadcast(torch.ones(1024, dtype=torch.uint8)).wait(10)  # bucket "a" lands
     deadline = time.monotonic() + 10
     while not posted._posted[0][0][0].is_completed() and time.monotonic() < deadline:
         time.sleep(0.01)

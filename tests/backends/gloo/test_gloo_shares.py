@@ -11,10 +11,10 @@ import torch
 
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets
-from lightning_vllm.backends.gloo.group import accept_workers, listen
+from lightning_vllm.backends.gloo.group import InFlight, accept_workers, listen
 from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
 from lightning_vllm.backends.gloo.receiver import GlooReceiver
-from lightning_vllm.backends.gloo.shares import BoundedPoster, send_share, wait_for_transfer
+from lightning_vllm.backends.gloo.shares import post_piece, send_share
 from lightning_vllm.weights.shares import chunk_counts
 
 GROUP, SENDERS_GROUP = "lightning_vllm/test-group", "lightning_vllm/test-senders"
@@ -72,10 +72,10 @@ def pushed(rank1_pieces, timeout: float = TIMEOUT):
     )
     posting = [BackgroundCall(worker.post_update, update, what="the worker to post") for worker in workers]
     posted = [post.result(timeout) for post in posting]
-    poster = BoundedPoster(wire, BUCKET, lambda transfer, sent: wait_for_transfer(transfer, sent, timeout))
+    window = InFlight(wire, BUCKET, timeout)
     for tensor in tensors.values():
-        poster.post_piece(shares_of(tensor)[0].view(torch.uint8), BUCKET)
-    poster.finish()
+        post_piece(window, shares_of(tensor)[0].view(torch.uint8), BUCKET)
+    window.finish()
     try:
         rank1.result(timeout)
         rank1_error = None
