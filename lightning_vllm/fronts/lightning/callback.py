@@ -11,7 +11,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_vllm.backends.registry import check_requested
 from lightning_vllm.core.weight_sync import WeightSync
@@ -19,7 +19,7 @@ from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.fronts.lightning.push_points import PushPoints
-from lightning_vllm.fronts.lightning.rollouts import RolloutSampler, SamplesRollouts
+from lightning_vllm.fronts.lightning.rollouts import GenerateOptions, RolloutSampler, SamplesRollouts
 from lightning_vllm.options import LoraMode, PauseMode, PushFrom, SyncOptions, UpdaterOptions, WhenBusy, check_options
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 
@@ -300,41 +300,19 @@ class VLLMWeightSync(Callback, SamplesRollouts):
     # -- rollouts -----------------------------------------------------------------
 
     def generate(
-        self,
-        prompts: Any,
-        sampling_params: Any = None,
-        *,
-        engine_index: int = 0,
-        timeout_seconds: float | None = None,
-        pad_token_id: int | None = None,
+        self, prompts: Any, sampling_params: Any = None, **options: Unpack[GenerateOptions]
     ) -> list[Generation]:
-        """Sample from the engine this callback keeps in sync, one entry per sample.
+        """Sample from the engine this callback keeps in sync, one entry per sample, each with the weight version
+        that produced it. ``RolloutSampler.generate`` (``fronts/lightning/rollouts.py``) says what it takes (the
+        prompts, vLLM ``SamplingParams``, and ``engine_index``, ``timeout_seconds`` and ``pad_token_id``:
+        ``GenerateOptions``), returns and raises.
 
-        Args:
-            prompts: token-id lists (batch them with ``DataLoader(..., collate_fn=list)``), texts
-                when the engine has a tokenizer, or a 2-D integer tensor with one row per prompt.
-            sampling_params: vLLM ``SamplingParams`` (``n`` samples per prompt, logprobs, ...).
-            engine_index: which engine (its position in ``engine=``), when the callback updates several.
-            timeout_seconds: the longest this call may take (default: ``generate_timeout_seconds``).
-            pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
+        Example::
 
-        Returns:
-            Per sample: generated token ids, their logprobs (if asked), text (if the engine
-            has a tokenizer) and the weight version that produced it.
-
-        Raises:
-            TypeError, ValueError: prompts vLLM cannot take; nothing reached the engine.
-            WeightSyncTimeoutError: the engine did not answer in time.
-            EngineDeadError: the engine died.
-            StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
+            >>> from vllm import SamplingParams  # doctest: +SKIP
+            >>> rollouts = sync.generate([[1, 2, 3]], SamplingParams(max_tokens=8), engine_index=0)  # doctest: +SKIP
         """
-        return self.rollouts.generate(
-            prompts,
-            sampling_params,
-            engine_index=engine_index,
-            timeout_seconds=timeout_seconds,
-            pad_token_id=pad_token_id,
-        )
+        return self.rollouts.generate(prompts, sampling_params, **options)
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:
         staleness = self.rollouts.take_staleness()

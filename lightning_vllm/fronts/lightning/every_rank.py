@@ -13,8 +13,9 @@ The exchange, on the trainer's status group (``ranks.TrainerRanks``):
   is given, at :func:`send_address`);
 * rank 0 pushes through the updater as usual. For each engine, before the workers are
   told the update, it tells the other ranks the pass (the workers' group, how many, and
-  the wire); each accepts the workers, sends its shares and closes their connections;
-  then every rank says whether it managed, before the engine commits;
+  its tensors); each accepts the workers, sends its shares and closes their connections;
+  then every rank says whether it managed, before the engine commits: a lockstep check-in
+  (``TrainerRanks.check_in``), as a sharded push makes before each layer group;
 * rank 0 ends with the version it committed, or its error.
 
 A rank that fails fails the push on every rank, with its message (``PushAborted`` on the
@@ -40,7 +41,7 @@ from lightning_vllm.backends.gloo.messages import dtype_from_name, dtype_name
 from lightning_vllm.backends.gloo.shares import piece_bytes, send_share
 from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
-from lightning_vllm.fronts.lightning.ranks import FAILED, PROCEED, LockstepGathers, TrainerRanks
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares
 
@@ -186,20 +187,9 @@ def _follow(updater: WeightSync, shares: RankShares, ranks: TrainerRanks) -> int
             )
         except Exception as caught:  # noqa: BLE001  # told to every rank, then raised
             error = caught
-        _end_pass(ranks, error)
+        ranks.check_in(error=error)  # every rank says whether it sent its shares (PushAborted if another did not)
         if error is not None:
             raise error
-
-
-def _end_pass(ranks: TrainerRanks, error: BaseException | None) -> None:
-    """Every rank says whether it sent its shares; raises ``PushAborted`` on a rank that did not fail
-    when another did (a rank that failed raises its own error)."""
-    status, _ = ranks.exchange(FAILED if error is not None else PROCEED)
-    if status != FAILED:
-        return
-    rank, message = ranks.shared_error(f"{type(error).__name__}: {error}" if error is not None else None)
-    if error is None:
-        raise PushAborted(f"The push failed on trainer rank {rank}: {message}")
 
 
 def _pieces(shares: RankShares, sent: Sequence[tuple[str, torch.dtype]]) -> Iterator[torch.Tensor]:
@@ -245,7 +235,7 @@ class _StatusGroupSend(EveryRankSend):
 
     def end_pass(self, error: BaseException | None) -> None:
         try:
-            _end_pass(self.ranks, error)
+            self.ranks.check_in(error=error)
         except PushAborted:
             self.aborted = True
             raise

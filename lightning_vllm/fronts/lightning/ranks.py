@@ -102,6 +102,26 @@ class TrainerRanks:
         self._collective(dist.all_reduce, values, op=dist.ReduceOp.MAX)
         return int(values[0]), int(values[1])
 
+    def check_in(self, status: int = PROCEED, version: int = 0, error: BaseException | None = None) -> tuple[int, int]:
+        """A lockstep check-in: every rank's status combined (the highest wins) and the highest version offered.
+
+        A rank that failed checks in with its ``error`` (``FAILED``) and shares its message; then every other
+        rank raises :class:`PushAborted` naming it, and the failing rank returns, to raise its own error. Sharded
+        pushes check in before each layer group (:class:`LockstepWeights`), and every rank's shares after each pass
+        (``every_rank.py``).
+
+        Raises:
+            PushAborted: another rank failed.
+            WeightSyncTimeoutError: a rank did not check in within ``timeout_seconds``.
+            WeightSyncError: a rank is gone (its connection broke before that).
+        """
+        agreed, agreed_version = self.exchange(FAILED if error is not None else status, version)
+        if agreed == FAILED:
+            rank, message = self.shared_error(None if error is None else f"{type(error).__name__}: {error}")
+            if error is None:
+                raise PushAborted(f"The push failed on trainer rank {rank}: {message}")
+        return agreed, agreed_version
+
     def shared_error(self, message: str | None) -> tuple[int, str]:
         """The lowest failing rank and its error message, on every rank (``message``: ours, if we failed)."""
         failing = torch.tensor([self.rank if message is not None else self.world_size], dtype=torch.int64)
@@ -222,17 +242,12 @@ class LockstepWeights(Weights):
             index += 1
 
     def check_in(self, status: int, version: int = 0) -> tuple[int, int]:
-        """Tell the other ranks ``status``; raises :class:`PushAborted` if any rank failed."""
+        """Tell the other ranks ``status`` (``TrainerRanks.check_in``); raises :class:`PushAborted` if any failed."""
         try:
-            agreed, agreed_version = self.ranks.exchange(status, version)
-        except WeightSyncError:  # (a rank stuck or gone)
-            self.failed = True  # the status group cannot be trusted for another exchange
+            return self.ranks.check_in(status, version)
+        except WeightSyncError:  # another rank failed, or one is stuck or gone
+            self.failed = True  # its error is shared, or the status group cannot be trusted for another exchange
             raise
-        if agreed == FAILED:
-            self.failed = True
-            rank, message = self.ranks.shared_error(None)
-            raise PushAborted(f"The push failed on trainer rank {rank}: {message}")
-        return agreed, agreed_version
 
     def fail(self, error: BaseException) -> None:
         """Report this rank's ``error`` at the next check-in and share its message with every rank."""
@@ -243,8 +258,7 @@ class LockstepWeights(Weights):
             self._finish_group()
         except Exception:  # noqa: BLE001  # the source itself broke: peers wait in its gather (see module doc)
             pass
-        self.ranks.exchange(FAILED)
-        self.ranks.shared_error(f"{type(error).__name__}: {error}")
+        self.ranks.check_in(error=error)
 
 
 class RankRoles(ABC):

@@ -16,9 +16,10 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import lightning.pytorch as pl
+from typing_extensions import Unpack
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_polling
 from lightning_vllm.core import after_failure
@@ -42,6 +43,32 @@ log = logging.getLogger(__name__)
 
 # How often a waiting generate asks whether the engine died (a cheap flag read).
 _DEATH_POLL_SECONDS = 0.2
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword options every ``generate`` takes (``VLLMWeightSync.generate``, ``lightning_vllm.generate``,
+    :meth:`RolloutSampler.generate`).
+
+    Attributes:
+        engine_index: which engine (its position in ``engine=``), when the callback updates several (default 0).
+        timeout_seconds: the longest the call may take (default: the callback's ``generate_timeout_seconds``).
+        pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
+    """
+
+    engine_index: int
+    timeout_seconds: float | None
+    pad_token_id: int | None
+
+
+def _checked_options(options: GenerateOptions) -> GenerateOptions:
+    """``options`` with every default filled in; raises ``TypeError`` naming an option ``generate`` does not take."""
+    unknown = sorted(set(options) - GenerateOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(
+            f"generate() got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
+            f"{', '.join(sorted(GenerateOptions.__optional_keys__))}."
+        )
+    return {"engine_index": 0, "timeout_seconds": None, "pad_token_id": None, **options}
 
 
 class RolloutSampler:
@@ -72,47 +99,37 @@ class RolloutSampler:
         self._timed_out: dict[int, BackgroundCall[list[Generation]]] = {}
 
     def generate(
-        self,
-        prompts: Any,
-        sampling_params: Any = None,
-        *,
-        engine_index: int = 0,
-        timeout_seconds: float | None = None,
-        pad_token_id: int | None = None,
+        self, prompts: Any, sampling_params: Any = None, **options: Unpack[GenerateOptions]
     ) -> list[Generation]:
-        """Sample from the engine at ``engine_index``; one entry per sample, each with its weight version.
+        """Sample from the engine at ``options["engine_index"]``; one entry per sample, each with its weight version.
 
         Args:
-            prompts: token-id lists, strings (engines with a tokenizer) or a 2-D integer
-                tensor, one row per prompt (see ``lightning_vllm.prompts``).
-            sampling_params: vLLM ``SamplingParams``; vLLM's defaults when ``None``.
-            engine_index: which engine (its position in ``engine=``), when the updater has several.
-            timeout_seconds: the longest this call may take (default: ``self.timeout_seconds``).
-            pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
+            prompts: token-id lists (batch them with ``DataLoader(..., collate_fn=list)``), strings (engines with a
+                tokenizer) or a 2-D integer tensor, one row per prompt (see ``lightning_vllm.prompts``).
+            sampling_params: vLLM ``SamplingParams`` (``n`` samples per prompt, logprobs, ...); vLLM's defaults when
+                ``None``.
+            **options: ``engine_index``, ``timeout_seconds`` (default: ``self.timeout_seconds``), ``pad_token_id``
+                (:class:`GenerateOptions`).
+
+        Returns:
+            Per sample: generated token ids, their logprobs (if asked), text (if the engine has a tokenizer) and the
+            weight version that produced it.
 
         Raises:
-            TypeError, ValueError: prompts vLLM cannot take; nothing reached the engine.
+            TypeError, ValueError: prompts vLLM cannot take, or an unknown option; nothing reached the engine.
             WeightSyncTimeoutError: the engine did not answer within the timeout.
             EngineDeadError: the engine died.
             StaleRolloutsError: a sample is more than ``max_staleness`` versions behind.
         """
+        checked = _checked_options(options)
         if self.ranks is not None:
-            generations = self._generate_on_rank_zero(
-                prompts, sampling_params, engine_index, timeout_seconds, pad_token_id
-            )
+            generations = self._generate_on_rank_zero(prompts, sampling_params, checked)
         else:
-            generations = self._generate_here(prompts, sampling_params, engine_index, timeout_seconds, pad_token_id)
+            generations = self._generate_here(prompts, sampling_params, checked)
         self.record([generation.weight_version for generation in generations])
         return generations
 
-    def _generate_on_rank_zero(
-        self,
-        prompts: Any,
-        sampling_params: Any,
-        engine_index: int,
-        timeout_seconds: float | None,
-        pad_token_id: int | None,
-    ) -> list[Generation]:
+    def _generate_on_rank_zero(self, prompts: Any, sampling_params: Any, options: GenerateOptions) -> list[Generation]:
         """Every rank's prompts generated in one batch by rank 0's engine; each rank gets its own back.
 
         A collective: every rank calls it at the same point. Prompts and results travel
@@ -120,20 +137,22 @@ class RolloutSampler:
         """
         assert self.ranks is not None
         try:
-            request: dict[str, Any] = {"prompts": checked_prompts(prompts, PromptLimits(), pad_token_id=pad_token_id)}
+            request: dict[str, Any] = {
+                "prompts": checked_prompts(prompts, PromptLimits(), pad_token_id=options["pad_token_id"])
+            }
         except (TypeError, ValueError) as error:  # still take part, so no rank waits for this one
             request = {"error": _error_record(error)}
         requests = [json.loads(payload) for payload in self.ranks.gather_to_rank_zero(json.dumps(request).encode())]
         reply: dict[str, Any] = {}
         if self.ranks.rank == 0:
-            reply = self._serve_ranks(requests, sampling_params, engine_index, timeout_seconds)
+            reply = self._serve_ranks(requests, sampling_params, options)
         reply = json.loads(self.ranks.broadcast_bytes(json.dumps(reply).encode()))
         if "error" in reply:
             raise _error_from_record(reply["error"])
         return [_generation_from_record(record) for record in reply["generations"][self.ranks.rank]]
 
     def _serve_ranks(
-        self, requests: list[dict[str, Any]], sampling_params: Any, engine_index: int, timeout_seconds: float | None
+        self, requests: list[dict[str, Any]], sampling_params: Any, options: GenerateOptions
     ) -> dict[str, Any]:
         refused = [(rank, request["error"]) for rank, request in enumerate(requests) if "error" in request]
         if refused:
@@ -141,7 +160,7 @@ class RolloutSampler:
             return {"error": {**record, "message": f"Trainer rank {rank}: {record['message']}"}}
         prompts = [prompt for request in requests for prompt in request["prompts"]]
         try:
-            generations = self._generate_here(prompts, sampling_params, engine_index, timeout_seconds, None)
+            generations = self._generate_here(prompts, sampling_params, {**options, "pad_token_id": None})
         except Exception as error:  # noqa: BLE001  # every rank raises it
             return {"error": _error_record(error)}
         per_prompt = len(generations) // len(prompts) if prompts else 0  # vLLM returns n samples per prompt
@@ -152,21 +171,15 @@ class RolloutSampler:
             start = stop
         return {"generations": by_rank}
 
-    def _generate_here(
-        self,
-        prompts: Any,
-        sampling_params: Any,
-        engine_index: int,
-        timeout_seconds: float | None,
-        pad_token_id: int | None,
-    ) -> list[Generation]:
+    def _generate_here(self, prompts: Any, sampling_params: Any, options: GenerateOptions) -> list[Generation]:
+        engine_index, timeout_seconds = options["engine_index"], options["timeout_seconds"]
         engine = self._engine(engine_index)
         raise_if_dead(engine)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
         validate_timeout(timeout)
         deadline = time.monotonic() + timeout
         limits = call_with_timeout(engine.prompt_limits, timeout=timeout, what=f"{engine.description}'s limits")
-        checked = checked_prompts(prompts, limits, pad_token_id=pad_token_id)
+        checked = checked_prompts(prompts, limits, pad_token_id=options["pad_token_id"])
         if not checked:
             return []
         if sampling_params is None:
@@ -341,34 +354,13 @@ def sampler_of(module: pl.LightningModule) -> RolloutSampler:
 
 
 def generate(
-    module: pl.LightningModule,
-    prompts: Any,
-    sampling_params: Any = None,
-    *,
-    engine_index: int = 0,
-    timeout_seconds: float | None = None,
-    pad_token_id: int | None = None,
+    module: pl.LightningModule, prompts: Any, sampling_params: Any = None, **options: Unpack[GenerateOptions]
 ) -> list[Generation]:
     """Sample rollouts from inside ``training_step`` with the engine the callback keeps in sync.
 
-    Args:
-        module: the LightningModule (``self`` in ``training_step``).
-        prompts: token-id lists (batch them with ``DataLoader(..., collate_fn=list)``), texts when
-            the engine has a tokenizer, or a 2-D integer tensor with one row per prompt.
-        sampling_params: vLLM ``SamplingParams``.
-        engine_index: which engine (its position in ``engine=``), when the callback updates several.
-        timeout_seconds: the longest this call may take (default: the callback's
-            ``generate_timeout_seconds``).
-        pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
-
-    Returns:
-        One :class:`Generation` per sample: token ids, logprobs, text, weight version.
-
-    Raises:
-        TypeError, ValueError: prompts vLLM cannot take (the message names the accepted forms);
-            nothing reached the engine.
-        WeightSyncTimeoutError: the engine did not answer in time.
-        EngineDeadError: the engine died.
+    ``module`` is the LightningModule (``self`` in ``training_step``); the rest is
+    :meth:`RolloutSampler.generate`'s: the prompts, vLLM ``SamplingParams`` and :class:`GenerateOptions`. Returns one
+    :class:`Generation` per sample: token ids, logprobs, text, weight version.
 
     Example::
 
@@ -376,10 +368,4 @@ def generate(
         >>> def training_step(self, batch, batch_idx):  # doctest: +SKIP
         ...     rollouts = generate(self, batch["prompt_ids"], SamplingParams(n=8, logprobs=0))
     """
-    return sampler_of(module).generate(
-        prompts,
-        sampling_params,
-        engine_index=engine_index,
-        timeout_seconds=timeout_seconds,
-        pad_token_id=pad_token_id,
-    )
+    return sampler_of(module).generate(prompts, sampling_params, **options)

@@ -1,4 +1,4 @@
-"""A load recorded as copies and replayed: the same parameters as the loaders leave, or no plan at all."""
+"""A load recorded as copies and replayed: the same parameters as the loaders leave, or no record at all."""
 
 from __future__ import annotations
 
@@ -46,38 +46,38 @@ def loaded(weights, **kwargs) -> dict[str, torch.Tensor]:
 
 
 def test_a_replayed_load_leaves_what_the_loaders_leave_without_running_them():
-    model, plan = FusedModel(), RecordedLoads()
-    plan.load(model.load_weights, incoming(0), model.parameters)
+    model, loads = FusedModel(), RecordedLoads()
+    loads.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     for seed in (1, 2):
         with torch.no_grad():
-            model.embed.data[6] = 7.0  # padding written behind the plan's back: the replayed fill clears it
-        plan.load(model.load_weights, incoming(seed), model.parameters)
-        assert model.loader_calls == calls and plan.replayed == seed
+            model.embed.data[6] = 7.0  # padding written behind the records' back: the replayed fill clears it
+        loads.load(model.load_weights, incoming(seed), model.parameters)
+        assert model.loader_calls == calls and loads.replayed == seed
         for name, tensor in loaded(incoming(seed)).items():
             assert torch.equal(dict(model.named_parameters())[name], tensor), name
 
 
 def test_a_subset_replays_its_own_copies_and_a_new_shape_goes_through_the_loaders_again():
-    model, plan = FusedModel(), RecordedLoads()
-    plan.load(model.load_weights, incoming(0), model.parameters)
+    model, loads = FusedModel(), RecordedLoads()
+    loads.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     subset = [pair for pair in incoming(3) if pair[0] in ("k", "norm")]
-    plan.load(model.load_weights, subset, model.parameters)
+    loads.load(model.load_weights, subset, model.parameters)
     assert model.loader_calls == calls
     assert torch.equal(model.qkv[6:9], subset[0][1]) and torch.equal(model.norm, subset[1][1])
     assert torch.equal(model.qkv[:6], dict(incoming(0))["q"])  # the others are left as they were
     smaller = [("embed", torch.ones(3, 4))]  # a vocabulary of another size: loaded, and recorded again
-    plan.load(model.load_weights, smaller, model.parameters)
+    loads.load(model.load_weights, smaller, model.parameters)
     assert model.loader_calls == calls + 1 and torch.equal(model.embed[3:], torch.zeros(5, 4))
 
 
-def test_a_loader_that_computes_leaves_no_plan():
-    model, plan = FusedModel(scale_norm=True), RecordedLoads()
-    plan.load(model.load_weights, incoming(0), model.parameters)
-    plan.load(model.load_weights, incoming(1), model.parameters)
-    assert plan.replayed == 0 and model.loader_calls == 10
-    assert plan.recorded == 1  # watched once: the second load went through the loaders unwatched
+def test_a_loader_that_computes_leaves_no_record():
+    model, loads = FusedModel(scale_norm=True), RecordedLoads()
+    loads.load(model.load_weights, incoming(0), model.parameters)
+    loads.load(model.load_weights, incoming(1), model.parameters)
+    assert loads.replayed == 0 and model.loader_calls == 10
+    assert loads.recorded == 1  # watched once: the second load went through the loaders unwatched
     for name, tensor in loaded(incoming(1), scale_norm=True).items():
         assert torch.equal(dict(model.named_parameters())[name], tensor), name
 
@@ -85,14 +85,14 @@ def test_a_loader_that_computes_leaves_no_plan():
 def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its_fills_in_place():
     from lightning_vllm.backends.lightning_ipc.recorded_loads import Replay
 
-    model, plan = FusedModel(), RecordedLoads()
-    plan.load(model.load_weights, incoming(0), model.parameters)
+    model, loads = FusedModel(), RecordedLoads()
+    loads.load(model.load_weights, incoming(0), model.parameters)
     calls = model.loader_calls
     tensors = incoming(4)
-    bound = [plan.bind(name, tensor) for name, tensor in tensors]  # resolved once, against these tensors
+    bound = [loads.bind(name, tensor) for name, tensor in tensors]  # resolved once, against these tensors
     assert all(load is not None for load in bound)
     with torch.no_grad():
-        model.embed.data[7] = 9.0  # padding written behind the plan's back
+        model.embed.data[7] = 9.0  # padding written behind the records' back
         for _, tensor in tensors:
             tensor.add_(1.0)  # written in place after binding: the bound views read the new values
         Replay(load for load in bound if load is not None).run()
@@ -101,13 +101,13 @@ def test_a_bound_load_replays_the_same_as_the_loaders_in_batched_copies_with_its
         assert torch.equal(dict(model.named_parameters())[name], tensor), name
 
 
-def test_nothing_binds_without_a_plan_or_to_a_tensor_of_another_shape():
-    model, plan = FusedModel(), RecordedLoads()
-    assert plan.bind("q", torch.zeros(6, 4)) is None
-    plan.load(model.load_weights, incoming(0), model.parameters)
-    assert plan.bind("q", torch.zeros(6, 4)) is not None and plan.recorded == 1
-    assert plan.bind("q", torch.zeros(7, 4)) is None
-    assert plan.bind("q", torch.zeros(4, 6).t()) is None  # the same shape, other strides
+def test_nothing_binds_without_a_record_or_to_a_tensor_of_another_shape():
+    model, loads = FusedModel(), RecordedLoads()
+    assert loads.bind("q", torch.zeros(6, 4)) is None
+    loads.load(model.load_weights, incoming(0), model.parameters)
+    assert loads.bind("q", torch.zeros(6, 4)) is not None and loads.recorded == 1
+    assert loads.bind("q", torch.zeros(7, 4)) is None
+    assert loads.bind("q", torch.zeros(4, 6).t()) is None  # the same shape, other strides
 
 
 class LargeAndSmall(torch.nn.Module):
@@ -131,7 +131,7 @@ class LargeAndSmall(torch.nn.Module):
 
 
 def test_a_replay_copies_large_tensors_alone_batches_the_small_and_runs_again_on_new_values():
-    model, plan = LargeAndSmall(), RecordedLoads()
+    model, loads = LargeAndSmall(), RecordedLoads()
     names = ["small0", "big0", "small1", "small2", "padded", "big1"]
 
     def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -139,18 +139,18 @@ def test_a_replay_copies_large_tensors_alone_batches_the_small_and_runs_again_on
         shape = {"b": (1024, 256), "s": (4,), "p": (4,)}
         return [(name, torch.randn(shape[name[0]], generator=generator)) for name in names]
 
-    assert plan.load(model.load_weights, tensors(0), model.parameters) is None  # recorded
+    assert loads.load(model.load_weights, tensors(0), model.parameters) is None  # recorded
     incoming = tensors(1)
-    replay = plan.load(model.load_weights, incoming, model.parameters)
+    replay = loads.load(model.load_weights, incoming, model.parameters)
     assert replay is not None
     assert [kind for kind, _, _ in replay.calls] == ["batch", "copy", "batch", "fill", "copy"]
     assert len(replay.calls[2][1]) == 3  # small1, small2 and padded's copy: one launch
     for _, tensor in incoming:
         tensor.mul_(-1.0)  # the same tensors, new values (an optimizer step)
     with torch.no_grad():
-        model.padded.data[5] = 3.0  # padding written behind the plan's back
-    plan.rerun(replay)
-    assert plan.replayed == 2
+        model.padded.data[5] = 3.0  # padding written behind the records' back
+    loads.rerun(replay)
+    assert loads.replayed == 2
     expected = LargeAndSmall()
     expected.load_weights(incoming)
     for (name, held), (_, wanted) in zip(model.named_parameters(), expected.named_parameters()):
@@ -172,10 +172,10 @@ def test_a_moe_layers_experts_sent_as_views_of_one_tensor_replay_as_one_copy_per
         gates, ups = fused[:, :intermediate], fused[:, intermediate:]
         return [(f"{e}.gate", gates[e]) for e in range(experts)] + [(f"{e}.up", ups[e]) for e in range(experts)]
 
-    plan = RecordedLoads()
-    assert plan.load(load, views(torch.randn(experts, 2 * intermediate, hidden)), lambda: [w13]) is None
+    loads = RecordedLoads()
+    assert loads.load(load, views(torch.randn(experts, 2 * intermediate, hidden)), lambda: [w13]) is None
     fused = torch.randn(experts, 2 * intermediate, hidden)
-    replay = plan.load(load, views(fused), lambda: [w13])
-    assert replay is not None and plan.replayed == 1  # recorded, although the views share one storage
+    replay = loads.load(load, views(fused), lambda: [w13])
+    assert replay is not None and loads.replayed == 1  # recorded, although the views share one storage
     assert [kind for kind, _, _ in replay.calls] == ["batch"] and len(replay.calls[0][1]) == 1  # 16 copies, one
     assert torch.equal(w13, fused)

@@ -156,6 +156,8 @@ def test_bad_prompts_never_reach_the_engine():
         sampler.generate(next(iter(DataLoader([[1, 2], [3, 4]], batch_size=2))))
     with pytest.raises(ValueError, match=r"token id 512, outside the engine's vocabulary \[0, 512\)"):
         sampler.generate([[1, 512]])
+    with pytest.raises(TypeError, match="unexpected keyword argument.s. engine_idx; it takes engine_index, pad_token"):
+        sampler.generate([[1, 2]], engine_idx=0)  # type: ignore[call-arg]  # (a typo is named, never ignored)
     assert engine.num_generates == 0
     assert sampler.generate([]) == []
 
