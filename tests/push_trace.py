@@ -78,8 +78,11 @@ class ModulesEntered:
             sys.monitoring.set_events(self._tool, 0)  # type: ignore[attr-defined]
 
     def _started(self, code: CodeType, offset: int) -> Any:
-        module = module_of(code.co_filename)
-        if module is not None:
+        # The started function's own frame names its module, as setprofile's does: a dataclass's generated
+        # __init__ has no file of the package, but runs in the globals of the module that defined the class.
+        frame = sys._getframe(1)
+        module = frame.f_globals.get("__name__", "") if frame.f_code is code else module_of(code.co_filename) or ""
+        if module.startswith("lightning_vllm"):
             self.entered.add(module)
         return sys.monitoring.DISABLE  # type: ignore[attr-defined]  # (each code once is enough)
 

@@ -395,6 +395,16 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _trainer_model(profile: Profile, config: Any, engine: ReceiverEngine) -> tuple[torch.device, torch.nn.Module]:
+    """The trainer's device (made current on a GPU) and its model of ``config``, once ``engine`` is ready."""
+    device = torch.device(profile.device(0))
+    if profile.gpu:
+        torch.cuda.set_device(device)
+    model = build_model(config, device, seed=0)
+    engine.wait_ready()
+    return device, model
+
+
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Run 5a: updater.push_weights of the large model from one process, against a bare PyNccl broadcast."""
     profile: Profile = args.profile
@@ -402,11 +412,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     config = MODELS[profile.large]()
     engine = ReceiverEngine(config, device=profile.device(1), backend=backend)
     try:
-        device = torch.device(profile.device(0))
-        if profile.gpu:
-            torch.cuda.set_device(device)
-        model = build_model(config, device, seed=0)
-        engine.wait_ready()
+        device, model = _trainer_model(profile, config, engine)
         updater = VLLMUpdater(
             engine=engine, backend=backend, master_address=MASTER_ADDRESS, timeout_seconds=args.timeout,
             changed_only=False,  # every push sends every byte: the same weights again would send nothing
@@ -503,11 +509,7 @@ def run_kill(args: argparse.Namespace) -> dict[str, Any]:
     backend = profile.backend("nccl")
     config = MODELS[profile.small]()
     engine = ReceiverEngine(config, device=profile.device(1), backend=backend, stall_update_seconds=600)
-    device = torch.device(profile.device(0))
-    if profile.gpu:
-        torch.cuda.set_device(device)
-    model = build_model(config, device, seed=0)
-    engine.wait_ready()
+    device, model = _trainer_model(profile, config, engine)
     updater = VLLMUpdater(
         engine=engine, backend=backend, master_address=MASTER_ADDRESS, timeout_seconds=args.kill_timeout
     )

@@ -7,7 +7,7 @@ would find the same, and :class:`KeptChoice` keeps it for that push, as long as
 
 - the same object is pushed, with no other trainer rank, to the same engines over the same
   connections (a connection opened again is checked again);
-- its module tree is as it was surveyed (``weights/survey.TreeShape``): no module or parameter added,
+- its module tree is as it was surveyed (:class:`TreeShape`): no module or parameter added,
   removed or replaced, no parameter of another dtype or shape;
 - what it sends is a plain model's parameters (``ModuleWeights``), as they are or in the model's checkpoint layout
   (``CheckpointWeights``: a MoE model's plan is kept with it): LoRA policies, FSDP1 and ZeRO-3 models, dicts and
@@ -24,13 +24,73 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.weights.checkpoint_layout import CheckpointWeights, LayoutPlan
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.sources import ModuleWeights
-from lightning_vllm.weights.survey import Survey, TreeShape
+from lightning_vllm.weights.survey import Survey
+
+
+class TreeShape:
+    """A module tree as a survey found it (:meth:`of` its modules): each module with its children and its parameters
+    by name, each the very object found (held weakly: this keeps nothing alive), a parameter with its dtype and shape.
+
+    :meth:`holds` tells, without walking the tree again, whether it is still exactly so: no module or parameter
+    added, removed or replaced, by ``setattr`` or in the modules' dicts directly, and no parameter's data swapped
+    for another dtype or shape. An 8B model's check costs about a tenth of its survey (docs/gpu.md).
+    """
+
+    def __init__(self) -> None:
+        # (module, its children by name, its parameters by name with their dtypes and shapes)
+        self._modules: list[tuple[weakref.ref, list[tuple[str, Any]], list[tuple[str, Any, Any, Any]]]] = []
+
+    @classmethod
+    def of(cls, modules: list[torch.nn.Module]) -> TreeShape:
+        """The shape of the tree whose every module is in ``modules`` (``Survey.modules``)."""
+        shape = cls()
+        for module in modules:
+            shape.add(module)
+        return shape
+
+    def add(self, module: torch.nn.Module) -> None:
+        children = [(name, _weak(child)) for name, child in module._modules.items()]
+        parameters = [
+            (name, _weak(param), None if param is None else param.dtype, None if param is None else param.shape)
+            for name, param in module._parameters.items()
+        ]
+        self._modules.append((weakref.ref(module), children, parameters))
+
+    def holds(self) -> bool:
+        """Whether every module, child and parameter is still the one found, each parameter of the same dtype and
+        shape, and none was added."""
+        for module_ref, children, parameters in self._modules:
+            module = module_ref()
+            if module is None or len(module._modules) != len(children) or len(module._parameters) != len(parameters):
+                return False
+            for name, child in children:
+                if module._modules.get(name, _MISSING) is not _strong(child):
+                    return False
+            for name, param_ref, dtype, shape in parameters:
+                param = module._parameters.get(name, _MISSING)
+                if param is not _strong(param_ref) or (
+                    param is not None and (param.dtype != dtype or param.shape != shape)
+                ):
+                    return False
+        return True
+
+
+_MISSING = object()
+
+
+def _weak(value: Any) -> Any:
+    return None if value is None else weakref.ref(value)
+
+
+def _strong(reference: Any) -> Any:
+    return None if reference is None else reference()
 
 
 @dataclass(frozen=True)
@@ -69,14 +129,14 @@ class KeptChoice:
             payload.every_rank is not None
             or unreachable
             or survey is None
-            or survey.shape is None
+            or not survey.modules
             or payload.view != "merged"
             or type(source) is not ModuleWeights
         ):
             return None
         return cls(
             pushed=weakref.ref(pushed),
-            shape=survey.shape,
+            shape=TreeShape.of(survey.modules),
             model=weakref.ref(source.module),
             parameters=tuple((name, weakref.ref(param)) for name, param in source.named_parameters()),
             declared=source.metadata,

@@ -11,7 +11,6 @@ keeps its surveys in a :class:`Surveys`, so that each module is walked once.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,65 +26,15 @@ class Survey:
         lora_layers: a PEFT LoRA layer is inside.
         zero3_parameters: a parameter partitioned by ZeRO-3 (it carries a ``ds_id``) is inside.
         parameters: ``module.named_parameters()``, in its order.
-        shape: the tree as found, held weakly, to tell later whether it is still so (:class:`TreeShape`).
+        modules: every module of the tree, each once, in the walk's order (a push keeps the tree's shape from them:
+            ``core/kept_choice.TreeShape``).
     """
 
     fsdp_units: bool
     lora_layers: bool
     zero3_parameters: bool
     parameters: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list, repr=False, compare=False)
-    shape: TreeShape | None = field(default=None, repr=False, compare=False)
-
-
-class TreeShape:
-    """A module tree as a survey found it: each module with its children and its parameters by name, each the very
-    object found (held weakly: this keeps nothing alive), a parameter with its dtype and shape.
-
-    :meth:`holds` tells, without walking the tree again, whether it is still exactly so: no module or parameter
-    added, removed or replaced, by ``setattr`` or in the modules' dicts directly, and no parameter's data swapped
-    for another dtype or shape. An 8B model's check costs about a tenth of its survey (docs/gpu.md).
-    """
-
-    def __init__(self) -> None:
-        # (module, its children by name, its parameters by name with their dtypes and shapes)
-        self._modules: list[tuple[weakref.ref, list[tuple[str, Any]], list[tuple[str, Any, Any, Any]]]] = []
-
-    def add(self, module: torch.nn.Module) -> None:
-        children = [(name, _weak(child)) for name, child in module._modules.items()]
-        parameters = [
-            (name, _weak(param), None if param is None else param.dtype, None if param is None else param.shape)
-            for name, param in module._parameters.items()
-        ]
-        self._modules.append((weakref.ref(module), children, parameters))
-
-    def holds(self) -> bool:
-        """Whether every module, child and parameter is still the one found, each parameter of the same dtype and
-        shape, and none was added."""
-        for module_ref, children, parameters in self._modules:
-            module = module_ref()
-            if module is None or len(module._modules) != len(children) or len(module._parameters) != len(parameters):
-                return False
-            for name, child in children:
-                if module._modules.get(name, _MISSING) is not _strong(child):
-                    return False
-            for name, param_ref, dtype, shape in parameters:
-                param = module._parameters.get(name, _MISSING)
-                if param is not _strong(param_ref) or (
-                    param is not None and (param.dtype != dtype or param.shape != shape)
-                ):
-                    return False
-        return True
-
-
-_MISSING = object()
-
-
-def _weak(value: Any) -> Any:
-    return None if value is None else weakref.ref(value)
-
-
-def _strong(reference: Any) -> Any:
-    return None if reference is None else reference()
+    modules: list[torch.nn.Module] = field(default_factory=list, repr=False, compare=False)
 
 
 class Surveys:
@@ -153,7 +102,7 @@ def survey(module: torch.nn.Module) -> Survey:
     kinds = 0
     zero3 = False
     parameters: list[tuple[str, torch.nn.Parameter]] = []
-    shape = TreeShape()
+    modules: list[torch.nn.Module] = []
     seen_modules: set[int] = set()
     seen_parameters: set[int] = set()
     stack: list[tuple[str, torch.nn.Module]] = [("", module)]
@@ -164,7 +113,7 @@ def survey(module: torch.nn.Module) -> Survey:
         if id(current) in seen_modules:
             continue
         seen_modules.add(id(current))
-        shape.add(current)
+        modules.append(current)
         kinds |= _kind(type(current))
         for name, param in current._parameters.items():
             if param is None or id(param) in seen_parameters:
@@ -174,4 +123,4 @@ def survey(module: torch.nn.Module) -> Survey:
             zero3 = zero3 or hasattr(param, "ds_id")
         children = [(f"{prefix}{name}.", child) for name, child in current._modules.items() if child is not None]
         stack.extend(reversed(children))
-    return Survey(bool(kinds & _FSDP_UNIT), bool(kinds & _LORA_LAYER), zero3, parameters, shape)
+    return Survey(bool(kinds & _FSDP_UNIT), bool(kinds & _LORA_LAYER), zero3, parameters, modules)

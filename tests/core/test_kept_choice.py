@@ -12,8 +12,10 @@ import torch
 from helpers import FakeEngine, tiny_moe, tiny_qwen2
 
 from lightning_vllm import WeightsMismatchError, WeightSync
+from lightning_vllm.core.kept_choice import TreeShape
 from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import survey as survey_module
+from lightning_vllm.weights.survey import survey
 
 
 @pytest.fixture
@@ -142,3 +144,39 @@ def test_an_engine_that_cannot_be_reached_is_tried_once_per_push():
     with pytest.raises(PartialPushError, match="engine 1 is restarting"):
         sync.push(model)
     assert attempts == [1] and engines[0].holds(model)
+
+
+def test_the_tree_shape_holds_until_anything_in_the_tree_is_added_removed_replaced_or_resized():
+    def changes(model: torch.nn.Module) -> list:
+        layer = model.model.layers[0]
+        return [
+            lambda: setattr(layer.mlp, "up_proj", torch.nn.Linear(2, 2)),  # a module replaced
+            lambda: setattr(layer.mlp, "extra", torch.nn.Linear(2, 2)),  # added
+            lambda: delattr(layer.mlp, "up_proj"),  # removed
+            lambda: layer.mlp._modules.pop("down_proj"),  # removed behind setattr's back
+            lambda: layer.mlp.up_proj._parameters.__setitem__("weight", torch.nn.Parameter(torch.zeros(2))),
+            lambda: setattr(layer.mlp.up_proj.weight, "data", torch.zeros(3, 3)),  # resized in place
+            lambda: setattr(layer.mlp.up_proj.weight, "data", layer.mlp.up_proj.weight.data.half()),  # retyped
+            lambda: layer.mlp.up_proj.register_parameter("bias", torch.nn.Parameter(torch.zeros(2))),
+        ]
+
+    model = tiny_qwen2()
+    shape = TreeShape.of(survey(model).modules)
+    assert shape.holds()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(1.0)  # values change: the shape holds
+    assert shape.holds()
+    for position in range(len(changes(model))):
+        changed = tiny_qwen2()
+        shape = TreeShape.of(survey(changed).modules)
+        changes(changed)[position]()
+        assert not shape.holds(), position
+
+
+def test_a_tree_shape_keeps_nothing_alive():
+    model = tiny_qwen2()
+    shape = TreeShape.of(survey(model).modules)
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None and not shape.holds()

@@ -5,14 +5,8 @@ import torch
 from helpers import tiny_qwen2
 from tensordict import TensorDict
 
-from lightning_vllm.weights import (
-    EngineWeights,
-    LoraMergedWeights,
-    MappingWeights,
-    ModuleWeights,
-    source_metadata,
-    weights_from,
-)
+from lightning_vllm.weights import EngineWeights, LoraMergedWeights, MappingWeights
+from lightning_vllm.weights.sources import ModuleWeights, source_metadata, weights_from
 
 
 def test_module_weights_are_yielded_without_copies():

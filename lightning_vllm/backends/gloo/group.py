@@ -303,11 +303,9 @@ class InFlight:
         what: str = "A broadcast to vLLM",
         check: Callable[[], None] = lambda: None,
     ) -> None:
-        self.wire = wire
-        self.limit_bytes = limit_bytes
-        self.timeout_seconds = timeout_seconds
-        self.what = what
-        self.check = check
+        self.wire, self.limit_bytes, self.timeout_seconds, self.what, self.check = (
+            wire, limit_bytes, timeout_seconds, what, check
+        )  # fmt: skip
         self.sent = 0  # the bytes of the broadcasts waited for
         self._posted: deque[Transfer] = deque()
         self._posted_bytes = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,21 @@ from lightning_vllm.backends.gloo.group import Wire, accept_workers, connect_to_
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
 GROUP = "lightning_vllm/test-group"
+
+
+def worker_init(listener: socket.socket, world_size: int, bucket_size_bytes: int, timeout_seconds: float) -> Any:
+    """What each of the ``world_size - 1`` workers joining the trainer on ``listener`` (loopback) is built from."""
+    from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo
+
+    return GlooWeightTransferInitInfo(
+        master_address="127.0.0.1",
+        master_port=listener.getsockname()[1],
+        rank_offset=1,
+        world_size=world_size,
+        group_name=GROUP,
+        bucket_size_bytes=bucket_size_bytes,
+        timeout_seconds=timeout_seconds,
+    )
 
 
 def connected(num_workers: int, timeout: float = 10.0) -> tuple[Wire, list[Wire], int]:
@@ -149,19 +165,11 @@ def test_an_update_whose_trainer_stops_after_some_buckets_is_not_landed_not_even
     """Receives that failed are complete too; an update whose first buckets landed and whose last
     ones failed must raise, never hand the landed buckets with the failed ones to the loader."""
     from lightning_vllm.backends.gloo.buckets import Bucket, TensorSpec
-    from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
+    from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
     from lightning_vllm.backends.gloo.receiver import GlooReceiver
 
     listener = listen("127.0.0.1", 0)
-    init = GlooWeightTransferInitInfo(
-        master_address="127.0.0.1",
-        master_port=listener.getsockname()[1],
-        rank_offset=1,
-        world_size=2,
-        group_name=GROUP,
-        bucket_size_bytes=1024,
-        timeout_seconds=10.0,
-    )
+    init = worker_init(listener, world_size=2, bucket_size_bytes=1024, timeout_seconds=10.0)
     trainer = BackgroundCall(accept_workers, listener, GROUP, range(1, 2), 10.0, what="the worker to join")
     receiver = GlooReceiver(init, rank=1)
     wire = trainer.result(10)

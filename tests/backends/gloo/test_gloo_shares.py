@@ -8,16 +8,17 @@ import re
 
 import pytest
 import torch
+from test_gloo_group import GROUP, worker_init
 
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets
 from lightning_vllm.backends.gloo.group import InFlight, accept_workers, listen
-from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
+from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
 from lightning_vllm.backends.gloo.receiver import GlooReceiver
 from lightning_vllm.backends.gloo.shares import post_piece, send_share
 from lightning_vllm.weights.shares import chunk_counts
 
-GROUP, SENDERS_GROUP = "lightning_vllm/test-group", "lightning_vllm/test-senders"
+SENDERS_GROUP = "lightning_vllm/test-senders"
 BUCKET = 1 << 20
 TIMEOUT = 10.0
 
@@ -47,15 +48,7 @@ def pushed(rank1_pieces, timeout: float = TIMEOUT):
     tensors = full_tensors()
     specs = [TensorSpec(name, torch.float32, tuple(tensor.shape)) for name, tensor in tensors.items()]
     rank0_listener, rank1_listener = listen("127.0.0.1", 0), listen("127.0.0.1", 0)
-    init = GlooWeightTransferInitInfo(
-        master_address="127.0.0.1",
-        master_port=rank0_listener.getsockname()[1],
-        rank_offset=1,
-        world_size=3,
-        group_name=GROUP,
-        bucket_size_bytes=BUCKET,
-        timeout_seconds=timeout,
-    )
+    init = worker_init(rank0_listener, world_size=3, bucket_size_bytes=BUCKET, timeout_seconds=timeout)
     rank0 = BackgroundCall(accept_workers, rank0_listener, GROUP, range(1, 3), timeout, what="the workers")
     joining = [BackgroundCall(GlooReceiver, init, rank, what=f"worker {rank}") for rank in (1, 2)]
     wire, workers = rank0.result(timeout), [worker.result(timeout) for worker in joining]
