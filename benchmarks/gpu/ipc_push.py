@@ -36,7 +36,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +347,24 @@ def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5) -> N
     (out / "ipc_push_profile.txt").write_text(text.getvalue())
 
 
+@contextmanager
+def packed_ipc() -> Iterator[None]:
+    """Inside it, ``ipc`` pushes go through vLLM's packed producer even where the trainer holds what the engine
+    loads: the baseline the unpacked pushes are measured against."""
+    from lightning_vllm.backends.ipc.backend import IPCBackend
+
+    init_info = IPCBackend.init_info
+
+    def packed(self: IPCBackend, settings: Any) -> Any:
+        return init_info(self, replace(settings, sends_as_held=False))
+
+    IPCBackend.init_info = packed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        IPCBackend.init_info = init_info  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -358,8 +378,6 @@ def main() -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
 
     from gpu_helpers import gpu_llm, stop_llm
-
-    from lightning_vllm.backends.ipc.backend import IPCBackend
 
     model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
     model = build_model(model_dir)
@@ -392,10 +410,9 @@ def main() -> None:
             if args.profile and backend == args.backends.split(",")[0]:
                 profile_pushes(llm, model, args.out)
             if args.packed:
-                IPCBackend.share_trainer_tensors = False
-                results[f"{backend}_packed_push"] = push_figures(llm, model, backend, args.rounds, calls)
+                with packed_ipc():
+                    results[f"{backend}_packed_push"] = push_figures(llm, model, backend, args.rounds, calls)
         finally:
-            IPCBackend.share_trainer_tensors = True
             stop_llm(llm)
     copy_median = statistics.median(copy_seconds)
     results["copy_seconds"] = copy_seconds

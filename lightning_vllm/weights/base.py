@@ -86,8 +86,9 @@ class Weights(WeightSource):
 
     @cached_property
     def metadata(self) -> ParamList:  # type: ignore[override]  # a method in vLLM 0.32's base, a property in 0.33's
-        """What :meth:`declare` returns, read once."""
-        return ParamList(self.declare())
+        """What :meth:`declare` returns, read once (a ``ParamList`` declared is kept, with its layer groups)."""
+        declared = self.declare()
+        return declared if isinstance(declared, ParamList) else ParamList(declared)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.iter_full()

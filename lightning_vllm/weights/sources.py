@@ -61,9 +61,8 @@ class _ParameterWeights(Weights):
         return zip(self._names, (param for _, param in self._found))
 
     def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
-        """The parameters, when they are what is sent (not merged) and none is a shard (nothing gathered)."""
-        if type(self)._tensors is not _ParameterWeights._tensors:
-            return None
+        """The parameters, when none is a shard (nothing gathered); a subclass that sends tensors computed from them
+        says ``None`` (:class:`LoraMergedWeights`)."""
         params = [param for _, param in self._found]
         if any(isinstance(param, DTensor) for param in params):
             return None
@@ -106,12 +105,14 @@ class ModuleWeights(_ParameterWeights):
         declared: list[ParamMeta] | None = None,
     ) -> None:
         self._given = parameters
+        self._declared = declared
         super().__init__(module, names=None if declared is None else [meta.name for meta in declared])
-        if declared is not None:
-            self.__dict__["metadata"] = declared  # (where the cached property ``metadata`` keeps what it read)
 
     def _parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._given) if self._given is not None else iter(self.module.named_parameters())
+
+    def declare(self) -> list[ParamMeta]:
+        return self._declared if self._declared is not None else super().declare()
 
 
 class LoraMergedWeights(_ParameterWeights):
@@ -122,6 +123,10 @@ class LoraMergedWeights(_ParameterWeights):
 
     def _tensors(self) -> Iterator[torch.Tensor]:
         return (tensor for _, tensor in merged_lora_weights(self.module))
+
+    def held_tensors(self) -> None:
+        """``None``: the merged tensors are computed for each push, not held."""
+        return None
 
     def _inputs(self, name: str, param: torch.Tensor) -> list[torch.Tensor]:
         return [param, *merge_inputs(self.module, name)]

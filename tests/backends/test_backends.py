@@ -92,15 +92,11 @@ def test_nccl_uses_vllms_packed_engine_with_our_bucket_size():
     assert trainer_init_info("nccl", master_port=29555).master_port == 29555
 
 
-def test_ipc_hands_the_engine_the_trainers_own_tensors_when_they_are_in_its_dtypes(monkeypatch):
+def test_ipc_hands_the_engine_the_trainers_own_tensors_when_they_are_in_its_dtypes():
     # Packed (one converted buffer at a time, bounded memory) unless the trainer holds what the engine loads.
     info = trainer_init_info("ipc", master_port=None)
     assert isinstance(info, IPCTrainerInitInfo) and info.packed and info.packed_buffer_size_bytes == 1 << 20
     assert not trainer_init_info("ipc", master_port=None, sends_as_held=True).packed  # vLLM's unpacked mode
-    from lightning_vllm.backends.ipc.backend import IPCBackend
-
-    monkeypatch.setattr(IPCBackend, "share_trainer_tensors", False)  # (a benchmark's packed baseline)
-    assert trainer_init_info("ipc", master_port=None, sends_as_held=True).packed
 
 
 def test_lightning_ipc_names_our_trainer_engine_in_vllms_factory():

@@ -31,9 +31,6 @@ class IPCBackend(VLLMEngineBackend):
     traits: ClassVar[Traits] = Traits(
         loads_while_receiving=True, carries_adapters=False, carries_shares=False, needs_cuda=True
     )
-    share_trainer_tensors: ClassVar[bool] = True
-    """Hand the engine the trainer's own tensors when they are in its dtypes (``False``: always packed,
-    as a benchmark's baseline)."""
 
     def check_trainer(self) -> None:
         """Also: one trainer process. vLLM's IPC engine all-gathers CUDA handles over the default process
@@ -58,7 +55,7 @@ class IPCBackend(VLLMEngineBackend):
         """Unpacked when the trainer holds the tensors as the engine loads them; packed otherwise. vLLM's
         packed producer refuses a tensor larger than its buffer (a large vocabulary's embedding is
         ~0.5 GB), so the buffer grows to the largest tensor when that is larger than ``bucket_size_bytes``."""
-        packed = not (settings.sends_as_held and self.share_trainer_tensors)
+        packed = not settings.sends_as_held
         buffer_size = max(settings.bucket_size_bytes, settings.largest_tensor_bytes)
         return self.init_info_class()(packed=packed, packed_buffer_size_bytes=buffer_size, rank=0)
 
