@@ -14,7 +14,7 @@ from lightning_vllm.engines import EngineTarget
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata
-from lightning_vllm.weights.shares import EveryRankSend
+from lightning_vllm.weights.shares import EveryRankSend, ShareSender
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,17 @@ class Backend(ABC):
     @abstractmethod
     def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
         """The trainer-side init info vLLM's ``WeightTransferTrainerFactory`` builds this backend from."""
+
+    def share_sender(self, address: str, port: int) -> ShareSender:
+        """A trainer rank other than 0's end of pushes every rank sends a share of, listening on ``address:port``
+        (``traits.carries_shares``).
+
+        Raises:
+            EngineConfigError: this backend carries no shares.
+        """
+        raise EngineConfigError(
+            f"push_from='every_rank' sends each trainer rank's share, which backend={self.name!r} cannot carry."
+        )
 
     @abstractmethod
     def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:

@@ -220,7 +220,7 @@ class EveryRankSend(ABC):
     For each engine, the transport tells the other ranks what this pass carries
     (:meth:`begin_pass`), sends rank 0's shares while they send theirs, and hears from
     them once the bytes have moved (:meth:`end_pass`), before the engine commits.
-    ``ranks.py`` implements it on the trainer's status group.
+    ``fronts/lightning/every_rank.py`` implements it on the trainer's status group.
     """
 
     shares: RankShares
@@ -231,9 +231,9 @@ class EveryRankSend(ABC):
         """Where the workers reach trainer ranks 1, 2, ...: ``{"address", "port"}`` each."""
 
     @abstractmethod
-    def begin_pass(self, group: str, num_workers: int, tensors: Sequence[tuple[str, torch.dtype]]) -> None:
-        """Tell the other ranks to accept ``num_workers`` workers naming ``group``, then send their
-        shares of ``tensors`` (names and dtypes as sent, in send order)."""
+    def begin_pass(self, announced: dict[str, Any]) -> None:
+        """Tell the other ranks a pass: ``announced`` is the backend's word for it (JSON data), which each other
+        rank's :class:`ShareSender` acts on."""
 
     @abstractmethod
     def end_pass(self, error: BaseException | None) -> None:
@@ -242,3 +242,27 @@ class EveryRankSend(ABC):
         Raises:
             WeightSyncError: another rank failed (only when ``error`` is ``None``).
         """
+
+
+class ShareSender(ABC):
+    """A trainer rank other than 0's end of a push every rank sends a share of, as its backend makes it
+    (``Backend.share_sender``): where the workers reach this rank, and each pass's shares sent to them."""
+
+    @abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """Where the workers reach this rank: ``{"address", "port"}``."""
+
+    @abstractmethod
+    def send_pass(self, announced: dict[str, Any], shares: RankShares, bucket_size_bytes: int, timeout: float) -> int:
+        """Send this rank's ``shares`` of the pass rank 0 ``announced`` (:meth:`EveryRankSend.begin_pass`) to the
+        workers it names; the bytes sent. Every wait is bounded by ``timeout``.
+
+        Raises:
+            WeightSyncTimeoutError: the workers did not all connect, or a slice did not go out, in time.
+            WeightSyncError: a worker's connection broke.
+            ValueError: this rank has no share of a tensor the pass names (its policy differs from rank 0's).
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop listening for the workers."""

@@ -9,10 +9,12 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from lightning_vllm.backends.base import Backend, GroupSettings, Sender, Traits
 from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo
+from lightning_vllm.backends.gloo.shares import GlooShareSender
 from lightning_vllm.backends.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.in_vllm.plugin import register_backends
 from lightning_vllm.weights import DeclaredWeights
 from lightning_vllm.weights.model import ModelMetadata
+from lightning_vllm.weights.shares import ShareSender
 
 
 class GlooBackend(Backend):
@@ -42,3 +44,6 @@ class GlooBackend(Backend):
         )  # (each of its waits is bounded by timeout_seconds)
         assert isinstance(engine, GlooTrainerWeightTransferEngine)
         return engine  # (each push brings its own client: nothing of a push stays on it)
+
+    def share_sender(self, address: str, port: int) -> ShareSender:
+        return GlooShareSender(address, port)

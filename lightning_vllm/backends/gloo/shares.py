@@ -20,9 +20,9 @@ import torch
 
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets, piece_slices
-from lightning_vllm.backends.gloo.group import InFlight, Wire, accept_workers
-from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
-from lightning_vllm.weights.shares import EveryRankSend
+from lightning_vllm.backends.gloo.group import InFlight, Wire, accept_workers, listen
+from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo, dtype_from_name, dtype_name
+from lightning_vllm.weights.shares import EveryRankSend, RankShares, ShareSender
 
 
 def piece_bytes(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +93,8 @@ def send_in_shares(
     """
     specs = [spec for group in groups for spec in group]
     group_name = f"lightning_vllm/{uuid.uuid4().hex}"  # lets the workers in at the other ranks, this push only
-    every.begin_pass(group_name, len(wire.connections), [(spec.name, spec.dtype) for spec in specs])
+    named = [[spec.name, dtype_name(spec.dtype)] for spec in specs]
+    every.begin_pass({"group": group_name, "workers": len(wire.connections), "tensors": named})
     error: BaseException | None = None
     bucket_size_bytes, timeout_seconds = sender.bucket_size_bytes, sender.timeout_seconds
     try:
@@ -120,3 +121,42 @@ def send_in_shares(
     every.end_pass(error)  # raises if another rank failed
     if error is not None:
         raise error
+
+
+class GlooShareSender(ShareSender):
+    """A trainer rank other than 0's end over gloo: a listener of its own, kept across pushes, which the workers
+    connect to at each pass (naming its group), and its shares sent down their connections, closed after.
+
+    Args:
+        address: where it listens (``every_rank.send_address``).
+        port: the port (0: one the kernel picks).
+    """
+
+    def __init__(self, address: str, port: int) -> None:
+        self.listener = listen(address, port)
+
+    def endpoint(self) -> dict[str, Any]:
+        address, port = self.listener.getsockname()[:2]
+        return {"address": address, "port": port}
+
+    def send_pass(self, announced: dict[str, Any], shares: RankShares, bucket_size_bytes: int, timeout: float) -> int:
+        sent = [(name, dtype_from_name(dtype)) for name, dtype in announced["tensors"]]
+        pieces = _pieces(shares, sent)
+        return send_share(
+            self.listener, announced["group"], int(announced["workers"]), pieces, bucket_size_bytes, timeout
+        )
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _pieces(shares: RankShares, sent: Sequence[tuple[str, torch.dtype]]) -> Iterator[torch.Tensor]:
+    """This rank's shares of the tensors ``sent`` names, in its order, as the bytes sent."""
+    tensors = shares.iter_full()
+    for name, dtype in sent:
+        for have, piece in tensors:
+            if have == name:
+                yield piece_bytes(piece, dtype)
+                break
+        else:
+            raise ValueError(f"Rank {shares.rank} has no tensor {name!r} to send; its policy differs from rank 0's.")

@@ -12,8 +12,10 @@ The exchange, on the trainer's status group (``ranks.TrainerRanks``):
   ``master_port + (number of engines - 1) + k``, or a free port when no ``master_port``
   is given, at :func:`send_address`);
 * rank 0 pushes through the updater as usual. For each engine, before the workers are
-  told the update, it tells the other ranks the pass (the workers' group, how many, and
-  its tensors); each accepts the workers, sends its shares and closes their connections;
+  told the update, its backend announces the pass to the other ranks (for ``gloo``: the
+  workers' group, how many, and its tensors), and each rank's end of it
+  (``Backend.share_sender``, kept from its first push) accepts the workers, sends its
+  shares and closes their connections;
   then every rank says whether it managed, before the engine commits: a lockstep check-in
   (``TrainerRanks.check_in``), as a sharded push makes before each layer group;
 * rank 0 ends with the version it committed, or its error.
@@ -30,20 +32,15 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
-from lightning_vllm.backends.gloo.group import listen
-from lightning_vllm.backends.gloo.messages import dtype_from_name, dtype_name
-from lightning_vllm.backends.gloo.shares import piece_bytes, send_share
+from lightning_vllm.backends.registry import AUTO, backend_named, carrying
 from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
 from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks
 from lightning_vllm.weights.payload import Payload
-from lightning_vllm.weights.shares import EveryRankSend, RankShares
+from lightning_vllm.weights.shares import EveryRankSend, RankShares, ShareSender
 
 if TYPE_CHECKING:
     from lightning_vllm.core.push import SyncStats
@@ -160,14 +157,13 @@ def _tell(ranks: TrainerRanks, **word: Any) -> None:
 def _follow(updater: WeightSync, shares: RankShares, ranks: TrainerRanks) -> int:
     """A rank other than 0: send this rank's shares for each pass rank 0 announces; rank 0's version."""
     try:
-        listener = _listener(updater, ranks)
+        sender = _share_sender(updater, ranks)
     except Exception as cannot_listen:  # told to rank 0, which ends the push everywhere
         message = f"{type(cannot_listen).__name__}: {cannot_listen}"
         ranks.gather_to_rank_zero(json.dumps({"error": message}).encode())
         ranks.broadcast_bytes(b"")
         raise
-    address, port = listener.getsockname()[:2]
-    ranks.gather_to_rank_zero(json.dumps({"address": address, "port": port}).encode())
+    ranks.gather_to_rank_zero(json.dumps(sender.endpoint()).encode())
     while True:
         word = json.loads(ranks.broadcast_bytes(b""))
         if "done" in word:
@@ -176,15 +172,8 @@ def _follow(updater: WeightSync, shares: RankShares, ranks: TrainerRanks) -> int
             raise PushAborted(f"The push failed on trainer rank {word['failed']['rank']}: {word['failed']['message']}")
         error: BaseException | None = None
         try:
-            tensors = [(name, dtype_from_name(dtype)) for name, dtype in word["tensors"]]
-            send_share(
-                listener,
-                word["group"],
-                int(word["workers"]),
-                _pieces(shares, tensors),
-                updater.options.bucket_size_bytes,
-                updater.options.timeout_seconds,
-            )
+            options = updater.options
+            sender.send_pass(word, shares, options.bucket_size_bytes, options.timeout_seconds)
         except Exception as caught:  # noqa: BLE001  # told to every rank, then raised
             error = caught
         ranks.check_in(error=error)  # every rank says whether it sent its shares (PushAborted if another did not)
@@ -192,25 +181,15 @@ def _follow(updater: WeightSync, shares: RankShares, ranks: TrainerRanks) -> int
             raise error
 
 
-def _pieces(shares: RankShares, sent: Sequence[tuple[str, torch.dtype]]) -> Iterator[torch.Tensor]:
-    """This rank's shares of the tensors ``sent`` names, in its order, as the bytes sent."""
-    tensors = shares.iter_full()
-    for name, dtype in sent:
-        for have, piece in tensors:
-            if have == name:
-                yield piece_bytes(piece, dtype)
-                break
-        else:
-            raise ValueError(f"Rank {shares.rank} has no tensor {name!r} to send; its policy differs from rank 0's.")
-
-
-def _listener(updater: WeightSync, ranks: TrainerRanks) -> socket.socket:
-    """This rank's listener for the workers, made at its first push and kept (closed with ``ranks``)."""
-    if ranks.listener is None:
+def _share_sender(updater: WeightSync, ranks: TrainerRanks) -> ShareSender:
+    """This rank's end of every-rank pushes, from the backend that carries shares: made at its first push and kept
+    (closed with ``ranks``)."""
+    if ranks.share_sender is None:
         options = updater.options
+        backend = backend_named(options.backend if options.backend != AUTO else carrying("carries_shares")[0])
         port = options.master_port + max(len(updater.engines), 1) - 1 + ranks.rank if options.master_port else 0
-        ranks.listener = listen(send_address(options.address), port)
-    return ranks.listener
+        ranks.share_sender = backend.share_sender(send_address(options.address), port)
+    return ranks.share_sender
 
 
 class _StatusGroupSend(EveryRankSend):
@@ -226,12 +205,10 @@ class _StatusGroupSend(EveryRankSend):
     def senders(self) -> list[dict[str, Any]]:
         return list(self._senders)
 
-    def begin_pass(self, group: str, num_workers: int, tensors: Sequence[tuple[str, torch.dtype]]) -> None:
+    def begin_pass(self, announced: dict[str, Any]) -> None:
         if self.aborted:  # any failed pass ends the push on every rank: the others have left
             raise PushAborted("The push ended at an earlier engine's failure; the engines after it keep their weights.")
-        _tell(
-            self.ranks, group=group, workers=num_workers, tensors=[[name, dtype_name(dtype)] for name, dtype in tensors]
-        )
+        _tell(self.ranks, **announced)
 
     def end_pass(self, error: BaseException | None) -> None:
         try:

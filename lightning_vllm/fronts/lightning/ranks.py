@@ -28,7 +28,6 @@ wait in that group's gathers until the trainer's process-group timeout.
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PushAborted, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.payload import Payload, PushView
-from lightning_vllm.weights.shares import RankShares
+from lightning_vllm.weights.shares import RankShares, ShareSender
 from lightning_vllm.weights.survey import survey
 
 if TYPE_CHECKING:
@@ -88,7 +87,8 @@ class TrainerRanks:
         # gloo whatever the trainer's backend: statuses are tiny CPU tensors, and a
         # group of its own has its own timeout and never queues behind the gathers.
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_seconds))
-        self.listener: socket.socket | None = None  # where this rank meets the workers (push_from="every_rank")
+        # This rank's end of pushes every rank sends a share of (push_from="every_rank"), made at the first.
+        self.share_sender: ShareSender | None = None
         self.warned_gathered = False  # said once why an every-rank push was gathered instead
 
     def exchange(self, status: int, version: int = 0) -> tuple[int, int]:
@@ -184,9 +184,9 @@ class TrainerRanks:
         return [int(value) for value in tensor]
 
     def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
+        if self.share_sender is not None:
+            self.share_sender.close()
+            self.share_sender = None
         dist.destroy_process_group(self.group)
 
 

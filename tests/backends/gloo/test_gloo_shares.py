@@ -121,3 +121,17 @@ def test_pieces_must_add_up_to_each_tensor_and_name_every_rank():
         GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, pieces=[[16]], senders=senders, sender_group="g")
     with pytest.raises(ValueError, match="must name their sender_group"):
         GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, pieces=[[8, 8]], senders=senders)
+
+
+def test_only_a_backend_that_carries_shares_makes_a_ranks_end_of_them():
+    from lightning_vllm.backends.registry import backend_named
+    from lightning_vllm.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="backend='nccl' cannot carry"):
+        backend_named("nccl").share_sender("127.0.0.1", 0)
+    sender = backend_named("gloo").share_sender("127.0.0.1", 0)  # (rank k's listener, on loopback)
+    try:
+        endpoint = sender.endpoint()
+        assert endpoint["address"] == "127.0.0.1" and endpoint["port"] > 0
+    finally:
+        sender.close()

@@ -35,6 +35,7 @@ from sharded_run import ZERO3_CONFIG, ShardedCausalLM, by_hand_run, full_model, 
 
 import lightning_vllm.fronts.lightning.every_rank as every_rank  # noqa: E402
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
+from lightning_vllm.backends.gloo.shares import GlooShareSender  # noqa: E402
 from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
 from lightning_vllm.weights.shares import RankShares  # noqa: E402
 from lightning_vllm.weights.sources import weights_from  # noqa: E402
@@ -68,13 +69,13 @@ class Heard(logging.Handler):
 def sent_by_this_rank() -> list[int]:
     """The bytes of each share this rank (other than 0) sends from now on."""
     sent: list[int] = []
-    send_share = every_rank.send_share
+    send_pass = GlooShareSender.send_pass
 
-    def counted(*args, **kwargs) -> int:
-        sent.append(send_share(*args, **kwargs))
+    def counted(self, *args, **kwargs) -> int:
+        sent.append(send_pass(self, *args, **kwargs))
         return sent[-1]
 
-    every_rank.send_share = counted
+    GlooShareSender.send_pass = counted  # type: ignore[method-assign]
     return sent
 
 
