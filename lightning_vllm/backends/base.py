@@ -12,9 +12,9 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata
-from lightning_vllm.weights.shares import EveryRankSend, ShareSender
+from lightning_vllm.weights.payload import Outgoing
+from lightning_vllm.weights.shares import ShareSender
 
 
 @dataclass(frozen=True)
@@ -58,28 +58,6 @@ class GroupSettings:
     """The engine's workers can start, load and finish an update in one call
     (``engines/base.UpdatesInOneCall``), for a backend whose workers need nothing more from the trainer
     while they load."""
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """One push as a sender sends it.
-
-    Attributes:
-        weights: the tensors, under the engine's names and serving dtypes.
-        client: the engine's control plane for this push; its ``finish_weight_update`` commits the version.
-        adapter: the LoRA adapter among the tensors, as the workers are told (``carries_adapters``).
-        every_rank: the other trainer ranks sending their shares at the same time (``carries_shares``).
-        what: the transfer, as errors name it.
-        check_alive: raises once the engine is known to have died (a sender whose waits cannot see it
-            asks this while it waits).
-    """
-
-    weights: Weights
-    client: Any
-    adapter: dict[str, Any] | None = None
-    every_rank: EveryRankSend | None = None
-    what: str = "the transfer"
-    check_alive: Callable[[], None] = lambda: None
 
 
 class Sender(ABC):

@@ -20,7 +20,7 @@ from typing import Any
 from typing_extensions import Self
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout
-from lightning_vllm.backends.base import Backend, GroupSettings, Outgoing, Sender
+from lightning_vllm.backends.base import Backend, GroupSettings, Sender
 from lightning_vllm.backends.registry import backend_for_engine, carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
@@ -51,7 +51,7 @@ from lightning_vllm.weights.checks import (
     metadata_for_engine,
 )
 from lightning_vllm.weights.model import metadata_bytes, smallest_group
-from lightning_vllm.weights.payload import Payload
+from lightning_vllm.weights.payload import Outgoing, Payload
 
 log = logging.getLogger(__name__)
 

@@ -12,16 +12,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_vllm.core.connection import EngineConnection, PushTiming
+from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.failures import engine_death
-from lightning_vllm.errors import (
-    EngineConfigError,
-    PushAborted,
-    WeightsMismatchError,
-    WeightSyncError,
-)
-from lightning_vllm.weights.payload import Payload
+from lightning_vllm.errors import EngineConfigError, WeightsMismatchError, WeightSyncError
 
 EngineSelection = int | torch.device | Sequence[int | torch.device] | None
 """Engines named by index or by device type (all of that type), or ``None`` for all."""
@@ -109,54 +103,6 @@ class EngineSet:
     def forget(self, index: int) -> None:
         """Drop the connection of ``index`` (a failed push closed it); the next push opens a new one."""
         self.connections.pop(index, None)
-
-    def push_each(
-        self, payload: Payload, indices: Sequence[int], version: int
-    ) -> tuple[list[int], dict[int, BaseException], int, PushTiming]:
-        """Send ``payload`` to the engines of ``indices`` and commit ``version`` in each, whatever happened
-        to the others: the engines that took it, those it failed on and their errors, the bytes sent and
-        where the seconds went."""
-        committed: list[int] = []
-        failures: dict[int, BaseException] = {}
-        num_bytes, timing = 0, PushTiming()
-        for position, index in enumerate(indices):
-            try:
-                sent, spent = self.push_one(index, payload, version)
-                num_bytes, timing = num_bytes + sent, timing + spent
-            except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
-                failures.update(dict.fromkeys(indices[position:], error))
-                break
-            except Exception as error:  # noqa: BLE001  # the other engines still get the push
-                failures[index] = error
-                continue
-            committed.append(index)
-        return committed, failures, num_bytes, timing
-
-    def push_one(self, index: int, payload: Payload, version: int) -> tuple[int, PushTiming]:
-        """Send ``payload`` to the connected engine at ``index`` and commit ``version``; the bytes sent and
-        where the seconds went.
-        A failed push closed the connection, which is forgotten: the next push opens a new one.
-
-        Raises:
-            RuntimeError: the engine is not connected (``WeightSync.connect`` first).
-            EngineDeadError: the engine died (it keeps nothing of this push).
-        """
-        connection = self.connections.get(index)
-        if connection is None:
-            raise RuntimeError(f"The updater is not connected to engine {index!r}: call connect() (init()) first.")
-        try:
-            return connection.push(payload, version), connection.last_timing
-        except BaseException as error:
-            self.forget(index)
-            if dead := engine_death(error, self.targets[index], "during a push"):
-                raise dead from error
-            raise
-
-    def differing_layers(self, indices: Sequence[int]) -> dict[int, list[str]]:
-        """After a push that committed in the engines of ``indices``: the layers each holds otherwise
-        than sent (``verify_pushes``), for the engines where any does."""
-        found = {index: self.connections[index].differing_layers() for index in indices if index in self.connections}
-        return {index: layers for index, layers in found.items() if layers}
 
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""

@@ -17,7 +17,8 @@ from typing import Any
 from lightning_vllm.core.connection import PushTiming
 from lightning_vllm.core.engine_set import EngineSet
 from lightning_vllm.core.versions import InFlight
-from lightning_vllm.errors import LandedWeightsMismatchError, PartialPushError
+from lightning_vllm.engines.failures import engine_death
+from lightning_vllm.errors import LandedWeightsMismatchError, PartialPushError, PushAborted
 from lightning_vllm.weights.payload import Payload
 
 
@@ -91,20 +92,31 @@ class Push:
         assert self.engines is not None, "a push is made by WeightSync.prepare"
         start = time.perf_counter()
         committed: list[int] = []
+        failures: dict[int, BaseException] = dict(self.unreachable)
+        num_bytes, timing = 0, PushTiming()
         try:
-            committed, failures, num_bytes, timing = self.engines.push_each(
-                self.payload, self.engine_indices, version.version
-            )
+            for position, index in enumerate(self.engine_indices):
+                try:
+                    sent, spent = self._push_one(index, version.version)
+                except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
+                    failures.update(dict.fromkeys(self.engine_indices[position:], error))
+                    break
+                except Exception as error:  # noqa: BLE001  # the other engines still get the push
+                    failures[index] = error
+                    continue
+                num_bytes, timing = num_bytes + sent, timing + spent
+                committed.append(index)
         finally:
             if committed:
                 version.commit()
             else:
                 version.abandon()
-        failures = {**self.unreachable, **failures}
         if not committed:
             raise next(iter(failures.values()))
         checked_at = time.perf_counter()
-        mismatched = self.engines.differing_layers(committed)
+        connections = self.engines.connections
+        found = {index: connections[index].differing_layers() for index in committed if index in connections}
+        mismatched = {index: layers for index, layers in found.items() if layers}
         timing = replace(timing, check_seconds=time.perf_counter() - checked_at)
         elapsed = time.perf_counter() - start
         stats = SyncStats(version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing)
@@ -114,6 +126,26 @@ class Push:
         if failures:
             raise _partial_push_error(self.engines, stats, failures)
         return stats
+
+    def _push_one(self, index: int, version: int) -> tuple[int, PushTiming]:
+        """Send the payload to the connected engine at ``index`` and commit ``version``: the bytes sent and where
+        the seconds went. A failed push closed the connection, which is forgotten: the next push opens a new one.
+
+        Raises:
+            RuntimeError: the engine is not connected (``WeightSync.connect`` first).
+            EngineDeadError: the engine died (it keeps nothing of this push).
+        """
+        assert self.engines is not None
+        connection = self.engines.connections.get(index)
+        if connection is None:
+            raise RuntimeError(f"The updater is not connected to engine {index!r}: call connect() (init()) first.")
+        try:
+            return connection.push(self.payload, version), connection.last_timing
+        except BaseException as error:
+            self.engines.forget(index)
+            if dead := engine_death(error, self.engines.targets[index], "during a push"):
+                raise dead from error
+            raise
 
 
 def _mismatch_error(engines: EngineSet, stats: SyncStats, layers: dict[int, list[str]]) -> LandedWeightsMismatchError:

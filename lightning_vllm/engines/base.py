@@ -164,11 +164,7 @@ class ServesAdapter(ServesLoraAdapters):
     """What every engine target of this package shares to serve a pushed LoRA adapter: it remembers
     which adapter generation goes through. Subclasses read :meth:`lora_limits` from their engine."""
 
-    _adapter: PolicyAdapter | None = None
-
-    @property
-    def adapter(self) -> PolicyAdapter | None:
-        return self._adapter
+    adapter: PolicyAdapter | None = None
 
     @abstractmethod
     def lora_limits(self) -> LoraLimits | None: ...
@@ -177,7 +173,7 @@ class ServesAdapter(ServesLoraAdapters):
         """In-process engines and actors serve any adapter they stage: nothing to check."""
 
     def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
-        self._adapter = adapter
+        self.adapter = adapter
 
     def lora_request(self) -> Any:
         return self.adapter.lora_request() if self.adapter is not None else None

@@ -238,7 +238,7 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, Reports
         if adapter is not None:
             body = {"name": adapter.name, "id": adapter.lora_id, "key": adapter.key}
             self._request("POST", ADAPTER_ROUTE, json=body, missing=_NO_ADAPTER_MIDDLEWARE)
-        self._adapter = adapter
+        self.adapter = adapter
 
     def prompt_limits(self) -> PromptLimits:
         model_config, hf_config = self._config["model_config"], self._model_dir_config

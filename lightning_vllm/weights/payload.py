@@ -1,4 +1,5 @@
-"""What one push carries: the tensors, and what travels beside them.
+"""What one push carries: the tensors, and what travels beside them, whole (:class:`Payload`) and as sent to one
+engine (:class:`Outgoing`).
 
 A push is chosen once (``core/payload_choice.py``) and then handed down unchanged:
 the connection checks it against each engine, a background push copies its tensors
@@ -11,6 +12,7 @@ the backend, must remember to forward it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -60,3 +62,26 @@ class Payload:
     def with_weights(self, weights: Weights) -> Payload:
         """The same push, its tensors read from ``weights`` (a copy, a lockstep walk) with the same metadata."""
         return replace(self, weights=weights)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One push as one engine's sender sends it (``backends/base.Sender.send``): the payload under the engine's
+    names, with the engine's client.
+
+    Attributes:
+        weights: the tensors, under the engine's names and serving dtypes.
+        client: the engine's control plane for this push; its ``finish_weight_update`` commits the version.
+        adapter: the LoRA adapter among the tensors, as the workers are told (``carries_adapters``).
+        every_rank: the other trainer ranks sending their shares at the same time (``carries_shares``).
+        what: the transfer, as errors name it.
+        check_alive: raises once the engine is known to have died (a sender whose waits cannot see it
+            asks this while it waits).
+    """
+
+    weights: Weights
+    client: Any
+    adapter: dict[str, Any] | None = None
+    every_rank: EveryRankSend | None = None
+    what: str = "the transfer"
+    check_alive: Callable[[], None] = lambda: None

@@ -15,8 +15,9 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from lightning_vllm.backends.base import Backend, GroupSettings, Outgoing, Sender, Traits
+from lightning_vllm.backends.base import Backend, GroupSettings, Sender, Traits
 from lightning_vllm.weights.model import ModelMetadata
+from lightning_vllm.weights.payload import Outgoing
 
 MAILBOXES: dict[str, dict[str, torch.Tensor]] = {}
 """What each group's trainer put for its engine to take, by group."""

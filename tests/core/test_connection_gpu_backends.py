@@ -320,7 +320,7 @@ def test_the_group_plan_says_whether_the_engine_takes_an_update_in_one_call(
 
 
 def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_within_the_push_s_timeout():
-    from lightning_vllm.backends.base import Outgoing
+    from lightning_vllm.weights.payload import Outgoing
 
     class CopyingEngine:  # a trainer engine whose workers copy after send_weights returns (lightning_ipc's)
         caller_waits = False

@@ -13,7 +13,7 @@ from typing_extensions import Self, override
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from lightning_vllm._waits import BackgroundCall, wait_polling
-from lightning_vllm.backends.base import Outgoing, Sender
+from lightning_vllm.backends.base import Sender
 from lightning_vllm.backends.gloo.buckets import (
     DEFAULT_COALESCE_BYTES,
     Segment,
@@ -34,6 +34,7 @@ from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights.base import ForeignWeights, Weights
+from lightning_vllm.weights.payload import Outgoing
 
 log = logging.getLogger(__name__)
 
