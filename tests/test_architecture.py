@@ -14,7 +14,7 @@ LAYERS: dict[str, list[str]] = {
     "base": ["settings", "errors", "options", "_waits", "engine_client", "prompts"],
     "in vLLM": ["in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_adapters", "in_vllm.lora_ops"],
     "what is sent": [
-        "weights", "weights.base", "weights.model", "weights.changes", "weights.lora_merge", "weights.fsdp",
+        "weights", "weights.base", "weights.model", "weights.lora_merge", "weights.fsdp",
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
         "weights.layer_sums", "weights.survey", "weights.hf_conversion", "weights.checkpoint_layout",
         "lora", "lora.adapter", "lora.serving",

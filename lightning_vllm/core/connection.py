@@ -43,7 +43,7 @@ from lightning_vllm.lora.adapter import adapter_metadata
 from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import EngineWeights, ModelMetadata, check_weights
-from lightning_vllm.weights.changes import SentStamps
+from lightning_vllm.weights.base import SentStamps
 from lightning_vllm.weights.checks import (
     ExpectedWeights,
     check_tied_output_embedding,
@@ -273,7 +273,7 @@ class EngineConnection:
     def _names_to_send(self, payload: Payload) -> ModelMetadata:
         """The engine's names and dtypes of what ``payload`` sends this engine: an adapter's under the engine's LoRA
         dtype; with ``changed_only``, without the layer groups the engine holds already as this connection last sent
-        them (``weights/changes.py``)."""
+        them (``weights/base.py``)."""
         if payload.carries_adapter:
             limits = self._engine_lora_facts()[0]
             names = adapter_metadata(self.engine_metadata, payload.weights, limits.lora_dtype if limits else None)

@@ -22,7 +22,7 @@ DeepSeek-V3's router bias ``mlp.gate.e_score_correction_bias``, is sent right af
 
 A MoE decoder layer is sent as the parts vLLM loads as units rather than as one group: the routed experts (one
 ``FusedMoE`` module), the router, the shared experts, the rest. A changed-only push then leaves out frozen
-experts or a frozen router while the rest of their layer trains (``weights/changes.py``).
+experts or a frozen router while the rest of their layer trains (``weights/base.py``).
 
 Plans are kept by :class:`CheckpointLayout`, one per model while it lives, one plan per declared metadata.
 """
@@ -39,8 +39,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.errors import WeightsMismatchError
-from lightning_vllm.weights.base import ParamList, Weights
-from lightning_vllm.weights.changes import Stamp
+from lightning_vllm.weights.base import ParamList, Stamp, Weights
 from lightning_vllm.weights.hf_conversion import REFUSED, ReversedConversion, natural_order
 from lightning_vllm.weights.layer_sums import MOE_PARTS
 from lightning_vllm.weights.model import canonical_name, repeated_names
@@ -293,7 +292,7 @@ class CheckpointWeights(Weights):
         stamps = self.source.stamps()
         if stamps is None:
             return None
-        from lightning_vllm.weights.changes import tensor_stamp
+        from lightning_vllm.weights.base import tensor_stamp
 
         for name, buffer in self.plan.buffers():
             stamp = tensor_stamp(buffer)

@@ -16,8 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.changes import Stamp
+from lightning_vllm.weights.base import Stamp, Weights
 from lightning_vllm.weights.shares import EveryRankSend
 
 PushView = Literal["merged", "adapter", "base_and_adapter"]
@@ -35,7 +34,7 @@ class Payload:
         adapter_config: the PEFT config of the LoRA adapter among the tensors (``"adapter"`` and
             ``"base_and_adapter"`` views); vLLM's loader needs rank, alpha and target modules.
         stamps: what each tensor was computed from when the push was prepared
-            (``weights/changes.py``), for changed-only pushes; ``None``: every tensor counts as changed.
+            (``weights/base.py``), for changed-only pushes; ``None``: every tensor counts as changed.
         every_rank: the other trainer ranks, when each sends its own share of every tensor (``weights`` then
             yields this rank's shares; ``fronts/lightning/every_rank.py``); ``None``: this rank sends it all.
 

@@ -2,7 +2,7 @@
 
 The copy lives in memory kept between pushes, one buffer per tensor, allocated at the
 first snapshot and overwritten at the next. A tensor whose stamp
-(``weights/changes.py``) is the one it had at the last snapshot is not copied again:
+(``weights/base.py``) is the one it had at the last snapshot is not copied again:
 frozen parameters cost their memory once and no time after.
 
 Where the copy lives:
@@ -47,8 +47,7 @@ from typing import Literal
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.changes import Stamp, same_stamp
+from lightning_vllm.weights.base import Stamp, Weights, same_stamp
 
 log = logging.getLogger(__name__)
 

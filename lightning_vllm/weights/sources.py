@@ -16,8 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
-from lightning_vllm.weights.base import ForeignWeights, Weights
-from lightning_vllm.weights.changes import Stamp, stamps_of
+from lightning_vllm.weights.base import ForeignWeights, Stamp, Weights, stamps_of
 from lightning_vllm.weights.checkpoint_layout import in_checkpoint_layout
 from lightning_vllm.weights.fsdp import FSDPWeights
 from lightning_vllm.weights.lora_merge import lora_parameters, merge_inputs, merged_lora_weights
@@ -76,7 +75,7 @@ class _ParameterWeights(Weights):
         return zip(self._names, self._tensors())
 
     def stamps(self) -> dict[str, Stamp] | None:
-        """What each sent tensor is computed from, as stamps (``weights/changes.py``)."""
+        """What each sent tensor is computed from, as stamps (``weights/base.py``)."""
         return stamps_of(
             (name, self._inputs(module_name, param)) for name, (module_name, param) in zip(self._names, self._found)
         )
@@ -156,7 +155,7 @@ class MappingWeights(Weights):
             yield name, materialize_full_tensor(tensor.detach())
 
     def stamps(self) -> dict[str, Stamp] | None:
-        """Each tensor's stamp (``weights/changes.py``)."""
+        """Each tensor's stamp (``weights/base.py``)."""
         return stamps_of((name, [tensor]) for name, tensor in self._tensors.items())
 
 

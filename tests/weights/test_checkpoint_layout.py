@@ -9,7 +9,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from lightning_vllm.errors import WeightsMismatchError
 from lightning_vllm.weights import ModuleWeights, weights_from
-from lightning_vllm.weights.changes import unchanged_names
+from lightning_vllm.weights.base import unchanged_names
 from lightning_vllm.weights.checkpoint_layout import CheckpointLayout, CheckpointWeights, moe_parts
 
 FAMILIES = list(MOE_FAMILIES)
