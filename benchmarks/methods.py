@@ -35,8 +35,7 @@ from typing import Any
 import torch
 
 from lightning_vllm import VLLMUpdater
-from lightning_vllm.backends.gloo.buckets import TensorSpec
-from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo
+from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo, TensorSpec
 from lightning_vllm.backends.gloo.trainer import GlooTrainerWeightTransferEngine, send_order
 from lightning_vllm.engines import as_engine_target
 from lightning_vllm.weights import weights_from

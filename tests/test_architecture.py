@@ -26,7 +26,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "backends": [
         "backends", "backends.base", "backends.registry", "backends.vllm_engines",
-        "backends.gloo", "backends.gloo.buckets", "backends.gloo.messages", "backends.gloo.group",
+        "backends.gloo", "backends.gloo.messages", "backends.gloo.group", "backends.gloo.rendezvous",
         "backends.gloo.tied_embedding_fix", "backends.gloo.moe_prepack_fix", "backends.gloo.receiver",
         "backends.gloo.worker", "backends.gloo.shares", "backends.gloo.trainer",
         "backends.gloo.backend",
@@ -36,7 +36,7 @@ LAYERS: dict[str, list[str]] = {
         "backends.lightning_ipc.trainer", "backends.lightning_ipc.backend",
     ],
     "core": [
-        "core", "core.versions", "core.after_failure", "core.facts", "core.connection", "core.engine_set",
+        "core", "core.versions", "core.after_failure", "core.facts", "core.connection",
         "core.payload_choice", "core.kept_choice", "core.landing_check", "core.push", "core.weight_sync",
     ],
     "fronts": [

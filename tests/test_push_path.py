@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from push_trace import assert_few_modules
 
-MOST_MODULES_A_GLOO_PUSH_ENTERS = 22
+MOST_MODULES_A_GLOO_PUSH_ENTERS = 17
 
 
 @pytest.mark.engine

@@ -19,11 +19,10 @@ import torch
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.backends.registry import check_requested
 from lightning_vllm.core.connection import EngineConnection
-from lightning_vllm.core.engine_set import EngineSelection, EngineSet
 from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.core.kept_choice import KeptChoice
 from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for, policy_of
-from lightning_vllm.core.push import Push, SyncStats
+from lightning_vllm.core.push import EngineSelection, EngineSet, Push, SyncStats
 from lightning_vllm.core.versions import PushPointVersions, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters

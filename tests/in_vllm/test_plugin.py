@@ -49,7 +49,7 @@ IN_VLLM = {
     "", "errors", "settings", "_waits",
     "in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_ops", "in_vllm.lora_adapters",
     "backends", "backends.gloo", "backends.gloo.worker", "backends.gloo.receiver", "backends.gloo.group",
-    "backends.gloo.messages", "backends.gloo.buckets", "backends.gloo.tied_embedding_fix",
+    "backends.gloo.messages", "backends.gloo.rendezvous", "backends.gloo.tied_embedding_fix",
     "backends.gloo.moe_prepack_fix",
     "backends.nccl", "backends.nccl.worker",
     "backends.lightning_ipc", "backends.lightning_ipc.worker", "backends.lightning_ipc.recorded_loads",

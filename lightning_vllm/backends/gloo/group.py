@@ -1,11 +1,10 @@
-"""How a sync's bytes move: one TCP connection from each vLLM worker to the trainer.
+"""How a sync's bytes move: one TCP connection from each vLLM worker to the trainer (``rendezvous.py`` forms them).
 
-The trainer listens on ``master_address:master_port``, the one port of a sync (a free one
-when none is given). Each worker connects out to it, says which group and rank it is (a
-line of JSON), and is answered once every worker has joined. From then on the trainer
-writes every broadcast to each worker's connection in the order posted, and each worker
+The trainer writes every broadcast to each worker's connection in the order posted, and each worker
 reads them, in the same order, into the buffers it posted. Both sides post the same
 sequence of sizes (the update's bucket layout), so the stream carries raw bytes and no framing.
+The trainer bounds what it has posted and not seen finish (:class:`InFlight`), and the copies those
+broadcasts read live in one bucket of staging memory (:class:`StagingRing`).
 
 Why not gloo, whose name the backend keeps: gloo's TCP device listens on a port the
 kernel picks, in every process, and neither gloo nor torch can be given one, so no
@@ -16,25 +15,19 @@ workers listen on nothing. Nothing read from the network is unpickled.
 from __future__ import annotations
 
 import datetime
-import json
-import logging
 import queue
 import socket
 import threading
-import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from lightning_vllm._waits import wait_polling
+from lightning_vllm.backends.gloo.messages import TensorSpec
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
-log = logging.getLogger(__name__)
-
-_READY = b"\x01"  # the trainer's answer once every worker has joined
-_MAX_HELLO_BYTES = 1024
-_MAX_STRAY_CONNECTIONS = 64  # connections that are not a worker of this group, before giving up
 # Waiting on a broadcast polls, so that a failure of the workers' side ends it early.
 _POLL_SECONDS = 0.0005
 
@@ -161,120 +154,6 @@ class Wire:
             self._listener.close()
 
 
-def listen(address: str, port: int) -> socket.socket:
-    """The trainer's listening socket on ``address`` only (``port`` 0: a free one, with no
-    window in which another process could take it).
-
-    Raises:
-        WeightSyncError: the address or port cannot be listened on.
-    """
-    try:
-        return socket.create_server((address, port))
-    except OSError as error:
-        raise WeightSyncError(
-            f"Cannot listen on {address}:{port} for the weight sync ({error}). Pass a master_address "
-            "of this machine and a free master_port (or None to pick one)."
-        ) from error
-
-
-def accept_workers(
-    listener: socket.socket, group_name: str, ranks: range, timeout_seconds: float, *, keep_listener: bool = False
-) -> Wire:
-    """Accept one connection from each of ``ranks`` that names ``group_name``, then tell each to go.
-
-    Connections that are not a worker of this group (another group's, a rank already
-    joined, a port scanner) are closed and logged; at most 64 of them are read. The
-    returned wire closes ``listener`` with its connections, unless ``keep_listener``
-    (a trainer rank that accepts the workers anew at each push).
-
-    Raises:
-        WeightSyncTimeoutError: not every worker joined within ``timeout_seconds``.
-    """
-    deadline = time.monotonic() + timeout_seconds
-    joined: dict[int, socket.socket] = {}
-    try:
-        for _ in range(len(ranks) + _MAX_STRAY_CONNECTIONS):
-            if len(joined) == len(ranks):
-                break
-            listener.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                sock, peer = listener.accept()
-            except TimeoutError:
-                break
-            rank = _read_hello(sock, group_name, ranks, deadline, peer)
-            if rank is None or rank in joined:
-                sock.close()
-                continue
-            joined[rank] = sock
-        if len(joined) != len(ranks):
-            raise WeightSyncTimeoutError(
-                f"Timed out after {timeout_seconds:g} s: {len(joined)} of {len(ranks)} vLLM worker(s) joined."
-            )
-        for sock in joined.values():
-            sock.settimeout(timeout_seconds)
-            sock.sendall(_READY)
-    except BaseException:
-        for sock in joined.values():
-            sock.close()
-        raise
-    connections = [_Connection(_tuned(joined[rank]), f"worker rank {rank}", receives=False) for rank in ranks]
-    return Wire(connections, None if keep_listener else listener)
-
-
-def _read_hello(sock: socket.socket, group_name: str, ranks: range, deadline: float, peer: object) -> int | None:
-    """The rank a connecting worker of ``group_name`` names, or None for anyone else."""
-    sock.settimeout(max(min(deadline - time.monotonic(), 10.0), 0.001))
-    line = b""
-    try:
-        while not line.endswith(b"\n") and len(line) < _MAX_HELLO_BYTES:
-            chunk = sock.recv(_MAX_HELLO_BYTES - len(line))
-            if not chunk:
-                break
-            line += chunk
-        hello = json.loads(line)
-        if hello["group"] == group_name and hello["rank"] in ranks:
-            return int(hello["rank"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    log.warning("Closed a connection to the weight sync's port from %s: not a worker of this sync.", peer)
-    return None
-
-
-def connect_to_trainer(address: str, port: int, group_name: str, rank: int, timeout_seconds: float) -> Wire:
-    """A worker's connection to the trainer; returns once every worker has joined.
-
-    Raises:
-        RuntimeError: the trainer cannot be reached, refused this worker, or did not answer
-            within ``timeout_seconds``.
-    """
-    try:
-        sock = socket.create_connection((address, port), timeout=timeout_seconds)
-    except OSError as error:
-        raise RuntimeError(
-            f"Cannot reach the trainer at {address}:{port} ({error}); check that this host can reach "
-            "the trainer's master_address and master_port."
-        ) from error
-    try:
-        sock.sendall(json.dumps({"group": group_name, "rank": rank}).encode() + b"\n")
-        if sock.recv(1) != _READY:
-            raise RuntimeError(f"The trainer at {address}:{port} closed the connection of worker rank {rank}.")
-    except OSError as error:
-        sock.close()
-        raise RuntimeError(
-            f"The trainer at {address}:{port} did not let worker rank {rank} join within {timeout_seconds:g} s "
-            f"({error})."
-        ) from error
-    except BaseException:
-        sock.close()
-        raise
-    return Wire([_Connection(_tuned(sock), f"the trainer at {address}:{port}", receives=True)])
-
-
-def _tuned(sock: socket.socket) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
 class InFlight:
     """The broadcasts a sender posted down a wire and has not seen finish: at most ``limit_bytes`` of them, so that
     the memory they read (a staging region, a gathered layer, a share) stays bounded. The trainer's update
@@ -362,3 +241,103 @@ def wait_for_transfer(
     except RuntimeError as error:
         check()
         raise WeightSyncError(f"{what} failed after {sent} bytes: {error}. {stopped}") from error
+
+
+# The trainer's staging memory: one buffer of one bucket, handed out as a ring, and what each segment of a
+# sync sends from it. Packing small tensors and converting dtypes need a copy, which must live until the
+# asynchronous broadcast reading it has finished. A region is handed out again only after the broadcasts
+# that read the bytes it overlaps have finished, so copies for the next segments proceed while earlier ones
+# are on the wire, and staging never exceeds one bucket.
+
+
+class StagingRing:
+    """Regions of one ``uint8`` buffer of ``capacity`` bytes, allocated when first needed.
+
+    Example:
+        >>> ring = StagingRing(16)
+        >>> region, tensor = ring.take(8, make_room=lambda: None)
+        >>> region, tensor.numel()
+        ((0, 8), 8)
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"Invalid staging capacity {capacity}; it must be > 0 bytes.")
+        self.capacity = capacity
+        self._buffer: torch.Tensor | None = None  # allocated at the first take
+        self._head = 0
+        self._held: deque[tuple[int, int, Any]] = deque()
+
+    def reset(self) -> None:
+        """Start again at the buffer's beginning; only call once nothing is in flight.
+
+        Restarting each sync keeps the touched (resident) part of the buffer as small
+        as the largest sync's staging needs.
+        """
+        self._head = 0
+        self._held.clear()
+
+    def take(self, num_bytes: int, make_room: Callable[[], None]) -> tuple[tuple[int, int], torch.Tensor]:
+        """A free region of ``num_bytes``; calls ``make_room`` (which must finish the oldest
+        broadcast in flight) until the region no longer overlaps bytes still being read."""
+        if not 0 < num_bytes <= self.capacity:
+            raise ValueError(f"Cannot stage {num_bytes} bytes in a staging buffer of {self.capacity} bytes.")
+        if self._buffer is None:
+            self._buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        begin = self._head if self._head + num_bytes <= self.capacity else 0
+        end = begin + num_bytes
+        while any(
+            begin < held_end and held_begin < end and not work.is_completed()
+            for held_begin, held_end, work in self._held
+        ):
+            make_room()
+            self._drop_finished()
+        self._drop_finished()
+        self._head = end
+        return (begin, end), self._buffer[begin:end]
+
+    def hold(self, region: tuple[int, int], work: Any) -> None:
+        """Keep ``region`` busy until ``work`` (the broadcast reading it) has completed."""
+        self._held.append((*region, work))
+
+    def _drop_finished(self) -> None:
+        while self._held and self._held[0][2].is_completed():
+            self._held.popleft()
+
+
+def segment_payloads(
+    specs: Sequence[TensorSpec],
+    tensors: Sequence[torch.Tensor],
+    ring: StagingRing,
+    bucket_size_bytes: int,
+    make_room: Callable[[], None],
+) -> Iterator[tuple[torch.Tensor, tuple[int, int] | None]]:
+    """The ``uint8`` tensors to send for one segment, with the ring region each one uses (if any).
+
+    A lone tensor already in the wire dtype is sent from its own memory; a lone tensor to convert
+    goes slice by slice, so a huge one needs one bucket at most; several are packed into one region.
+    """
+    if len(tensors) == 1 and _is_wire_ready(tensors[0], specs[0]):
+        data = tensors[0].reshape(-1).view(torch.uint8)  # sent from the source's memory, no copy
+        for begin in range(0, data.numel(), bucket_size_bytes):
+            yield data[begin : begin + bucket_size_bytes], None
+        return
+    if len(tensors) == 1:
+        spec, flat = specs[0], tensors[0].reshape(-1)
+        per_slice = bucket_size_bytes // spec.dtype.itemsize
+        for begin in range(0, flat.numel(), per_slice):
+            part = flat[begin : begin + per_slice]
+            region, staging = ring.take(part.numel() * spec.dtype.itemsize, make_room)
+            staging.view(spec.dtype).copy_(part)  # converts to the wire dtype on the way
+            yield staging, region
+        return
+    region, staging = ring.take(sum(spec.num_bytes for spec in specs), make_room)
+    offset = 0
+    for spec, tensor in zip(specs, tensors):
+        staging[offset : offset + spec.num_bytes].view(spec.dtype).view(spec.shape).copy_(tensor)
+        offset += spec.num_bytes
+    yield staging, region
+
+
+def _is_wire_ready(tensor: torch.Tensor, spec: TensorSpec) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == spec.dtype and tensor.is_contiguous()

@@ -1,4 +1,21 @@
-"""What crosses the process boundary in the ``gloo`` backend: plain dataclasses, no pickles.
+"""What both ends of a ``gloo`` sync agree on: the bucket layout, and the plain dataclasses that carry it.
+
+Both halves of a transfer follow one layout, made by the trainer and shipped to the
+workers in the single ``update_weights`` call of a sync, so they cannot split the
+byte stream differently. A layout keeps whole layers together (vLLM's
+``layerwise_groups``) while they fit in a bucket: vLLM's layer-wise reload
+re-processes a layer once all of its tensors have arrived, so a bucket that ends on
+a layer boundary lets the worker finish that layer before the next bucket lands.
+
+A bucket never holds more than ``bucket_size_bytes`` unless a single tensor is
+larger than that; such a tensor travels alone, in slices of at most
+``bucket_size_bytes``, so the trainer's staging memory stays one bucket.
+
+Within a bucket, tensors travel in *segments*, one broadcast each (or one per
+slice). A tensor of at least ``coalesce_bytes`` is a segment of its own and is sent
+straight from the trainer's memory, without a copy; smaller neighbours are packed
+together, so small tensors do not pay a broadcast each. The receiver loads each
+segment as soon as it lands, while the next ones are still on the wire.
 
 The worker-side messages travel through vLLM's control plane (a Python call, an
 HTTP body or a Ray call) as ``dataclasses.asdict`` output: lists, strings and
@@ -8,7 +25,8 @@ evaluated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -16,8 +34,138 @@ import torch
 from typing_extensions import Self
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from lightning_vllm.backends.gloo.buckets import Bucket, Segment, TensorSpec, bucket_segments
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS, validate_bucket_size
+
+# Below this, a broadcast's fixed cost outweighs the copy that packing costs.
+DEFAULT_COALESCE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the receiver needs to rebuild one tensor: name, wire dtype, shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A run of consecutive tensors ``specs[start:stop]`` sent as one byte range."""
+
+    start: int
+    stop: int
+    num_bytes: int
+
+
+def cut_into_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_size_bytes: int) -> list[Bucket]:
+    """Split tensors, given as layer groups in send order, into buckets.
+
+    A group is added whole to the open bucket while it fits; a group that does not
+    fit starts a new bucket; a group larger than a bucket is split between tensors;
+    a tensor larger than a bucket gets a bucket of its own.
+
+    Args:
+        groups: tensor specs grouped per layer, in the order they will be sent.
+        bucket_size_bytes: the largest number of bytes a bucket holds.
+
+    Returns:
+        Buckets indexing the flattened list of specs.
+    """
+    if bucket_size_bytes <= 0:
+        raise ValueError(f"Invalid value for bucket_size_bytes={bucket_size_bytes}. Must be > 0.")
+    buckets: list[Bucket] = []
+    start = index = size = 0
+
+    def close() -> None:
+        nonlocal start, size
+        if index > start:
+            buckets.append(Bucket(start, index, size))
+        start, size = index, 0
+
+    for group in groups:
+        group_bytes = sum(spec.num_bytes for spec in group)
+        if size and size + group_bytes > bucket_size_bytes:
+            close()
+        for spec in group:
+            if size and size + spec.num_bytes > bucket_size_bytes:
+                close()
+            index += 1
+            size += spec.num_bytes
+    close()
+    return buckets
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tensors ``specs[start:stop]`` sent as one byte range, ``offset`` bytes into their bucket."""
+
+    start: int
+    stop: int
+    offset: int
+    num_bytes: int
+
+    def slices(self, bucket_size_bytes: int) -> Iterator[tuple[int, int]]:
+        """Byte ranges, relative to the bucket, of the broadcasts that carry this segment."""
+        for begin in range(0, self.num_bytes, bucket_size_bytes):
+            yield self.offset + begin, self.offset + min(begin + bucket_size_bytes, self.num_bytes)
+
+
+def choose_segment_ends(specs: Sequence[TensorSpec], buckets: Sequence[Bucket], coalesce_bytes: int) -> list[int]:
+    """Where segments end (index one past their last tensor), bucket by bucket.
+
+    Every bucket end is a segment end. A tensor of ``coalesce_bytes`` or more is a
+    segment alone; runs of smaller ones are packed up to ``coalesce_bytes``.
+    """
+    if coalesce_bytes <= 0:
+        raise ValueError(f"Invalid value for coalesce_bytes={coalesce_bytes}. Must be > 0.")
+    ends: list[int] = []
+    for bucket in buckets:
+        size = 0
+        for index in range(bucket.start, bucket.stop):
+            num_bytes = specs[index].num_bytes
+            if size and (num_bytes >= coalesce_bytes or size + num_bytes > coalesce_bytes):
+                ends.append(index)
+                size = 0
+            size += num_bytes
+        ends.append(bucket.stop)
+    return ends
+
+
+def bucket_segments(specs: Sequence[TensorSpec], bucket: Bucket, segment_ends: Sequence[int]) -> list[Segment]:
+    """The segments of ``bucket``, given every segment end of the layout."""
+    segments = []
+    start = bucket.start
+    offset = 0
+    for end in segment_ends:
+        if end <= bucket.start or end > bucket.stop:
+            continue
+        num_bytes = sum(spec.num_bytes for spec in specs[start:end])
+        segments.append(Segment(start, end, offset, num_bytes))
+        start, offset = end, offset + num_bytes
+    return segments
+
+
+def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Views of ``buffer`` (uint8) as the named tensors it carries, in order."""
+    pieces = buffer.split([spec.num_bytes for spec in specs])
+    return [(spec.name, piece.view(spec.dtype).view(spec.shape)) for spec, piece in zip(specs, pieces)]
+
+
+def piece_slices(num_bytes: int, bucket_size_bytes: int) -> Iterator[tuple[int, int]]:
+    """``(begin, end)`` of each slice a piece of ``num_bytes`` moves in (none for an empty piece).
+
+    Example::
+
+        >>> list(piece_slices(10, 4))
+        [(0, 4), (4, 8), (8, 10)]
+    """
+    for begin in range(0, num_bytes, bucket_size_bytes):
+        yield begin, min(begin + bucket_size_bytes, num_bytes)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -12,9 +12,14 @@ from typing import Any
 
 import torch
 
-from lightning_vllm.backends.gloo.buckets import piece_slices, unpack_bucket
-from lightning_vllm.backends.gloo.group import Transfer, Wire, connect_to_trainer
-from lightning_vllm.backends.gloo.messages import GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo
+from lightning_vllm.backends.gloo.group import Transfer, Wire
+from lightning_vllm.backends.gloo.messages import (
+    GlooWeightTransferInitInfo,
+    GlooWeightTransferUpdateInfo,
+    piece_slices,
+    unpack_bucket,
+)
+from lightning_vllm.backends.gloo.rendezvous import connect_to_trainer
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 

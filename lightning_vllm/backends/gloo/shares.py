@@ -19,9 +19,16 @@ from typing import Any, Protocol
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets, piece_slices
-from lightning_vllm.backends.gloo.group import InFlight, Wire, accept_workers, listen
-from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo, dtype_from_name, dtype_name
+from lightning_vllm.backends.gloo.group import InFlight, Wire
+from lightning_vllm.backends.gloo.messages import (
+    GlooWeightTransferUpdateInfo,
+    TensorSpec,
+    cut_into_buckets,
+    dtype_from_name,
+    dtype_name,
+    piece_slices,
+)
+from lightning_vllm.backends.gloo.rendezvous import accept_workers, listen
 from lightning_vllm.weights.shares import EveryRankSend, RankShares, ShareSender
 
 

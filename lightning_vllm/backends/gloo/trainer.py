@@ -1,9 +1,8 @@
-"""Trainer half of the ``gloo`` backend: the rendezvous, the bucket layout and the broadcasts of a sync."""
+"""Trainer half of the ``gloo`` backend: a sync laid out in buckets, and its broadcasts."""
 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -12,33 +11,27 @@ import torch
 from typing_extensions import Self, override
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
-from lightning_vllm._waits import BackgroundCall, wait_polling
+from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends.base import Sender
-from lightning_vllm.backends.gloo.buckets import (
+from lightning_vllm.backends.gloo.group import InFlight, StagingRing, Wire, segment_payloads
+from lightning_vllm.backends.gloo.messages import (
     DEFAULT_COALESCE_BYTES,
+    GlooTrainerInitInfo,
+    GlooWeightTransferUpdateInfo,
     Segment,
-    StagingRing,
     TensorSpec,
     choose_segment_ends,
     cut_into_buckets,
-    segment_payloads,
 )
-from lightning_vllm.backends.gloo.group import InFlight, Wire, accept_workers, listen
-from lightning_vllm.backends.gloo.messages import (
-    GlooTrainerInitInfo,
-    GlooWeightTransferInitInfo,
-    GlooWeightTransferUpdateInfo,
-)
+from lightning_vllm.backends.gloo.rendezvous import form_group
 from lightning_vllm.backends.gloo.shares import send_in_shares
 from lightning_vllm.engine_client import TimedClient
-from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
+from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights.base import ForeignWeights, Weights
 from lightning_vllm.weights.payload import Outgoing
 
 log = logging.getLogger(__name__)
-
-_POLL_SECONDS = 0.05
 
 
 def send_order(source: Weights) -> list[list[TensorSpec]]:
@@ -98,77 +91,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             timeout_seconds=init_info.timeout_seconds,
         )
         if engine.is_sender:
-            engine._rendezvous(init_info)
+            engine._group, engine.port = form_group(init_info, engine.client)
+            engine.address = init_info.master_address
         return engine
-
-    def _rendezvous(self, init_info: GlooTrainerInitInfo) -> None:
-        timeout = init_info.timeout_seconds
-        listener = listen(init_info.master_address, init_info.master_port)
-        self.address, self.port = init_info.master_address, int(listener.getsockname()[1])
-        worker_info = GlooWeightTransferInitInfo(
-            master_address=self.address,
-            master_port=self.port,
-            rank_offset=1,
-            world_size=init_info.world_size,
-            # Also what lets a worker in: only this engine's workers are told it.
-            group_name=f"lightning_vllm/{uuid.uuid4().hex}",
-            bucket_size_bytes=init_info.bucket_size_bytes,
-            timeout_seconds=timeout,
-        )
-        # The workers block inside init_weight_transfer_engine until every one of them has
-        # joined, so they are told to join while this side accepts them.
-        trainer = BackgroundCall(
-            accept_workers,
-            listener,
-            worker_info.group_name,
-            range(1, init_info.world_size),
-            timeout,
-            what="the vLLM workers to connect",
-        )
-        workers = BackgroundCall(
-            self.client.init_weight_transfer_engine, asdict(worker_info), what="vLLM workers to join"
-        )
-        hint = (
-            f"The trainer listened on {self.address}:{self.port}. Check that the engine was built with "
-            "weight_transfer_config={'backend': 'gloo'}, that its workers can reach this address and port "
-            "(firewall), and that vllm_tp_size matches the engine."
-        )
-        try:
-            self._group = self._await_group(workers, trainer, timeout, hint)
-        except BaseException:
-            listener.close()  # ends the accepting call too
-            if trainer.done():
-                _close_if_joined(trainer)
-            self.shutdown()
-            raise
-
-    @staticmethod
-    def _await_group(workers: BackgroundCall[None], trainer: BackgroundCall[Wire], timeout: float, hint: str) -> Wire:
-        def joined() -> Wire:
-            try:
-                return trainer.result(0)
-            except WeightSyncTimeoutError as error:
-                raise WeightSyncTimeoutError(f"{error} {hint}") from error
-            except OSError as error:
-                raise WeightSyncError(f"The workers could not join: {error}. {hint}") from error
-
-        def either_failed() -> None:
-            if workers.done():
-                workers.result(0)  # raises the engine's error, if it failed
-            if trainer.done():
-                joined()  # raises, if accepting the workers failed
-
-        wait_polling(
-            lambda: workers.done() and trainer.done(),
-            timeout=timeout,
-            interval=_POLL_SECONDS,
-            check=either_failed,
-            timeout_error=lambda: WeightSyncTimeoutError(
-                f"Timed out after {timeout:g} s waiting for the vLLM workers to join. {hint}"
-            ),
-        )
-        workers.result(0)
-        return joined()
 
     @override
     def send_weights(self) -> None:
@@ -322,15 +247,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._group.close()
         self._group = None
         self._staging = None
-
-
-def _close_if_joined(trainer: BackgroundCall[Wire]) -> None:
-    """Close the connections of workers that joined although the rendezvous failed (their engine's call did)."""
-    try:
-        wire = trainer.result(0)
-    except Exception:  # noqa: BLE001  # accepting failed too: nothing to close
-        return
-    wire.close()
 
 
 def _check_shape(spec: TensorSpec, tensor: torch.Tensor) -> None:

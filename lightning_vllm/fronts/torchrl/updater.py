@@ -22,8 +22,7 @@ from typing import Any, cast
 import torch
 from typing_extensions import Self
 
-from lightning_vllm.core.engine_set import EngineSelection
-from lightning_vllm.core.push import SyncStats
+from lightning_vllm.core.push import EngineSelection, SyncStats
 from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError

@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.buckets import Bucket, TensorSpec
 from lightning_vllm.backends.gloo.group import Wire, _Connection
 from lightning_vllm.backends.gloo.messages import (
+    Bucket,
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
+    TensorSpec,
     dtype_from_name,
 )
+from lightning_vllm.backends.gloo.rendezvous import _await_group
 from lightning_vllm.backends.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
@@ -118,5 +120,5 @@ def test_a_rendezvous_whose_accepting_side_fails_ends_at_once_not_at_the_timeout
     trainer = BackgroundCall(accept_fails, what="the vLLM workers to connect")
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="could not join: the listener was closed. Check that"):
-        GlooTrainerWeightTransferEngine._await_group(workers, trainer, timeout=30, hint="Check that ...")
+        _await_group(workers, trainer, timeout=30, hint="Check that ...")
     assert time.monotonic() - start < 2

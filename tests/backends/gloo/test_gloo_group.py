@@ -1,4 +1,5 @@
-"""The gloo backend's wire (``backends/gloo/group.py``): real sockets on loopback, in threads."""
+"""The gloo backend's wire (``backends/gloo/group.py``) and how it forms (``rendezvous.py``): real sockets on
+loopback, in threads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.group import Wire, accept_workers, connect_to_trainer, listen
+from lightning_vllm.backends.gloo.group import Wire
+from lightning_vllm.backends.gloo.rendezvous import accept_workers, connect_to_trainer, listen
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
 GROUP = "lightning_vllm/test-group"
@@ -164,8 +166,7 @@ def test_workers_that_joined_a_rendezvous_that_failed_are_let_go():
 def test_an_update_whose_trainer_stops_after_some_buckets_is_not_landed_not_even_in_part():
     """Receives that failed are complete too; an update whose first buckets landed and whose last
     ones failed must raise, never hand the landed buckets with the failed ones to the loader."""
-    from lightning_vllm.backends.gloo.buckets import Bucket, TensorSpec
-    from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
+    from lightning_vllm.backends.gloo.messages import Bucket, GlooWeightTransferUpdateInfo, TensorSpec
     from lightning_vllm.backends.gloo.receiver import GlooReceiver
 
     listener = listen("127.0.0.1", 0)

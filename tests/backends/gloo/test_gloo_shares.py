@@ -11,10 +11,10 @@ import torch
 from test_gloo_group import GROUP, worker_init
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.buckets import TensorSpec, cut_into_buckets
-from lightning_vllm.backends.gloo.group import InFlight, accept_workers, listen
-from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
+from lightning_vllm.backends.gloo.group import InFlight
+from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo, TensorSpec, cut_into_buckets
 from lightning_vllm.backends.gloo.receiver import GlooReceiver
+from lightning_vllm.backends.gloo.rendezvous import accept_workers, listen
 from lightning_vllm.backends.gloo.shares import post_piece, send_share
 from lightning_vllm.weights.shares import chunk_counts
 

@@ -1,10 +1,13 @@
+"""The gloo bucket layout both ends follow (``backends/gloo/messages.py``) and the trainer's staging ring
+(``backends/gloo/group.py``)."""
+
 import pytest
 import torch
 
-from lightning_vllm.backends.gloo.buckets import (
+from lightning_vllm.backends.gloo.group import StagingRing
+from lightning_vllm.backends.gloo.messages import (
     Bucket,
     Segment,
-    StagingRing,
     TensorSpec,
     bucket_segments,
     choose_segment_ends,
