@@ -66,22 +66,17 @@ def completion_fields(sampling_params: Any) -> dict[str, Any]:
     from vllm import SamplingParams
 
     default = SamplingParams()
-    fields = {name: getattr(sampling_params, name) for name in _ALWAYS_SENT}
-    for name in _SENT_WHEN_SET:
-        value = getattr(sampling_params, name)
-        if value != getattr(default, name):
-            fields[name] = value
-    refused = [
+    changed = [
         name
         for name in SamplingParams.__struct_fields__
-        if not name.startswith("_")
-        and name not in _ALWAYS_SENT + _SENT_WHEN_SET + _NOT_SENT
-        and getattr(sampling_params, name) != getattr(default, name)
+        if not name.startswith("_") and getattr(sampling_params, name) != getattr(default, name)
     ]
+    refused = [name for name in changed if name not in _ALWAYS_SENT + _SENT_WHEN_SET + _NOT_SENT]
     if refused:
         raise ValueError(
             f"SamplingParams field(s) {refused} cannot be sent to a vLLM server's /v1/completions route, so the "
             "server would sample differently than an in-process engine. Leave them at their defaults when "
             "generating through HTTPEngine."
         )
-    return {name: msgspec.to_builtins(value) for name, value in fields.items()}
+    sent = [*_ALWAYS_SENT, *(name for name in _SENT_WHEN_SET if name in changed)]
+    return {name: msgspec.to_builtins(getattr(sampling_params, name)) for name in sent}
