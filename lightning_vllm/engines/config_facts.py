@@ -12,16 +12,6 @@ from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 
-def expected_from_config(vllm_config: Any) -> ExpectedWeights | None:
-    """What a vLLM engine with this ``VllmConfig`` loads, read from its local checkpoint."""
-    model_config = vllm_config.model_config
-    return checkpoint_weights(
-        model_config.model,
-        serving_dtype=model_config.dtype,
-        ties_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
-    )
-
-
 class EngineConfigFacts(ServesAdapter):
     """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``), and
     how its workers are asked for their per-layer sums (through its engine-core client, ``_engine_core``)."""
@@ -56,7 +46,9 @@ class EngineConfigFacts(ServesAdapter):
         return int(parallel.world_size * parallel.data_parallel_size)
 
     def expected_weights(self) -> ExpectedWeights | None:
-        return expected_from_config(self._config)
+        model_config = self._config.model_config
+        ties = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        return checkpoint_weights(model_config.model, serving_dtype=model_config.dtype, ties_word_embeddings=ties)
 
     def lora_limits(self) -> LoraLimits | None:
         return lora_limits_from(self._config.lora_config)
