@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
@@ -71,7 +72,6 @@ class RayEngine(ServesAdapter, ReportsLayerSums):
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
-        self._facts: dict[str, Any] | None = None
 
     def _call(self, method: str, *args: Any, timeout_seconds: float | None = None) -> Any:
         """Call the actor's ``method`` and wait for its answer (at most ``timeout_seconds``; callers of
@@ -87,11 +87,9 @@ class RayEngine(ServesAdapter, ReportsLayerSums):
                 "overloaded (raise generate_timeout_seconds for longer rollouts)."
             ) from error
 
-    @property
+    @cached_property
     def facts(self) -> dict[str, Any]:
-        if self._facts is None:
-            self._facts = self._call("describe")
-        return self._facts
+        return self._call("describe")
 
     @property
     def description(self) -> str:
@@ -123,10 +121,6 @@ class RayEngine(ServesAdapter, ReportsLayerSums):
         """The adapter the actor generates through. The actor keeps it, and another ``RayEngine``
         (an earlier updater's) may have set it: read from the actor with its other facts."""
         return self.facts.get("adapter")
-
-    @adapter.setter
-    def adapter(self, adapter: PolicyAdapter | None) -> None:
-        self.serve_adapter(adapter)
 
     def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
         """The actor generates, so it is the one told which adapter to use."""
