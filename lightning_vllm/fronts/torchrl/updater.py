@@ -246,11 +246,7 @@ class VLLMUpdater(WeightSync):
         weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
         return self.push(weights, worker_ids)
 
-    def __call__(
-        self,
-        policy_or_weights: Any = None,
-        worker_ids: EngineSelection = None,
-    ) -> SyncStats:
+    def __call__(self, policy_or_weights: Any = None, worker_ids: EngineSelection = None) -> SyncStats:
         """Same as :meth:`push_weights`: TorchRL's collectors call their updater with these keywords."""
         return self.push_weights(policy_or_weights, worker_ids)
 
