@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from helpers import TinyCausalLM, cpu_trainer, free_port, tiny_qwen2, token_batches
@@ -80,16 +82,9 @@ def test_unreachable_server_fails_fast_with_the_server_command():
 
 
 def test_a_url_that_is_no_vllm_server_is_named():
-    handler = http.server.SimpleHTTPRequestHandler
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
+    with serving(http.server.SimpleHTTPRequestHandler) as url:
         with pytest.raises(EngineConfigError, match="not a vLLM server in dev mode.*VLLM_SERVER_DEV_MODE=1"):
-            VLLMUpdater(engine=f"http://127.0.0.1:{httpd.server_address[1]}", timeout_seconds=5).push_weights(
-                tiny_qwen2()
-            )
-    finally:
-        httpd.shutdown()
+            VLLMUpdater(engine=url, timeout_seconds=5).push_weights(tiny_qwen2())
 
 
 @pytest.mark.engine
@@ -102,12 +97,9 @@ def test_a_server_without_weight_transfer_config_is_named():
     # What vLLM's /server_info reports for a dev-mode server started without
     # --weight-transfer-config (an in-process engine built that way is tested in test_updater.py).
     body = b'{"vllm_config": {"weight_transfer_config": null, "device_config": {"device_type": "cpu"}}}'
-    httpd, _, url = scripted_server(200, body)
-    try:
+    with scripted_server(200, body) as (_, url):
         with pytest.raises(EngineConfigError, match="without a weight-transfer config"):
             VLLMUpdater(engine=url, timeout_seconds=10).push_weights(tiny_qwen2())
-    finally:
-        httpd.shutdown()
 
 
 class ScriptedHandler(http.server.BaseHTTPRequestHandler):
@@ -136,23 +128,31 @@ class ScriptedHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def scripted_server(status: int, body: bytes, delay: float = 0.0):
-    fields = {"status": status, "body": body, "delay": delay, "seen_headers": [], "seen_bodies": []}
-    handler = type("Handler", (ScriptedHandler,), fields)
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` behind a local HTTP server for the ``with`` block; yields the server's URL."""
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+
+
+@contextlib.contextmanager
+def scripted_server(status: int, body: bytes, delay: float = 0.0) -> Iterator[tuple[type[ScriptedHandler], str]]:
+    fields = {"status": status, "body": body, "delay": delay, "seen_headers": [], "seen_bodies": []}
+    handler = type("Handler", (ScriptedHandler,), fields)
+    with serving(handler) as url:
+        yield handler, url
 
 
 def test_a_server_started_without_the_variable_ipc_needs_is_named_with_the_restart_that_fixes_it():
     # What vLLM's /server_info reports (its "vllm_env") for a server started without the variable.
     body = b'{"vllm_config": {}, "vllm_env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": false}}'
-    httpd, _, url = scripted_server(200, body)
-    try:
+    with scripted_server(200, body) as (_, url):
         problem = HTTPEngine(url).ipc_handles_problem()
         assert problem is not None and "Restart it with VLLM_ALLOW_INSECURE_SERIALIZATION=1" in problem
-    finally:
-        httpd.shutdown()
 
 
 def test_ipc_handles_go_to_a_server_pickled_as_vllms_own_http_client_sends_them():
@@ -164,31 +164,24 @@ def test_ipc_handles_go_to_a_server_pickled_as_vllms_own_http_client_sends_them(
 
     handles = {"GPU-0": (torch.Tensor, (4,), (1,), 0, torch.UntypedStorage, torch.bfloat16, 0, b"handle")}
     update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4]], "ipc_handles": handles}
-    httpd, handler, url = scripted_server(200, b"{}")
-    try:
+    with scripted_server(200, b"{}") as (handler, url):
         HTTPEngine(url).update_weights(update)
         (sent,) = [json.loads(body)["update_info"] for body in handler.seen_bodies]
         assert "ipc_handles" not in sent and sent["names"] == ["w"]
         assert pickle.loads(base64.b64decode(sent["ipc_handles_pickled"])) == handles
         HTTPEngine(url).update_weights({"names": ["w"], "packed": True})  # nccl's update info goes as it is
         assert json.loads(handler.seen_bodies[-1])["update_info"] == {"names": ["w"], "packed": True}
-    finally:
-        httpd.shutdown()
 
 
 def test_the_servers_own_error_message_is_in_the_error():
     body = b'{"error": {"message": "start_weight_update called while a weight update is already active"}}'
-    httpd, _, url = scripted_server(500, body)
-    try:
+    with scripted_server(500, body) as (_, url):
         with pytest.raises(WeightSyncError, match="answered /start_weight_update with 500: start_weight_update called"):
             HTTPEngine(url).start_weight_update()
-    finally:
-        httpd.shutdown()
 
 
 def test_a_server_that_needs_a_key_says_so_and_the_key_is_sent(monkeypatch):
-    httpd, handler, url = scripted_server(401, b'{"error": {"message": "Unauthorized"}}')
-    try:
+    with scripted_server(401, b'{"error": {"message": "Unauthorized"}}') as (handler, url):
         monkeypatch.setenv("VLLM_API_KEY", "from-env")
         with pytest.raises(EngineConfigError, match="needs an API key.*api_key=.*VLLM_API_KEY"):
             HTTPEngine(url).pause_generation("keep")
@@ -198,13 +191,10 @@ def test_a_server_that_needs_a_key_says_so_and_the_key_is_sent(monkeypatch):
             "Bearer from-env",
             "Bearer given",
         ]
-    finally:
-        httpd.shutdown()
 
 
 def test_requests_follow_the_updaters_timeout():
-    httpd, _, url = scripted_server(200, b"{}", delay=3.0)
-    try:
+    with scripted_server(200, b"{}", delay=3.0) as (_, url):
         engine = HTTPEngine(url)
         engine.follow_timeout(1.0)
         start = time.monotonic()
@@ -214,8 +204,6 @@ def test_requests_follow_the_updaters_timeout():
         own = HTTPEngine(url, timeout_seconds=5.0)
         own.follow_timeout(1.0)  # a timeout given to the adapter wins
         assert own.timeout_seconds == 5.0
-    finally:
-        httpd.shutdown()
 
 
 def test_every_sampling_field_the_route_takes_is_sent_and_the_rest_refused():
@@ -251,25 +239,13 @@ def test_the_guarded_servers_rl_routes_refuse_requests_without_the_key(server):
 
 def test_a_completion_is_bounded_by_the_timeout_its_caller_gives():
     """The callback's generate_timeout_seconds reaches the server's request, not the adapter's own 600 s."""
-
-    class Hangs(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802  # (http.server's name)
-            time.sleep(5)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hangs)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    engine = HTTPEngine(f"http://127.0.0.1:{httpd.server_address[1]}")
-    engine.served_model = "m"  # (what /v1/models would say)
-    engine.get_weight_version = lambda: "1"  # (what /weight_info would say)
-    start = time.monotonic()
-    try:
+    with scripted_server(200, b"{}", delay=5.0) as (_, url):  # answers after 5 s
+        engine = HTTPEngine(url)
+        engine.served_model = "m"  # (what /v1/models would say)
+        engine.get_weight_version = lambda: "1"  # (what /weight_info would say)
+        start = time.monotonic()
         with pytest.raises(WeightSyncTimeoutError, match="did not answer /v1/completions within 1 s"):
             engine.generate([[1, 2]], SamplingParams(max_tokens=1), timeout_seconds=1)
-    finally:
-        httpd.shutdown()
     assert time.monotonic() - start < 4 and engine.generate_timeout_seconds == 600
 
 
