@@ -98,15 +98,11 @@ def lease_scenario(requests: list[tuple[str, float | None, int]], wait: float) -
 
             headers = [(PAUSE_LEASE_HEADER.encode(), str(lease).encode())] if lease is not None else []
             scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "app": app_state}
-            await middleware_for(route)(scope, None, send)
+            middleware.app = route  # (one middleware for all of them: it holds the lease)
+            await middleware(scope, None, send)
         await asyncio.sleep(wait)
 
     middleware = PauseLease(None)
-
-    def middleware_for(route):
-        middleware.app = route
-        return middleware
-
     asyncio.run(run())
     return client.resumes
 
