@@ -1,4 +1,4 @@
-"""A PEFT LoRA policy sent as its adapter: what is sent, and whether an engine can serve it.
+"""A PEFT LoRA policy sent as its adapter: what is sent (whether an engine can serve it: ``serving.py``).
 
 vLLM serves LoRA adapters beside the base model (``enable_lora=True``). When the
 policy is a PEFT LoRA model whose base weights stay frozen, a push needs to move
@@ -14,7 +14,6 @@ which is what vLLM's LoRA loader parses. vLLM's own ``PEFTHelper`` judges the co
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,8 +24,6 @@ from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import canonical_name
 from lightning_vllm.weights.survey import Survey, survey
-
-log = logging.getLogger(__name__)
 
 # Config fields vLLM's PEFTHelper reads; the rest of a PEFT config (paths, init
 # options that only matter before training) is left out of the message.
