@@ -303,23 +303,18 @@ class CheckpointWeights(Weights):
 
 
 def in_checkpoint_layout(source: Weights, model: torch.nn.Module) -> Weights:
-    """``source``, the in-memory tensors of ``model`` (or of the Hugging Face model inside it), in its checkpoint's
-    layout (:class:`CheckpointLayout`); ``source`` itself for a model transformers does not convert.
+    """``source``, the in-memory tensors of ``model`` (or of the outermost ``PreTrainedModel`` in its tree: PEFT's
+    base model, the model that FSDP or a LightningModule wraps), in its checkpoint's layout
+    (:class:`CheckpointLayout`); ``source`` itself for a model transformers does not convert.
 
     Raises:
         WeightsMismatchError: transformers cannot reverse the model's conversion.
     """
-    pretrained = pretrained_model_in(model)
-    layout = CheckpointLayout.of(pretrained) if pretrained is not None else None
-    return layout.weights(source) if layout is not None else source
-
-
-def pretrained_model_in(module: torch.nn.Module) -> torch.nn.Module | None:
-    """The outermost ``PreTrainedModel`` in ``module``'s tree (``module`` itself, PEFT's base model, the model
-    that FSDP or a LightningModule wraps), or ``None``."""
     from transformers import PreTrainedModel
 
-    return next((child for child in module.modules() if isinstance(child, PreTrainedModel)), None)
+    pretrained = next((child for child in model.modules() if isinstance(child, PreTrainedModel)), None)
+    layout = CheckpointLayout.of(pretrained) if pretrained is not None else None
+    return layout.weights(source) if layout is not None else source
 
 
 def moe_parts(groups: Sequence[Sequence[str]]) -> list[list[str]]:

@@ -63,9 +63,7 @@ def checkpoint_weights(
                 dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype(), torch.uint8)
                 wire = serving_dtype if dtype.is_floating_point else dtype
                 weights[name] = (wire, torch.Size(tensor.get_shape()))
-    if ties_word_embeddings:
-        weights.pop(TIED_OUTPUT_EMBEDDING, None)
-    return ExpectedWeights(weights, ties_word_embeddings)
+    return ExpectedWeights(loaded_by_engine(weights, ties_word_embeddings), ties_word_embeddings)
 
 
 def metadata_problems(

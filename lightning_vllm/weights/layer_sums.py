@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,8 +178,6 @@ class SentSums:
 
     def landed(self) -> None:
         """The push committed: the engine now holds what was tallied (one device sync)."""
-        if not self._pending:
-            return
         names = list(self._pending)
         values = _to_floats([self._pending[name][0] for name in names])
         for name, (total, squares) in zip(names, values):
@@ -193,11 +191,8 @@ class SentSums:
     def by_layer(self) -> dict[str, LayerSums]:
         """What the engine should hold, per layer (:func:`layer_of`)."""
         layers: dict[str, list[float]] = {}
-        for name, (total, squares, count) in self._held.items():
-            sums = layers.setdefault(layer_of(name), [0.0, 0.0, 0])
-            sums[0] += total
-            sums[1] += squares
-            sums[2] += count
+        for name, values in self._held.items():
+            _add(layers, layer_of(name), values)
         return {layer: LayerSums(total, squares, int(count)) for layer, (total, squares, count) in layers.items()}
 
 
@@ -228,17 +223,13 @@ class HeldSums:
         replicated: dict[str, tuple[float, float]] = {}
         unverifiable: dict[str, str] = {}
         for report in reports:
-            for layer, (total, squares) in report.get("sharded", {}).items():
-                sums = layers.setdefault(layer, [0.0, 0.0])
-                sums[0] += total
-                sums[1] += squares
+            for layer, values in report.get("sharded", {}).items():
+                _add(layers, layer, values)
             for layer, (total, squares) in report.get("replicated", {}).items():
                 replicated.setdefault(layer, (total, squares))  # every rank of a stage holds the same
             unverifiable.update(report.get("unverifiable", {}))
-        for layer, (total, squares) in replicated.items():
-            sums = layers.setdefault(layer, [0.0, 0.0])
-            sums[0] += total
-            sums[1] += squares
+        for layer, values in replicated.items():
+            _add(layers, layer, values)
         return cls({layer: (s, q) for layer, (s, q) in layers.items() if layer not in unverifiable}, unverifiable)
 
     def differing(self, expected: Mapping[str, LayerSums]) -> list[str]:
@@ -248,6 +239,13 @@ class HeldSums:
             for layer, sums in expected.items()
             if layer in self.layers and sums.finite and not sums.matches(*self.layers[layer])
         )
+
+
+def _add(sums: dict[str, list[float]], layer: str, values: Sequence[float]) -> None:
+    """Add ``values`` (a sum, a sum of squares, ...) to ``layer``'s in ``sums``."""
+    totals = sums.setdefault(layer, [0.0] * len(values))
+    for position, value in enumerate(values):
+        totals[position] += value
 
 
 def _to_floats(sums: list[torch.Tensor]) -> list[list[float]]:
@@ -307,8 +305,6 @@ def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             key = (kind, row_layer)
             sums[key] = sums[key] + tensor_sums(values) if key in sums else tensor_sums(values)
     report: dict[str, dict[str, Any]] = {"sharded": {}, "replicated": {}, "unverifiable": unverifiable}
-    if sums:
-        keys = list(sums)
-        for (kind, layer), values in zip(keys, _to_floats([sums[key] for key in keys])):
-            report[kind][layer] = values
+    for (kind, layer), values in zip(sums, _to_floats(list(sums.values()))):
+        report[kind][layer] = values
     return report

@@ -56,12 +56,8 @@ _MAX_REMEMBERED_NAMES = 1 << 17
 
 def _without_wrappers(name: str) -> str:
     name = _WRAPPER_SEGMENT.sub("", name).lstrip(".")
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix) :], True
+    while prefix := next((prefix for prefix in _WRAPPER_PREFIXES if name.startswith(prefix)), None):
+        name = name.removeprefix(prefix)
     return name
 
 
