@@ -105,9 +105,7 @@ def grouped_ops(stock: ModuleType) -> dict[str, Callable[..., Any]]:
         if not _fits(inputs, lora_b_weights, lora_indices_tensor):
             return stock.bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
         outputs = product(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
-        limit = output_tensor.shape[0]
-        if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:  # as vLLM's op does
-            limit = 1
+        limit = 1 if outputs.shape[0] == 1 else output_tensor.shape[0]  # as vLLM's op does
         common = min(outputs.shape[1], output_tensor.shape[1])  # adapter and model may pad differently
         if add_inputs:
             output_tensor[:, :common] += outputs[:limit, :common]
@@ -144,14 +142,8 @@ def grouped_ops(stock: ModuleType) -> dict[str, Callable[..., Any]]:
         slots = torch.repeat_interleave(lora_indices_tensor, seq_len_tensor)
         bgmv_expand_slice(inputs, lora_b_weights, output_tensor, slots, slice_offset, slice_size, add_inputs)
 
-    return {
-        "bgmv_shrink": bgmv_shrink,
-        "bgmv_expand": bgmv_expand,
-        "bgmv_expand_slice": bgmv_expand_slice,
-        "sgmv_shrink": sgmv_shrink,
-        "sgmv_expand": sgmv_expand,
-        "sgmv_expand_slice": sgmv_expand_slice,
-    }
+    ops = (bgmv_shrink, bgmv_expand, bgmv_expand_slice, sgmv_shrink, sgmv_expand, sgmv_expand_slice)
+    return {op.__name__: op for op in ops}
 
 
 def install_grouped_cpu_lora_ops() -> bool:

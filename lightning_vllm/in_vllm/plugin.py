@@ -1,16 +1,12 @@
-"""vLLM plugin entry point: makes the ``gloo`` and ``lightning_ipc`` backends known to vLLM and watches vLLM's ``nccl``
-worker engine while it receives (``backends/nccl/worker.py``: a failed trainer no longer leaves it waiting for good);
-caps vLLM's busy-wait when ``LIGHTNING_VLLM_BUSY_LOOP_SECONDS`` asks (``busy_wait.py``); applies LoRA adapters on CPUs
-one matrix product per adapter when ``LIGHTNING_VLLM_CPU_LORA_OPS=grouped`` asks (``lora_ops.py``).
+"""vLLM plugin entry point: :func:`register_backends`, which says what it registers and applies.
 
 Declared in ``pyproject.toml`` under the ``vllm.general_plugins`` entry-point
 group, so vLLM calls :func:`register_backends` in each of its processes (front
 end, engine core, every worker) before it builds a weight-transfer engine. An
 engine created with ``weight_transfer_config={"backend": "gloo"}`` therefore works
 in-process, with multiprocess workers and behind ``vllm serve``, with no user code.
-
-It only registers: the backends by module name, as vLLM's factories take them, so that a process imports only the
-side it builds (a worker, the worker's side) and none of the trainer's.
+It registers the backends by module name, as vLLM's factories take them, so that a process imports only the side it
+builds (a worker, the worker's side) and none of the trainer's.
 """
 
 from __future__ import annotations
@@ -45,18 +41,14 @@ def register_backends() -> None:
 
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
     """
-    if GLOO not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(GLOO, _GLOO_WORKER, "GlooWeightTransferEngine")
-    if GLOO not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(GLOO, _GLOO_TRAINER, "GlooTrainerWeightTransferEngine")
-    if LIGHTNING_IPC not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            LIGHTNING_IPC, _LIGHTNING_IPC_WORKER, "InPlaceIPCWeightTransferEngine"
-        )
-    if LIGHTNING_IPC not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(
-            LIGHTNING_IPC, _LIGHTNING_IPC_TRAINER, "KeptHandlesIPCTrainerEngine"
-        )
+    for factory, name, module, class_name in (
+        (WeightTransferEngineFactory, GLOO, _GLOO_WORKER, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, GLOO, _GLOO_TRAINER, "GlooTrainerWeightTransferEngine"),
+        (WeightTransferEngineFactory, LIGHTNING_IPC, _LIGHTNING_IPC_WORKER, "InPlaceIPCWeightTransferEngine"),
+        (WeightTransferTrainerFactory, LIGHTNING_IPC, _LIGHTNING_IPC_TRAINER, "KeptHandlesIPCTrainerEngine"),
+    ):
+        if name not in factory._registry:
+            factory.register_engine(name, module, class_name)
     # vLLM's factory refuses a second engine under a name; its registry maps names to loaders, as register_engine does.
     WeightTransferEngineFactory._registry[NCCL] = _watched_nccl_engine
     limit_busy_wait()

@@ -1,7 +1,4 @@
-"""``lightning_ipc``: vLLM's CUDA-IPC protocol with handles kept open, our backend for an engine on the trainer's own
-GPU. Its trainer side is ``trainer.py`` (each tensor's handle sent once while the trainer's storage stays put), its
-worker side ``worker.py`` (loaded in vLLM's workers: one batched copy a push, the handles kept open) with the loads
-it records and replays (``recorded_loads.py``)."""
+"""``lightning_ipc``: vLLM's CUDA-IPC protocol with handles kept open, for an engine on the trainer's own GPU."""
 
 from __future__ import annotations
 

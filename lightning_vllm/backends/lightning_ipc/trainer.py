@@ -60,10 +60,7 @@ class _Shared:
     view: tuple[Any, ...]
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        return self.storage() is tensor.untyped_storage() and self.view == _view(tensor)
-
-
-_view = held_view
+        return self.storage() is tensor.untyped_storage() and self.view == held_view(tensor)
 
 
 class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
@@ -121,7 +118,7 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
                 if shared is not None:
                     released.append(shared.slot)
                 weight = weight.contiguous()
-                shared = _Shared(next(self._numbers), weakref.ref(weight.untyped_storage()), _view(weight))
+                shared = _Shared(next(self._numbers), weakref.ref(weight.untyped_storage()), held_view(weight))
                 self._shared[name] = shared
                 handles.append({self.gpu_uuid: reduce_tensor(weight)[1]})
                 self.handles_sent += 1
@@ -155,7 +152,7 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         if (
             held is None
             or held[0] != names
-            or [_view(tensor) for tensor in held[1]] != [self._shared[name].view for name in names]
+            or [held_view(tensor) for tensor in held[1]] != [self._shared[name].view for name in names]
         ):
             return None
         return source.held_signature()
