@@ -39,7 +39,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.errors import WeightsMismatchError
-from lightning_vllm.weights.base import ParamList, Stamp, Weights
+from lightning_vllm.weights.base import ParamList, Stamp, Weights, tensor_stamp
 from lightning_vllm.weights.hf_conversion import REFUSED, ReversedConversion, natural_order
 from lightning_vllm.weights.layer_sums import MOE_PARTS
 from lightning_vllm.weights.model import canonical_name, repeated_names
@@ -292,8 +292,6 @@ class CheckpointWeights(Weights):
         stamps = self.source.stamps()
         if stamps is None:
             return None
-        from lightning_vllm.weights.base import tensor_stamp
-
         for name, buffer in self.plan.buffers():
             stamp = tensor_stamp(buffer)
             if stamp is None:

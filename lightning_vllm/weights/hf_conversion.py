@@ -1,11 +1,8 @@
 """transformers' weight conversion, reversed: the one module that reads ``transformers.core_model_loading``.
 
-``save_pretrained`` turns a model's in-memory tensors into its checkpoint's with
-``revert_weight_conversion(model, state_dict)``, which takes the whole state dict at once and copies every chunk
-it makes. A push streams one layer group at a time and sends views, so it runs the same reversed transforms in
-two steps: :meth:`ReversedConversion.group_of` names the group a tensor joins (``rename_source_key``, as
-``revert_weight_conversion`` groups), and :meth:`ReversedConversion.run` runs a group's converter
-(``WeightConverter.convert``'s steps, with ``Chunk`` as views). ``checkpoint_layout.py`` plans with both.
+``revert_weight_conversion`` (what ``save_pretrained`` runs) takes a whole state dict and copies every chunk it
+makes; a push streams and sends views, so ``checkpoint_layout.py`` (whose docstring says how) runs the same reversed
+transforms in two steps: :meth:`ReversedConversion.group_of`, then :meth:`ReversedConversion.run`.
 """
 
 from __future__ import annotations
