@@ -33,9 +33,7 @@ them on the device. Without the event, or with several workers (one event tells 
 copies), ``finish_weight_update`` waits for the device instead.
 
 The check after every push (``verify_pushes``) holds what the workers then hold against what
-was sent, layer by layer. Build the engine with
-``weight_transfer_config={"backend": "lightning_ipc"}``; the trainer side is ours
-(``trainer.py``), chosen by the backend (``backend.py``).
+was sent, layer by layer.
 """
 
 from __future__ import annotations
@@ -192,7 +190,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         if slots is None:  # kept until the next push has opened its own (PyTorch's IPC cache reuses the mappings)
             self._opened = [tensor for _, tensor in weights]
         if not self._loads_in_place():
-            self._load(weights)
+            with self._loading():
+                self.model.load_weights(weights)  # type: ignore[operator]  # a vLLM model, not a bare Module
             return
         numbers: list[int | None] = list(slots) if slots is not None else [None] * len(weights)
         bound = [self._bound_load(name, tensor, slot) for (name, tensor), slot in zip(weights, numbers)]
@@ -236,10 +235,6 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         if load is not None and slot is not None:
             self._bound[slot] = load
         return load
-
-    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        with self._loading():
-            self.model.load_weights(weights)  # type: ignore[operator]  # a vLLM model, not a bare Module
 
     @contextmanager
     def _loading(self) -> Iterator[None]:

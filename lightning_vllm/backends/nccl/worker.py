@@ -16,8 +16,7 @@ So this engine is vLLM's, watched while it receives: a thread asks NCCL for the 
 calls) and aborts it, which wakes the receive. What arrived after the failure is not loaded: the buffers of an
 aborted broadcast hold whatever was there. ``receive_weights`` then raises, vLLM's ``update_weights`` returns its
 error, and the trainer's side closes the update (``core/after_failure.py``); the next push joins a new group.
-A new trainer's join also leaves the group still held (vLLM's replaces it without destroying it, so a trainer
-killed between two pushes left a communicator behind).
+A new trainer's join also leaves the group still held (:meth:`WatchedNCCLWeightTransferEngine.init_transfer_engine`).
 
 The plugin (``plugin.py``) registers it under vLLM's own name, ``nccl``: an engine built with
 ``weight_transfer_config={"backend": "nccl"}`` gets it in each worker, with no user code.
