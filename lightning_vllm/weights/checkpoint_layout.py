@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.errors import WeightsMismatchError
@@ -308,8 +309,6 @@ def in_checkpoint_layout(source: Weights, model: torch.nn.Module) -> Weights:
     Raises:
         WeightsMismatchError: transformers cannot reverse the model's conversion.
     """
-    from transformers import PreTrainedModel
-
     pretrained = next((child for child in model.modules() if isinstance(child, PreTrainedModel)), None)
     layout = CheckpointLayout.of(pretrained) if pretrained is not None else None
     return layout.weights(source) if layout is not None else source

@@ -17,7 +17,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.weights.base import Weights
-from lightning_vllm.weights.model import canonical_name
+from lightning_vllm.weights.model import canonical_name, find_hf_model
 
 
 def _fsdp_class() -> Any:
@@ -97,8 +97,6 @@ def _model_prefix(module: torch.nn.Module, model_attribute: str | None) -> str:
         return ""
     if model_attribute is not None:
         return f"{model_attribute}."
-    from lightning_vllm.weights.model import find_hf_model
-
     model = find_hf_model(inner)
     path = next(name for name, child in inner.named_modules() if child is model)
     # canonical_name cleans tensor names: give the path one, so its wrapper segments go too.
