@@ -271,21 +271,21 @@ def record_load(
 ) -> dict[str, _TensorRecord]:
     """Run ``load_weights(weights)``, watching it; the record of each tensor whose load was copies and fills
     only (none if the load did anything else, or if two incoming tensors overlap in one storage)."""
-    incoming = _Incoming([tensor for _, tensor in weights])
+    tensors = [tensor for _, tensor in weights]
+    incoming = _Incoming(tensors)
     if not incoming.apart:
         load_weights(weights)
         return {}
     held_storages = {_storage(tensor) for tensor in held} - {0}  # (an empty tensor has no storage to tell apart)
-    recorder = _Recorder(incoming, held_storages, [tensor for _, tensor in weights])
+    recorder = _Recorder(incoming, held_storages, tensors)
     with recorder:
         load_weights(weights)
     if not recorder.ok:
         return {}
-    records = {}
-    for position, (name, tensor) in enumerate(weights):
-        steps = recorder.steps[position]
-        records[name] = _TensorRecord(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, steps)
-    return records
+    return {
+        name: _TensorRecord(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, steps)
+        for (name, tensor), steps in zip(weights, recorder.steps)
+    }
 
 
 class _Incoming:

@@ -78,22 +78,19 @@ class GroupWatch:
 
     def _watch(self) -> None:
         try:
-            self._watch_until_stopped()
+            while not self._stop.wait(self.poll_seconds):
+                code = async_error(self.group)
+                if code in (_NCCL_SUCCESS, _NCCL_IN_PROGRESS):
+                    continue
+                self.error = f"NCCL reported a {_ERROR_NAMES.get(code, f'failure (code {code})')} on the group"
+                # Off first: vLLM's communicator makes no NCCL call once disabled, and an aborted one is freed.
+                self.group.disabled, self.group.available = True, False
+                device = self.group.device
+                with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                    self.group.nccl.ncclCommAbort(self.group.comm)
+                return
         except Exception:  # a watch that cannot ask NCCL leaves vLLM's receive as it was: say so, once
             log.exception("The NCCL weight-transfer group could not be watched; a failed trainer may leave it waiting")
-
-    def _watch_until_stopped(self) -> None:
-        while not self._stop.wait(self.poll_seconds):
-            code = async_error(self.group)
-            if code in (_NCCL_SUCCESS, _NCCL_IN_PROGRESS):
-                continue
-            self.error = f"NCCL reported a {_ERROR_NAMES.get(code, f'failure (code {code})')} on the group"
-            # Off first: vLLM's communicator makes no NCCL call once disabled, and an aborted communicator is freed.
-            self.group.disabled, self.group.available = True, False
-            device = self.group.device
-            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-                self.group.nccl.ncclCommAbort(self.group.comm)
-            return
 
 
 def async_error(group: Any) -> int:
