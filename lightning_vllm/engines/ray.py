@@ -122,6 +122,10 @@ class RayEngine(ServesAdapter, ReportsLayerSums):
         (an earlier updater's) may have set it: read from the actor with its other facts."""
         return self.facts.get("adapter")
 
+    @adapter.setter
+    def adapter(self, adapter: PolicyAdapter | None) -> None:  # (ServesAdapter's is a plain attribute)
+        self.serve_adapter(adapter)
+
     def serve_adapter(self, adapter: PolicyAdapter | None) -> None:
         """The actor generates, so it is the one told which adapter to use."""
         self._call("serve_adapter", adapter)
