@@ -22,11 +22,12 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine
 
 from lightning_vllm._waits import call_watched
-from lightning_vllm.backends.base import Backend, GroupSettings, Outgoing, Sender
+from lightning_vllm.backends.base import Backend, GroupSettings, Sender
 from lightning_vllm.engine_client import AbandonedClient
 from lightning_vllm.weights import DeclaredWeights
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata
+from lightning_vllm.weights.payload import Outgoing
 
 _DEATH_POLL_SECONDS = 0.1  # how often a transfer asks whether the engine died (free)
 
