@@ -18,20 +18,15 @@ from typing import Any
 
 import torch
 
+from lightning_vllm.backends.gloo.tied_embedding_fix import processing_recorded
+
 
 @contextmanager
 def cpu_experts_repacked(model: torch.nn.Module) -> Iterator[None]:
     """Around a layer-wise reload: afterwards, prepack the experts of every MoE layer the reload processed."""
     layers = {id(module): (module, experts) for module in model.modules() if (experts := _cpu_experts(module))}
-    processed: set[int] = set()
-    methods: list[Any] = [module.quant_method for module, _ in layers.values()]
-    for method in methods:
-        method.process_weights_after_loading = _recording(method.process_weights_after_loading, processed)
-    try:
+    with processing_recorded([module.quant_method for module, _ in layers.values()]) as processed:
         yield
-    finally:
-        for method in methods:
-            del method.process_weights_after_loading  # the class's own again
     for key in processed & layers.keys():
         module, experts = layers[key]
         experts.process_weights_after_loading(module)
@@ -46,11 +41,3 @@ def _cpu_experts(module: torch.nn.Module) -> Any:
     kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
     experts = getattr(kernel, "fused_experts", None)
     return experts if isinstance(experts, CPUUnquantizedExperts) else None
-
-
-def _recording(process: Any, processed: set[int]) -> Any:
-    def process_and_record(layer: torch.nn.Module) -> Any:
-        processed.add(id(layer))
-        return process(layer)
-
-    return process_and_record

@@ -28,20 +28,28 @@ def tied_embeddings_refreshed(model: torch.nn.Module) -> Iterator[None]:
     processing for the duration, so it does not depend on how vLLM names them.
     """
     groups = _tied_embedding_groups(model)
-    processed: set[int] = set()
-    methods: dict[int, Any] = {id(_method(module)): _method(module) for group in groups for module in group}
-    for method in methods.values():
-        method.process_weights_after_loading = _recording(method.process_weights_after_loading, processed)
-    try:
+    methods = {id(_method(module)): _method(module) for group in groups for module in group}
+    with processing_recorded(list(methods.values())) as processed:
         yield
-    finally:
-        for method in methods.values():
-            del method.process_weights_after_loading  # the class's own again
     for group in groups:
         if any(id(module) in processed for module in group):
             for module in group:
                 if id(module) not in processed:
                     _method(module).process_weights_after_loading(module)
+
+
+@contextmanager
+def processing_recorded(methods: list[Any]) -> Iterator[set[int]]:
+    """The ids of the layers that ``methods`` process (``process_weights_after_loading``) while it is open; also
+    used by ``moe_prepack_fix.py``."""
+    processed: set[int] = set()
+    for method in methods:
+        method.process_weights_after_loading = _recording(method.process_weights_after_loading, processed)
+    try:
+        yield processed
+    finally:
+        for method in methods:
+            del method.process_weights_after_loading  # the class's own again
 
 
 def _method(module: torch.nn.Module) -> Any:
