@@ -91,17 +91,6 @@ class TrainerRanks:
         self.share_sender: ShareSender | None = None
         self.warned_gathered = False  # said once why an every-rank push was gathered instead
 
-    def exchange(self, status: int, version: int = 0) -> tuple[int, int]:
-        """Every rank's status combined (the highest wins), and the highest version offered.
-
-        Raises:
-            WeightSyncTimeoutError: a rank did not check in within ``timeout_seconds``.
-            WeightSyncError: a rank is gone (its connection broke before that).
-        """
-        values = torch.tensor([status, version], dtype=torch.int64)
-        self._collective(dist.all_reduce, values, op=dist.ReduceOp.MAX)
-        return int(values[0]), int(values[1])
-
     def check_in(self, status: int = PROCEED, version: int = 0, error: BaseException | None = None) -> tuple[int, int]:
         """A lockstep check-in: every rank's status combined (the highest wins) and the highest version offered.
 
@@ -115,7 +104,7 @@ class TrainerRanks:
             WeightSyncTimeoutError: a rank did not check in within ``timeout_seconds``.
             WeightSyncError: a rank is gone (its connection broke before that).
         """
-        agreed, agreed_version = self.exchange(FAILED if error is not None else status, version)
+        agreed, agreed_version = self._reduced([FAILED if error is not None else status, version], dist.ReduceOp.MAX)
         if agreed == FAILED:
             rank, message = self.shared_error(None if error is None else f"{type(error).__name__}: {error}")
             if error is None:
@@ -124,17 +113,18 @@ class TrainerRanks:
 
     def shared_error(self, message: str | None) -> tuple[int, str]:
         """The lowest failing rank and its error message, on every rank (``message``: ours, if we failed)."""
-        failing = torch.tensor([self.rank if message is not None else self.world_size], dtype=torch.int64)
-        self._collective(dist.all_reduce, failing, op=dist.ReduceOp.MIN)
-        source = int(failing[0])
+        [source] = self._reduced([self.rank if message is not None else self.world_size], dist.ReduceOp.MIN)
         shared = self.broadcast_bytes((message or "").encode()[:4096], source=source)
         return source, shared.decode(errors="replace")
 
     def every_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a collective)."""
-        values = torch.tensor([int(flag)], dtype=torch.int64)
-        self._collective(dist.all_reduce, values, op=dist.ReduceOp.MIN)
-        return bool(values[0])
+        return bool(self._reduced([int(flag)], dist.ReduceOp.MIN)[0])
+
+    def _reduced(self, values: list[int], op: Any) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self._collective(dist.all_reduce, tensor, op=op)
+        return [int(value) for value in tensor]
 
     def gather_to_rank_zero(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload``, by rank, on rank 0 (``[]`` elsewhere); raw bytes, never unpickled."""
