@@ -43,11 +43,8 @@ class RankZeroAlone(RankRoles):
 
     every_rank_walks: ClassVar[bool] = False
 
-    def __init__(self, ranks: TrainerRanks | None = None) -> None:
-        self.ranks = ranks
-
     def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        return sync.push(module) if self.ranks is None or self.ranks.rank == 0 else None
+        return sync.push(module)  # (called on global rank 0 only: PushPoints._push_from_rank_zero)
 
 
 class PushPoints:
@@ -240,5 +237,5 @@ def choose_rank_roles(ranks: TrainerRanks, sharded: bool, push_from: PushFrom) -
     """The rank roles of every push of a fit: rank 0 alone unless the policy is sharded; then lockstep
     gathers, or every rank's own share with ``push_from="every_rank"``."""
     if not sharded:
-        return RankZeroAlone(ranks)
+        return RankZeroAlone()
     return EveryRankShares(ranks) if push_from == "every_rank" else LockstepGathers(ranks)
