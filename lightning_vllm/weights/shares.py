@@ -224,11 +224,8 @@ class EveryRankSend(ABC):
     """
 
     shares: RankShares
-
-    @property
-    @abstractmethod
-    def senders(self) -> list[dict[str, Any]]:
-        """Where the workers reach trainer ranks 1, 2, ...: ``{"address", "port"}`` each."""
+    senders: list[dict[str, Any]]
+    """Where the workers reach trainer ranks 1, 2, ...: ``{"address", "port"}`` each."""
 
     @abstractmethod
     def begin_pass(self, announced: dict[str, Any]) -> None:

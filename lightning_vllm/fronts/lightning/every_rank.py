@@ -76,27 +76,24 @@ def send_address(master_address: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def agreed_shares(payload: Payload, ranks: TrainerRanks) -> RankShares | None:
-    """This rank's shares of ``payload``, if every rank has its own (a collective); else ``None``,
-    with a warning (once) that says why the push is gathered and sent by rank 0 instead."""
-    shares: RankShares | str = "a LoRA adapter push is gathered"
-    if not payload.carries_adapter:
-        shares = RankShares.of(payload.weights, ranks.rank, ranks.world_size)
-    if ranks.every_rank(isinstance(shares, RankShares)):
-        return shares if isinstance(shares, RankShares) else None
-    if not ranks.warned_gathered:
-        ranks.warned_gathered = True
-        why = shares if isinstance(shares, str) else "another rank's policy has no share of its own"
-        log.warning("push_from='every_rank': this push is gathered and sent by rank 0 instead, as %s.", why)
-    return None
-
-
 class EveryRankShares(LockstepGathers):
     """``push_from="every_rank"``: each rank sends its own share of every tensor when every rank holds
     one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy)."""
 
     def shares_of(self, payload: Payload) -> RankShares | None:
-        return agreed_shares(payload, self.ranks)
+        """This rank's shares of ``payload``, if every rank has its own (a collective); else ``None``,
+        with a warning (once) that says why the push is gathered and sent by rank 0 instead."""
+        ranks = self.ranks
+        shares: RankShares | str = "a LoRA adapter push is gathered"
+        if not payload.carries_adapter:
+            shares = RankShares.of(payload.weights, ranks.rank, ranks.world_size)
+        if ranks.every_rank(isinstance(shares, RankShares)):
+            return shares if isinstance(shares, RankShares) else None
+        if not ranks.warned_gathered:
+            ranks.warned_gathered = True
+            why = shares if isinstance(shares, str) else "another rank's policy has no share of its own"
+            log.warning("push_from='every_rank': this push is gathered and sent by rank 0 instead, as %s.", why)
+        return None
 
     def push_shares(
         self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
@@ -198,12 +195,8 @@ class _StatusGroupSend(EveryRankSend):
     def __init__(self, ranks: TrainerRanks, shares: RankShares, senders: list[dict[str, Any]]) -> None:
         self.ranks = ranks
         self.shares = shares
-        self._senders = senders
+        self.senders = senders
         self.aborted = False  # a pass failed: the other ranks have left the exchange
-
-    @property
-    def senders(self) -> list[dict[str, Any]]:
-        return list(self._senders)
 
     def begin_pass(self, announced: dict[str, Any]) -> None:
         if self.aborted:  # any failed pass ends the push on every rank: the others have left
