@@ -27,6 +27,7 @@ wait in that group's gathers until the trainer's process-group timeout.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from abc import ABC, abstractmethod
@@ -104,7 +105,8 @@ class TrainerRanks:
             WeightSyncTimeoutError: a rank did not check in within ``timeout_seconds``.
             WeightSyncError: a rank is gone (its connection broke before that).
         """
-        agreed, agreed_version = self._reduced([FAILED if error is not None else status, version], dist.ReduceOp.MAX)
+        offered = [FAILED if error is not None else status, version]
+        agreed, agreed_version = self._ints(dist.all_reduce, offered, op=dist.ReduceOp.MAX)
         if agreed == FAILED:
             rank, message = self.shared_error(None if error is None else f"{type(error).__name__}: {error}")
             if error is None:
@@ -113,18 +115,14 @@ class TrainerRanks:
 
     def shared_error(self, message: str | None) -> tuple[int, str]:
         """The lowest failing rank and its error message, on every rank (``message``: ours, if we failed)."""
-        [source] = self._reduced([self.rank if message is not None else self.world_size], dist.ReduceOp.MIN)
+        failing = self.rank if message is not None else self.world_size
+        [source] = self._ints(dist.all_reduce, [failing], op=dist.ReduceOp.MIN)
         shared = self.broadcast_bytes((message or "").encode()[:4096], source=source)
         return source, shared.decode(errors="replace")
 
     def every_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a collective)."""
-        return bool(self._reduced([int(flag)], dist.ReduceOp.MIN)[0])
-
-    def _reduced(self, values: list[int], op: Any) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        self._collective(dist.all_reduce, tensor, op=op)
-        return [int(value) for value in tensor]
+        return bool(self._ints(dist.all_reduce, [int(flag)], op=dist.ReduceOp.MIN)[0])
 
     def gather_to_rank_zero(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload``, by rank, on rank 0 (``[]`` elsewhere); raw bytes, never unpickled."""
@@ -169,8 +167,11 @@ class TrainerRanks:
 
     def broadcast_ints(self, values: list[int], source: int = 0) -> list[int]:
         """``source``'s ``values`` on every rank (the others pass as many, ignored)."""
+        return self._ints(dist.broadcast, values, src=source)
+
+    def _ints(self, operation: Any, values: list[int], **kwargs: Any) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64)
-        self._collective(dist.broadcast, tensor, src=source)
+        self._collective(operation, tensor, **kwargs)
         return [int(value) for value in tensor]
 
     def close(self) -> None:
@@ -244,10 +245,8 @@ class LockstepWeights(Weights):
         if self.failed:
             return
         self.failed = True
-        try:
+        with contextlib.suppress(Exception):  # the source itself broke: peers wait in its gather (see module doc)
             self._finish_group()
-        except Exception:  # noqa: BLE001  # the source itself broke: peers wait in its gather (see module doc)
-            pass
         self.ranks.check_in(error=error)
 
 
