@@ -91,11 +91,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        pending, self.pending = self.pending, None
-        if pending is None or not len(pending):
-            if pending is not None:
-                pending.close()
+        if not self.pending:  # none, or one that received nothing
+            self._drop_pending()
             return
+        pending, self.pending = self.pending, None
         received = pending.wait()  # raises before the model is touched if any byte is missing
         adapter = None
         if pending.adapter is not None:  # checked before anything is loaded
@@ -127,22 +126,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.receiver = None  # frees the kept receive buffers
 
 
-class _NotLoadedOnPurpose(logging.Filter):
+def _not_left_out_on_purpose(record: logging.LogRecord) -> bool:
     """Drops layer-wise reload's "Failed to load weights" warning, which it logs for every layer that
     received nothing: layers without checkpoint weights (rotary embeddings) at every update, and the
     layers a changed-only push leaves out because the engine holds them already. Such a layer keeps
     its weights; the trainer checked the names of every update before sending it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to load weights" not in record.getMessage()
+    return "Failed to load weights" not in record.getMessage()
 
 
 @contextmanager
 def _layers_left_out_on_purpose() -> Iterator[None]:
     reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    quiet = _NotLoadedOnPurpose()
-    reload_log.addFilter(quiet)
+    reload_log.addFilter(_not_left_out_on_purpose)
     try:
         yield
     finally:
-        reload_log.removeFilter(quiet)
+        reload_log.removeFilter(_not_left_out_on_purpose)
