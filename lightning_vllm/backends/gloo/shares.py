@@ -147,11 +147,9 @@ class GlooShareSender(ShareSender):
         return {"address": address, "port": port}
 
     def send_pass(self, announced: dict[str, Any], shares: RankShares, bucket_size_bytes: int, timeout: float) -> int:
-        sent = [(name, dtype_from_name(dtype)) for name, dtype in announced["tensors"]]
-        pieces = _pieces(shares, sent)
-        return send_share(
-            self.listener, announced["group"], int(announced["workers"]), pieces, bucket_size_bytes, timeout
-        )
+        pieces = _pieces(shares, [(name, dtype_from_name(dtype)) for name, dtype in announced["tensors"]])
+        workers = int(announced["workers"])
+        return send_share(self.listener, announced["group"], workers, pieces, bucket_size_bytes, timeout)
 
     def close(self) -> None:
         self.listener.close()

@@ -148,7 +148,7 @@ class RolloutSampler:
             reply = self._serve_ranks(requests, sampling_params, options)
         reply = json.loads(self.ranks.broadcast_bytes(json.dumps(reply).encode()))
         if "error" in reply:
-            raise _error_from_record(reply["error"])
+            raise _RAISABLE.get(reply["error"]["type"], WeightSyncError)(reply["error"]["message"])
         return [_generation_from_record(record) for record in reply["generations"][self.ranks.rank]]
 
     def _serve_ranks(
@@ -315,10 +315,6 @@ _RAISABLE: dict[str, type[Exception]] = {
 
 def _error_record(error: BaseException) -> dict[str, str]:
     return {"type": type(error).__name__, "message": str(error)}
-
-
-def _error_from_record(record: dict[str, str]) -> Exception:
-    return _RAISABLE.get(record["type"], WeightSyncError)(record["message"])
 
 
 def _generation_from_record(record: dict[str, Any]) -> Generation:
