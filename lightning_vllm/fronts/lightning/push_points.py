@@ -1,7 +1,7 @@
 """What happens at a push point, once the callback has decided one is due (``callback.PushSchedule``).
 
-A push point pushes blocking, or in the background (``background.py``); with the trainer's ranks in the roles chosen
-at fit start says (a ``ranks.RankRoles``: :class:`RankZeroAlone`, the roles of a policy every rank holds whole, here;
+A push point pushes blocking, or in the background (``background.py``), with the trainer's ranks in the roles chosen
+at fit start (a ``ranks.RankRoles``: :class:`RankZeroAlone`, the roles of a policy every rank holds whole, here;
 lockstep gathers of a sharded policy, ``ranks.py``; or every rank's own share, ``every_rank.py``). Under DDP the ranks
 that do not push then receive rank 0's versions. A failed push is raised or, with ``on_sync_error="warn"``, counted
 and warned about. Every push's figures go to the Lightning loggers. The callback (``callback.py``) only calls in at

@@ -288,14 +288,8 @@ class LockstepGathers(RankRoles):
         self.ranks = ranks
 
     def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        """Push ``module``'s weights with every rank taking part; returns the figures on rank 0.
-
-        Must be called on every rank at the same point. Every rank's ``sync.versions`` ends the
-        same: the version rank 0 committed, or one more missed push point when the push failed.
-
-        Raises:
-            WeightSyncError: the push failed on some rank; every rank raises with that rank's message.
-        """
+        """As :meth:`RankRoles.push`, every rank taking part. Every rank's ``sync.versions`` ends the same:
+        the version rank 0 committed, or one more missed push point when the push failed."""
         ranks = self.ranks
         weights: LockstepWeights | None = None
         agreed = sent_in_shares = False  # agreed on the payload; pushed in shares
