@@ -267,8 +267,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        epochs_done = trainer.current_epoch + 1
-        if self.schedule.due_after_epoch(epochs_done, trainer.global_step, self._last_global_step_pushed):
+        if self.schedule.due_after_epoch(trainer.current_epoch + 1, trainer.global_step, self._last_global_step_pushed):
             self._push(trainer, pl_module)
 
     @override
