@@ -80,7 +80,7 @@ class Transfer:
         return True
 
 
-class _Connection:
+class Connection:
     """One peer's socket and the thread that moves the transfers posted to it, in order."""
 
     def __init__(self, sock: socket.socket, peer: str, *, receives: bool) -> None:
@@ -136,7 +136,7 @@ class Wire:
     """The connections of one side of a sync: the trainer's to every worker, or a worker's to
     the trainer. Every wait is bounded: each socket operation by ``timeout_seconds``."""
 
-    def __init__(self, connections: list[_Connection], listener: socket.socket | None = None) -> None:
+    def __init__(self, connections: list[Connection], listener: socket.socket | None = None) -> None:
         self.connections = connections
         self._listener = listener  # the trainer's, open while the group is
 

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lightning_vllm._waits import BackgroundCall, wait_polling
-from lightning_vllm.backends.gloo.group import Wire, _Connection
+from lightning_vllm.backends.gloo.group import Connection, Wire
 from lightning_vllm.backends.gloo.messages import GlooTrainerInitInfo, GlooWeightTransferInitInfo
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
@@ -171,7 +171,7 @@ def accept_workers(
         for sock in joined.values():
             sock.close()
         raise
-    connections = [_Connection(_tuned(joined[rank]), f"worker rank {rank}", receives=False) for rank in ranks]
+    connections = [Connection(_tuned(joined[rank]), f"worker rank {rank}", receives=False) for rank in ranks]
     return Wire(connections, None if keep_listener else listener)
 
 
@@ -221,7 +221,7 @@ def connect_to_trainer(address: str, port: int, group_name: str, rank: int, time
     except BaseException:
         sock.close()
         raise
-    return Wire([_Connection(_tuned(sock), f"the trainer at {address}:{port}", receives=True)])
+    return Wire([Connection(_tuned(sock), f"the trainer at {address}:{port}", receives=True)])
 
 
 def _tuned(sock: socket.socket) -> socket.socket:
