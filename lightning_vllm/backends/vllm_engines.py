@@ -88,6 +88,21 @@ class CopiesOutlastSend(Protocol):
         ...
 
 
+@runtime_checkable
+class RefusesLatePushes(Protocol):
+    """A trainer engine whose workers refuse a push that reaches them after ``apply_before`` (``time.monotonic()``
+    on the host; ours, ``lightning_ipc``'s, whose workers share the trainer's host): a push the trainer gave up
+    on then never lands under a version it did not commit."""
+
+    apply_before: float | None
+
+
+LATE_MARGIN_SECONDS = 1.0
+"""How long before the trainer's own deadline its workers stop starting a push (at most a tenth of the
+timeout): loading one starts with a clock read and queues its copies in milliseconds, so a push the worker
+accepts is loaded before the trainer could report it failed."""
+
+
 class VLLMEngineBackend(Backend):
     """A backend whose trainer side is one of vLLM's engines, joined through vLLM's factory."""
 
@@ -129,12 +144,15 @@ class VLLMEngineSender(Sender):
         self._copies_outlast_send = engine if isinstance(engine, CopiesOutlastSend) else None
         if self._copies_outlast_send is not None:
             self._copies_outlast_send.caller_waits = True
+        self._refuses_late = engine if isinstance(engine, RefusesLatePushes) else None
 
     def send(self, push: Outgoing) -> None:
         declared, between_pushes = self.source.weights, self.client.client
         self.source.load(push.weights)
         self.client.client = push.client
         deadline = time.monotonic() + self.timeout_seconds  # (for the whole transfer, the copies included)
+        if self._refuses_late is not None:
+            self._refuses_late.apply_before = deadline - min(LATE_MARGIN_SECONDS, self.timeout_seconds / 10)
         try:
             self._transfer(push.what, push.check_alive)
             if self._copies_outlast_send is not None:

@@ -319,7 +319,7 @@ def test_the_group_plan_says_whether_the_engine_takes_an_update_in_one_call(
     assert joined_with[0].updates_in_one_call is takes_one_call
 
 
-def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_within_the_push_s_timeout():
+def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_and_late_pushes_are_refused():
     from lightning_vllm.weights.payload import Outgoing
 
     class CopyingEngine:  # a trainer engine whose workers copy after send_weights returns (lightning_ipc's)
@@ -327,9 +327,12 @@ def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_w
 
         def __init__(self) -> None:
             self.threads: dict[str, threading.Thread] = {}
+            self.apply_before: float | None = None  # its workers refuse a push after it (RefusesLatePushes)
+            self.apply_before_at_send: float | None = None
 
         def send_weights(self) -> None:
             self.threads["send"] = threading.current_thread()
+            self.apply_before_at_send = self.apply_before
 
         def wait_until_landed(self, check, check_seconds, deadline) -> None:
             self.threads["wait"] = threading.current_thread()
@@ -350,6 +353,8 @@ def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_w
     assert engine.threads["send"] is not threading.current_thread()  # the transfer's own thread
     assert engine.threads["wait"] is threading.current_thread()
     assert engine.check is alive and started + 5.0 <= engine.deadline <= time.monotonic() + 5.0
+    # The workers stop starting the push half a second (a tenth of the 5 s timeout) before the trainer gives up.
+    assert engine.apply_before_at_send == pytest.approx(engine.deadline - 0.5)
 
 
 def test_an_nccl_push_in_which_nothing_changed_still_sends_its_smallest_layer_group():

@@ -4,14 +4,27 @@ also when a storage moves or every tensor is computed anew for each push."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
 import torch
-from gpu_helpers import digests_equal, engine_digest, model_digest, trainer_engine, worker_state
+from gpu_helpers import (
+    FIGURES,
+    digests_equal,
+    engine_core_pid,
+    engine_digest,
+    model_digest,
+    trainer_engine,
+    worker_state,
+)
 from helpers import half_way, raises, tiny_qwen2
 
 from lightning_vllm import VLLMUpdater
+from lightning_vllm._waits import call_with_timeout
+from lightning_vllm.errors import WeightSyncTimeoutError
 
 pytestmark = pytest.mark.gpu
 
@@ -102,4 +115,46 @@ def test_a_push_that_fails_on_either_side_of_the_one_call_leaves_the_engine_serv
     updater.close()
     updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
     updater.push_weights(tiny_qwen2(seed=0).cuda())  # the shared engine serves what it started from again
+    updater.close()
+
+
+def test_a_push_the_trainer_gave_up_on_never_lands_once_the_frozen_engine_core_is_continued(lightning_ipc_llm):
+    """The engine core SIGSTOPped while the trainer reads the push's tensors, continued 5 s after the trainer's
+    timeout: the update it had queued reaches the worker late and is refused (issue 46). Before, the engine ran
+    it and reported the version the trainer had called not committed."""
+    timeout = 15.0
+    model = tiny_qwen2(seed=64).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=timeout, changed_only=False)
+    updater.push_weights(model)
+    version, before = lightning_ipc_llm.get_weight_version(), engine_digest(lightning_ipc_llm)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    pid = engine_core_pid(lightning_ipc_llm)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncTimeoutError) as raised:
+            updater.push_weights(half_way(model, lambda: os.kill(pid, signal.SIGSTOP)))
+        seconds = time.monotonic() - started
+        time.sleep(5.0)  # frozen past the trainer's deadline
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    served = call_with_timeout(engine_digest, lightning_ipc_llm, timeout=60, what="the continued engine's weights")
+    served_version = lightning_ipc_llm.get_weight_version()
+    FIGURES["lightning_ipc_engine_frozen"] = {
+        "error": f"{type(raised.value).__name__}: {raised.value}"[:300],
+        "seconds": seconds,
+        "serves_the_last_committed": digests_equal(served, before),
+        "serves_the_given_up_push": digests_equal(served, model_digest(model)),
+        "version_before": version,
+        "version_after": served_version,
+    }
+    print(f"lightning_ipc, engine frozen: {FIGURES['lightning_ipc_engine_frozen']}")
+    assert timeout <= seconds < timeout + 5
+    assert f"after {timeout:g} s" in str(raised.value)  # the seconds it waited
+    assert digests_equal(served, before) and served_version == version  # the last committed weights, their version
+
+    updater.push_weights(model)  # the same engine, no restart
+    assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
+    assert lightning_ipc_llm.get_weight_version() == str(updater.weight_version)
     updater.close()

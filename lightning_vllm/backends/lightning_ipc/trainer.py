@@ -83,6 +83,8 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         # Set by a caller that waits for the copies itself (wait_until_landed), on its own thread: send_weights
         # then returns while they run.
         self.caller_waits = False
+        # Set by the caller before each push: the worker refuses the push after it (worker.refuse_if_expired).
+        self.apply_before: float | None = None
 
     @classmethod
     def trainer_init(cls, init_info: Any, *, client: Any, source: WeightSource | None = None) -> Self:
@@ -96,8 +98,12 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         keeps past ``finish_weight_update`` (tensors made contiguous here exist only there)."""
         info, weight_refs = self._update_info(source)
         if self.is_sender:
-            self.client.update_weights(info)
+            self.client.update_weights(self._timed(info))
         return weight_refs
+
+    def _timed(self, info: dict[str, Any]) -> dict[str, Any]:
+        """``info`` with this push's ``apply_before`` (a copy: the last info may be kept for the next push)."""
+        return info if self.apply_before is None else {**info, "apply_before": self.apply_before}
 
     def _update_info(self, source: WeightSource) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The update info of ``source`` (the fields of ``KeptHandlesUpdateInfo``, as vLLM's RPC carries them:
@@ -180,7 +186,7 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
             assert self.source is not None
             info, weight_refs = self._update_info(self.source)
             client: Any = self.client  # lightning-vllm's (engine_client.TimedClient), which takes it
-            client.update_weights_in_one_call(update_in_one_call, info)
+            client.update_weights_in_one_call(update_in_one_call, self._timed(info))
             self._post_send_sync()
             del weight_refs
         # (vLLM's packed path, and a worker without our event, waited for the device before answering.)

@@ -34,10 +34,19 @@ copies), ``finish_weight_update`` waits for the device instead.
 
 The check after every push (``verify_pushes``) holds what the workers then hold against what
 was sent, layer by layer.
+
+**A push the trainer gave up on never lands.** Each update carries ``apply_before``, a moment on the
+host's monotonic clock (CUDA IPC puts trainer and worker on one host) a little before the trainer's own
+deadline. A worker that reaches the update later (its engine core was frozen, or its queue held it) refuses
+it before opening anything or copying a byte (:func:`refuse_if_expired`): the trainer has reported the push
+failed and kept its version, and the engine goes on serving that version's weights. Measured on an H200
+before this check: an engine core stopped mid-push ran the queued update once continued and reported the
+version the trainer had called not committed (issue 46).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -62,11 +71,14 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
         landed_event: the IPC handle of the trainer's interprocess CUDA event, sent once per connection:
             this worker records it after queuing a push's copies, and the trainer waits for it, instead of
             this worker waiting for its device before it answers.
+        apply_before: the last ``time.monotonic()`` at which this worker may start loading the push (see
+            :func:`refuse_if_expired`); ``None`` from a trainer that sets none.
     """
 
     slots: list[int] | None = None
     released: list[int] = field(default_factory=list)
     landed_event: bytes | None = None
+    apply_before: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,11 +88,35 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
             )
 
 
+class PushExpiredError(RuntimeError):
+    """A push reached the worker after its ``apply_before``: it was not loaded (the trainer gave up on it)."""
+
+
+def refuse_if_expired(apply_before: float | None) -> None:
+    """Refuse a push that reached this worker after ``apply_before`` (``time.monotonic()``, the host's clock).
+
+    Raises:
+        PushExpiredError: it is late; nothing was opened or copied.
+    """
+    if apply_before is None:
+        return
+    late = time.monotonic() - apply_before
+    if late > 0:
+        raise PushExpiredError(
+            f"This push reached the vLLM worker {late:.2f} s after the last moment the trainer allowed for loading "
+            "it (its timeout_seconds, less a margin): it was not loaded. The trainer has reported it failed and "
+            "kept its version; the engine serves that version's weights. If the engine is only slow, raise "
+            "timeout_seconds."
+        )
+
+
 def update_in_one_call(worker: Any, update_info: dict[str, Any]) -> None:
     """vLLM's ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` on ``worker``, sent as one
     ``collective_rpc`` (``engines/base.UpdatesInOneCall``): the worker's own methods, so its bookkeeping (one
     update at a time, an update that failed ends) is vLLM's. For a worker that loads while the call runs: the
-    CUDA IPC engines, whose tensors are on the trainer's GPU before the call."""
+    CUDA IPC engines, whose tensors are on the trainer's GPU before the call. A late push is refused before
+    the update starts (:func:`refuse_if_expired`)."""
+    refuse_if_expired(update_info.get("apply_before"))
     worker.start_weight_update()
     worker.update_weights(update_info)
     worker.finish_weight_update()
@@ -135,7 +171,9 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's, without its wait for the device when the trainer's own tensors are loaded in place: the
         copies run on while the trainer's next calls come (the trainer's event, or ``finish_weight_update``,
-        says when they are done). A packed buffer is reused for the next chunk: that waits as vLLM does."""
+        says when they are done). A packed buffer is reused for the next chunk: that waits as vLLM does. A late
+        push is refused before anything is opened (:func:`refuse_if_expired`)."""
+        refuse_if_expired(update_info.get("apply_before"))
         if self.packed or not self._loads_in_place():
             super().update_weights(update_info)
             return

@@ -234,3 +234,13 @@ def test_the_callers_wait_ends_at_its_deadline_or_when_its_check_finds_the_engin
     push(engine, {"a": a, "b": b})
     with pytest.raises(RuntimeError, match="died"):
         engine.wait_until_landed(dead, check_seconds=0.01)
+
+
+def test_each_push_carries_the_deadline_its_caller_set_and_a_kept_update_is_not_changed_by_it(engine):
+    a, b = torch.zeros(2), torch.zeros(3)
+    assert push(engine, {"a": a, "b": b}).apply_before is None  # none set: none sent
+    engine.apply_before = 100.0
+    assert push(engine, {"a": a, "b": b}).apply_before == 100.0
+    engine.apply_before = 200.0
+    assert push(engine, {"a": a, "b": b}).apply_before == 200.0  # the kept slots' update, with this push's deadline
+    assert "apply_before" not in engine._kept  # (the kept info itself holds none: each push adds its own)
