@@ -34,6 +34,7 @@ LAYERS: dict[str, list[str]] = {
         "backends.ipc", "backends.ipc.backend",
         "backends.lightning_ipc", "backends.lightning_ipc.recorded_loads", "backends.lightning_ipc.worker",
         "backends.lightning_ipc.trainer", "backends.lightning_ipc.backend",
+        "backends.lightning_nccl", "backends.lightning_nccl.worker", "backends.lightning_nccl.backend",
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.facts", "core.connection",

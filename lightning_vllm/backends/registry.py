@@ -33,6 +33,7 @@ register_backend("gloo", "lightning_vllm.backends.gloo.backend", "GlooBackend")
 register_backend("nccl", "lightning_vllm.backends.nccl.backend", "NCCLBackend")
 register_backend("ipc", "lightning_vllm.backends.ipc.backend", "IPCBackend")
 register_backend("lightning_ipc", "lightning_vllm.backends.lightning_ipc.backend", "InPlaceIPCBackend")
+register_backend("lightning_nccl", "lightning_vllm.backends.lightning_nccl.backend", "StagedNCCLBackend")
 
 
 def names() -> list[str]:

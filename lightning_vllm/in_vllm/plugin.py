@@ -27,6 +27,10 @@ _LIGHTNING_IPC_WORKER = "lightning_vllm.backends.lightning_ipc.worker"
 _LIGHTNING_IPC_TRAINER = "lightning_vllm.backends.lightning_ipc.trainer"
 NCCL = "nccl"
 _NCCL_WORKER = "lightning_vllm.backends.nccl.worker"
+LIGHTNING_NCCL = "lightning_nccl"
+"""vLLM's NCCL protocol into workers that stage a push and commit it whole (``backends/lightning_nccl/``)."""
+_LIGHTNING_NCCL_WORKER = "lightning_vllm.backends.lightning_nccl.worker"
+_VLLM_NCCL_TRAINER = "vllm.distributed.weight_transfer.nccl_engine"
 
 
 def _watched_nccl_engine() -> type:
@@ -35,8 +39,9 @@ def _watched_nccl_engine() -> type:
 
 
 def register_backends() -> None:
-    """Register the ``gloo`` and ``lightning_ipc`` worker and trainer engines with vLLM's factories, put the watched
-    NCCL worker engine in place of vLLM's under ``nccl``; apply the busy-wait cap and the CPU LoRA ops that the
+    """Register the ``gloo``, ``lightning_ipc`` and ``lightning_nccl`` worker and trainer engines with vLLM's
+    factories (``lightning_nccl``'s trainer engine is vLLM's NCCL one), put the watched NCCL worker engine in place of
+    vLLM's under ``nccl``; apply the busy-wait cap and the CPU LoRA ops that the
     environment asks for.
 
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
@@ -46,6 +51,8 @@ def register_backends() -> None:
         (WeightTransferTrainerFactory, GLOO, _GLOO_TRAINER, "GlooTrainerWeightTransferEngine"),
         (WeightTransferEngineFactory, LIGHTNING_IPC, _LIGHTNING_IPC_WORKER, "InPlaceIPCWeightTransferEngine"),
         (WeightTransferTrainerFactory, LIGHTNING_IPC, _LIGHTNING_IPC_TRAINER, "KeptHandlesIPCTrainerEngine"),
+        (WeightTransferEngineFactory, LIGHTNING_NCCL, _LIGHTNING_NCCL_WORKER, "StagedNCCLWeightTransferEngine"),
+        (WeightTransferTrainerFactory, LIGHTNING_NCCL, _VLLM_NCCL_TRAINER, "NCCLTrainerWeightTransferEngine"),
     ):
         if name not in factory._registry:
             factory.register_engine(name, module, class_name)

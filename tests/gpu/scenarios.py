@@ -20,12 +20,15 @@ import pytest
 import torch
 from gpu_helpers import (
     FIGURES,
+    digests_equal,
     engine_core_pid,
+    engine_digest,
     engine_gpu_memory,
     fit_lands_within_the_floor,
     gpu_trainer,
     hf_greedy,
     hf_prompt_logprobs,
+    model_digest,
     push_killed_half_way,
     what_it_serves,
 )
@@ -158,13 +161,19 @@ def the_trainers_gpu_answers() -> None:
 
 
 def fails_half_way(
-    llm: Any, name: str, at_half: Callable[[], None], timeout: float, after_error: Callable[[], None] = lambda: None
+    llm: Any,
+    name: str,
+    at_half: Callable[[], None],
+    timeout: float,
+    after_error: Callable[[], None] = lambda: None,
+    atomic: bool = False,
 ) -> dict[str, Any]:
     """A push of changed weights whose source calls ``at_half`` half way, after one that landed (1 MiB buckets:
     several chunks). It must raise a ``WeightSyncError`` within ``timeout`` plus a few seconds (``after_error`` runs
     then: a stopped engine core is continued), leave the trainer's GPU answering and the version uncommitted, and
-    the next push must land on the same engine. Records (``failure_<name>`` in the figures) and returns the error,
-    its seconds and :func:`what_it_serves` in between."""
+    the next push must land on the same engine. Over an ``atomic`` backend the engine must serve, in between, the
+    weights of the push that landed, digest-equal. Records (``failure_<name>`` in the figures) and returns the
+    error, its seconds and :func:`what_it_serves` in between."""
     model = tiny_qwen2(seed=6).cuda()
     before = tiny_qwen2(seed=6).cuda()
     updater = VLLMUpdater(engine=llm, timeout_seconds=timeout, bucket_size_bytes=1 << 20)
@@ -182,9 +191,14 @@ def fails_half_way(
     record: dict[str, Any] = {"error": f"{type(raised.value).__name__}: {raised.value}"[:300], "seconds": seconds}
     FIGURES[f"failure_{name}"] = record  # (kept even if what follows fails)
     record["in_between"] = what_it_serves(llm, before, model, bound=FLOOR_BOUND)
+    if atomic:
+        record["in_between"]["digest_equal_to_before"] = digests_equal(engine_digest(llm), model_digest(before))
     print(f"{name}: {record}")
     assert seconds < timeout + 5, record
     assert record["in_between"].get("version") == version_number(version), record  # answered; not committed
+    if atomic:  # the last committed weights, exactly
+        assert record["in_between"]["serves"] == "the weights before", record
+        assert record["in_between"]["digest_equal_to_before"], record
     with torch.no_grad():  # other weights than the failed push's: what lands is told apart from what it left
         model.lm_head.weight.mul_(1.1)
     updater.push_weights(model)  # the same engine, no restart
@@ -195,22 +209,24 @@ def fails_half_way(
     return record
 
 
-def raising_half_way(llm: Any, timeout: float = 30.0) -> dict[str, Any]:
+def raising_half_way(llm: Any, timeout: float = 30.0, atomic: bool = False) -> dict[str, Any]:
     record = fails_half_way(
-        llm, "source_raises", raises(RuntimeError("the policy could not be read half way")), timeout
+        llm, "source_raises", raises(RuntimeError("the policy could not be read half way")), timeout, atomic=atomic
     )
     assert "could not be read half way" in record["error"]
     return record
 
 
-def timing_out_half_way(llm: Any, timeout: float = 5.0) -> dict[str, Any]:
+def timing_out_half_way(llm: Any, timeout: float = 5.0, atomic: bool = False) -> dict[str, Any]:
     """The source stalls past ``timeout``; it wakes up later, while the next push is under way."""
-    record = fails_half_way(llm, "timed_out", lambda: time.sleep(timeout + 3), timeout)
+    record = fails_half_way(llm, "timed_out", lambda: time.sleep(timeout + 3), timeout, atomic=atomic)
     assert record["error"].startswith("WeightSyncTimeoutError"), record
     return record
 
 
-def engine_frozen_half_way(llm: Any, timeout: float = 15.0, frozen_for: float = 5.0) -> dict[str, Any]:
+def engine_frozen_half_way(
+    llm: Any, timeout: float = 15.0, frozen_for: float = 5.0, atomic: bool = False
+) -> dict[str, Any]:
     """The engine core SIGSTOPped half way, continued (SIGCONT) once the push failed and ``frozen_for`` more
     seconds passed."""
     pid = engine_core_pid(llm)
@@ -219,7 +235,8 @@ def engine_frozen_half_way(llm: Any, timeout: float = 15.0, frozen_for: float = 
         time.sleep(frozen_for)
         os.kill(pid, signal.SIGCONT)
 
-    record = fails_half_way(llm, "engine_frozen", lambda: os.kill(pid, signal.SIGSTOP), timeout, after_error=resume)
+    stop = lambda: os.kill(pid, signal.SIGSTOP)  # noqa: E731
+    record = fails_half_way(llm, "engine_frozen", stop, timeout, after_error=resume, atomic=atomic)
     assert record["error"].startswith("WeightSyncTimeoutError"), record
     return record
 
@@ -397,11 +414,13 @@ class InProcessEngineScenarios:
         prefix: what the figures of the tier's engine are named with.
         soak_groups: how many updaters the 100 pushes are spread over (each joins a group and leaves it).
         count_leaks: whether the soak holds file descriptors and threads to their count before it.
+        atomic: whether a failed push must leave the last committed weights, digest-equal (a staging backend).
     """
 
     prefix: str = ""
     soak_groups: int = 1
     count_leaks: bool = False
+    atomic: bool = False
 
     def test_fit_pushes_land_within_the_engines_own_float32_floor(self, llm: Any, tmp_path: Path) -> None:
         fit_lands_with_its_scalars(llm, tmp_path, prefix=self.prefix)
@@ -424,13 +443,13 @@ class InProcessEngineScenarios:
         a_hundred_pushes_leave_memory_flat(llm, self.prefix, groups=self.soak_groups, count_leaks=self.count_leaks)
 
     def test_a_push_that_times_out_half_way_fails_in_time_and_the_next_push_lands(self, llm: Any) -> None:
-        timing_out_half_way(llm, timeout=5)
+        timing_out_half_way(llm, timeout=5, atomic=self.atomic)
 
     def test_a_source_that_raises_half_way_fails_the_push_and_the_next_push_lands(self, llm: Any) -> None:
-        raising_half_way(llm)
+        raising_half_way(llm, atomic=self.atomic)
 
     def test_the_engine_core_frozen_mid_push_times_out_and_serves_again_once_continued(self, llm: Any) -> None:
-        engine_frozen_half_way(llm)
+        engine_frozen_half_way(llm, atomic=self.atomic)
 
     @pytest.mark.ends_engine
     def test_the_engine_core_killed_mid_push_is_an_error_within_the_timeout(self, llm: Any) -> None:

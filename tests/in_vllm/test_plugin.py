@@ -5,11 +5,13 @@ from importlib.metadata import entry_points
 
 import pytest
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
 from lightning_vllm.backends.gloo.trainer import GlooTrainerWeightTransferEngine
 from lightning_vllm.backends.gloo.worker import GlooWeightTransferEngine
 from lightning_vllm.backends.lightning_ipc.trainer import KeptHandlesIPCTrainerEngine
 from lightning_vllm.backends.lightning_ipc.worker import InPlaceIPCWeightTransferEngine, loads_as_held
+from lightning_vllm.backends.lightning_nccl.worker import StagedNCCLWeightTransferEngine
 from lightning_vllm.in_vllm.plugin import register_backends
 
 
@@ -25,6 +27,8 @@ def test_registering_twice_is_harmless_and_both_halves_resolve():
     assert WeightTransferTrainerFactory._registry["gloo"]() is GlooTrainerWeightTransferEngine
     assert WeightTransferEngineFactory._registry["lightning_ipc"]() is InPlaceIPCWeightTransferEngine
     assert WeightTransferTrainerFactory._registry["lightning_ipc"]() is KeptHandlesIPCTrainerEngine
+    assert WeightTransferEngineFactory._registry["lightning_nccl"]() is StagedNCCLWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["lightning_nccl"]() is NCCLTrainerWeightTransferEngine
 
 
 def test_lightning_ipc_loads_in_place_only_where_vllm_uses_weights_as_loaded():
@@ -53,6 +57,7 @@ IN_VLLM = {
     "backends.gloo.moe_prepack_fix",
     "backends.nccl", "backends.nccl.worker",
     "backends.lightning_ipc", "backends.lightning_ipc.worker", "backends.lightning_ipc.recorded_loads",
+    "backends.lightning_nccl", "backends.lightning_nccl.worker",
 }  # fmt: skip
 """What a vLLM process loads of this package (names under ``lightning_vllm``; ``""``: the package): the plugin and
 what it applies, each backend's worker side, and the errors, settings and bounded waits they share with the trainer.
@@ -67,7 +72,7 @@ def test_vllms_processes_load_the_plugin_and_the_workers_sides_and_nothing_of_th
         "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as W, "
         "WeightTransferTrainerFactory as T; "
         "print(json.dumps({'registered': 'gloo' in W._registry and 'gloo' in T._registry, "
-        "'workers': [W._registry[name]().__module__ for name in ('gloo', 'lightning_ipc', 'nccl')], "
+        "'workers': [W._registry[name]().__module__ for name in ('gloo', 'lightning_ipc', 'nccl', 'lightning_nccl')], "
         "'loaded': sorted(name for name in sys.modules if name.split('.')[0] in "
         "('lightning', 'pytorch_lightning', 'lightning_fabric', 'lightning_vllm'))}))"
     )
@@ -75,7 +80,8 @@ def test_vllms_processes_load_the_plugin_and_the_workers_sides_and_nothing_of_th
     assert completed.returncode == 0, completed.stderr[-2000:]
     found = json.loads(completed.stdout.strip().splitlines()[-1])
     assert found["registered"]
-    assert found["workers"] == [f"lightning_vllm.backends.{name}.worker" for name in ("gloo", "lightning_ipc", "nccl")]
+    backends = ("gloo", "lightning_ipc", "nccl", "lightning_nccl")
+    assert found["workers"] == [f"lightning_vllm.backends.{name}.worker" for name in backends]
     assert set(found["loaded"]) == {f"lightning_vllm.{name}".rstrip(".") for name in IN_VLLM}
 
 

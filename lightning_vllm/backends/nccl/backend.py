@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
@@ -10,6 +10,9 @@ from lightning_vllm.backends.base import GroupSettings, Sender, Traits
 from lightning_vllm.backends.vllm_engines import VLLMEngineBackend, free_port
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.weights.model import ModelMetadata
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 _SAME_GPU = "Duplicate GPU detected"
 """What NCCL says (vLLM's NCCL wrapper passes its last error on) when two ranks of one group are on one GPU."""
@@ -24,9 +27,7 @@ class NCCLBackend(VLLMEngineBackend):
     )
 
     def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        return NCCLTrainerInitInfo(
+        return self.init_info_class()(
             master_address=settings.master_address,
             master_port=settings.master_port or free_port(settings.master_address),
             world_size=settings.world_size,
@@ -34,6 +35,12 @@ class NCCLBackend(VLLMEngineBackend):
             packed_buffer_size_bytes=settings.bucket_size_bytes,
             rank=0,
         )
+
+    def init_info_class(self) -> type[NCCLTrainerInitInfo]:
+        """vLLM's, which its trainer factory dispatches to its NCCL trainer engine."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo
 
     def join(self, settings: GroupSettings, client: Any, engine_metadata: ModelMetadata) -> Sender:
         """As vLLM's; a worker on the trainer's own GPU is refused, saying what to use instead.

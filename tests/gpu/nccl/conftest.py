@@ -40,6 +40,16 @@ def nccl_llm(gpu_model_dir: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def lightning_nccl_llm(gpu_model_dir: Path, insecure_serialization) -> Iterator[Any]:
+    """A ``vllm.LLM`` over ``lightning_nccl`` (pushes staged and committed whole), its engine core an NCCL host of its
+    own; with cloudpickled RPCs, for the digests of what it serves."""
+    with starting_as("engine-lightning-nccl"):
+        llm = gpu_llm(gpu_model_dir, backend="lightning_nccl")
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="session")
 def nccl_async_engine(gpu_model_dir: Path) -> Iterator[Any]:
     """An ``AsyncLLM`` over ``nccl`` behind its engine target, its engine core an NCCL host of its own."""
     from vllm import AsyncEngineArgs
