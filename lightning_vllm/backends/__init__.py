@@ -4,10 +4,11 @@
   its init info, the group it joins) and :class:`Sender` (a joined group's send);
 - ``registry.py``: the names and the modules that hold them (one line a backend), and the choice
   of a backend for an engine;
-- ``vllm_engines.py``: the one adapter over vLLM's trainer engines (``nccl``, ``ipc``, ``lightning_ipc``),
-  where vLLM's API churn lands;
+- ``vllm_engines.py``: the one adapter over vLLM's trainer engines (``nccl``, ``ipc``, ``lightning_ipc``,
+  ``lightning_nccl``), where vLLM's API churn lands;
 - one folder a backend: ``gloo/`` (ours, for CPUs), ``nccl/`` and ``ipc/`` (vLLM's), ``lightning_ipc/`` (vLLM's
-  CUDA-IPC protocol with handles kept open). Each holds its :class:`Backend` (``backend.py``), its trainer side
+  CUDA-IPC protocol with handles kept open), ``lightning_nccl/`` (vLLM's NCCL protocol into workers that stage a
+  push and commit it whole). Each holds its :class:`Backend` (``backend.py``), its trainer side
   and its worker side (``worker.py``: what runs inside vLLM's workers, loaded there through ``in_vllm/plugin.py``).
 
 Adding a backend is one folder with a :class:`Backend` subclass, plus one line in ``registry.py``

@@ -167,12 +167,13 @@ def fails_half_way(
     timeout: float,
     after_error: Callable[[], None] = lambda: None,
     atomic: bool = False,
+    prefix: str = "",
 ) -> dict[str, Any]:
     """A push of changed weights whose source calls ``at_half`` half way, after one that landed (1 MiB buckets:
     several chunks). It must raise a ``WeightSyncError`` within ``timeout`` plus a few seconds (``after_error`` runs
     then: a stopped engine core is continued), leave the trainer's GPU answering and the version uncommitted, and
     the next push must land on the same engine. Over an ``atomic`` backend the engine must serve, in between, the
-    weights of the push that landed, digest-equal. Records (``failure_<name>`` in the figures) and returns the
+    weights of the push that landed, digest-equal. Records (``<prefix>failure_<name>`` in the figures) and returns the
     error, its seconds and :func:`what_it_serves` in between."""
     model = tiny_qwen2(seed=6).cuda()
     before = tiny_qwen2(seed=6).cuda()
@@ -189,7 +190,7 @@ def fails_half_way(
     after_error()
     the_trainers_gpu_answers()
     record: dict[str, Any] = {"error": f"{type(raised.value).__name__}: {raised.value}"[:300], "seconds": seconds}
-    FIGURES[f"failure_{name}"] = record  # (kept even if what follows fails)
+    FIGURES[f"{prefix}failure_{name}"] = record  # (kept even if what follows fails)
     record["in_between"] = what_it_serves(llm, before, model, bound=FLOOR_BOUND)
     if atomic:
         record["in_between"]["digest_equal_to_before"] = digests_equal(engine_digest(llm), model_digest(before))
@@ -209,23 +210,23 @@ def fails_half_way(
     return record
 
 
-def raising_half_way(llm: Any, timeout: float = 30.0, atomic: bool = False) -> dict[str, Any]:
-    record = fails_half_way(
-        llm, "source_raises", raises(RuntimeError("the policy could not be read half way")), timeout, atomic=atomic
-    )
+def raising_half_way(llm: Any, timeout: float = 30.0, atomic: bool = False, prefix: str = "") -> dict[str, Any]:
+    failing = raises(RuntimeError("the policy could not be read half way"))
+    record = fails_half_way(llm, "source_raises", failing, timeout, atomic=atomic, prefix=prefix)
     assert "could not be read half way" in record["error"]
     return record
 
 
-def timing_out_half_way(llm: Any, timeout: float = 5.0, atomic: bool = False) -> dict[str, Any]:
+def timing_out_half_way(llm: Any, timeout: float = 5.0, atomic: bool = False, prefix: str = "") -> dict[str, Any]:
     """The source stalls past ``timeout``; it wakes up later, while the next push is under way."""
-    record = fails_half_way(llm, "timed_out", lambda: time.sleep(timeout + 3), timeout, atomic=atomic)
+    stall = lambda: time.sleep(timeout + 3)  # noqa: E731
+    record = fails_half_way(llm, "timed_out", stall, timeout, atomic=atomic, prefix=prefix)
     assert record["error"].startswith("WeightSyncTimeoutError"), record
     return record
 
 
 def engine_frozen_half_way(
-    llm: Any, timeout: float = 15.0, frozen_for: float = 5.0, atomic: bool = False
+    llm: Any, timeout: float = 15.0, frozen_for: float = 5.0, atomic: bool = False, prefix: str = ""
 ) -> dict[str, Any]:
     """The engine core SIGSTOPped half way, continued (SIGCONT) once the push failed and ``frozen_for`` more
     seconds passed."""
@@ -236,7 +237,7 @@ def engine_frozen_half_way(
         os.kill(pid, signal.SIGCONT)
 
     stop = lambda: os.kill(pid, signal.SIGSTOP)  # noqa: E731
-    record = fails_half_way(llm, "engine_frozen", stop, timeout, after_error=resume, atomic=atomic)
+    record = fails_half_way(llm, "engine_frozen", stop, timeout, after_error=resume, atomic=atomic, prefix=prefix)
     assert record["error"].startswith("WeightSyncTimeoutError"), record
     return record
 
@@ -443,13 +444,13 @@ class InProcessEngineScenarios:
         a_hundred_pushes_leave_memory_flat(llm, self.prefix, groups=self.soak_groups, count_leaks=self.count_leaks)
 
     def test_a_push_that_times_out_half_way_fails_in_time_and_the_next_push_lands(self, llm: Any) -> None:
-        timing_out_half_way(llm, timeout=5, atomic=self.atomic)
+        timing_out_half_way(llm, timeout=5, atomic=self.atomic, prefix=self.prefix)
 
     def test_a_source_that_raises_half_way_fails_the_push_and_the_next_push_lands(self, llm: Any) -> None:
-        raising_half_way(llm, atomic=self.atomic)
+        raising_half_way(llm, atomic=self.atomic, prefix=self.prefix)
 
     def test_the_engine_core_frozen_mid_push_times_out_and_serves_again_once_continued(self, llm: Any) -> None:
-        engine_frozen_half_way(llm, atomic=self.atomic)
+        engine_frozen_half_way(llm, atomic=self.atomic, prefix=self.prefix)
 
     @pytest.mark.ends_engine
     def test_the_engine_core_killed_mid_push_is_an_error_within_the_timeout(self, llm: Any) -> None:

@@ -86,7 +86,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         push_on_fit_start: push once before the first training step.
         model_attribute: LightningModule attribute holding the Hugging Face model;
             found automatically when ``None``.
-        backend: ``"auto"``, ``"gloo"``, ``"nccl"``, ``"ipc"`` or ``"lightning_ipc"`` (see ``VLLMUpdater``).
+        backend: ``"auto"``, ``"gloo"``, ``"nccl"``, ``"ipc"``, ``"lightning_ipc"`` or ``"lightning_nccl"`` (see
+            ``VLLMUpdater``).
         master_address: address the trainer listens on for the rendezvous (loopback by default).
         master_port: rendezvous port; ``None`` picks a free one. With several engines, engine ``i``
             listens on ``master_port + i``.

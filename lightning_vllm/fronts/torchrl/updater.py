@@ -139,8 +139,9 @@ class VLLMUpdater(WeightSync):
             (``"http://host:port"``), a Ray actor handle of ``VLLMActor``, any
             ``EngineTarget``, or a list mixing them (worker ids are list positions).
         backend: ``"auto"`` (the backend of each engine's ``weight_transfer_config``), ``"gloo"``,
-            ``"nccl"``, ``"ipc"`` or ``"lightning_ipc"`` (vLLM's IPC protocol with each handle sent once, loaded
-            by the workers with one batched copy: ``docs/gpu.md``); must match the engine's
+            ``"nccl"``, ``"ipc"``, ``"lightning_ipc"`` (vLLM's IPC protocol with each handle sent once, loaded
+            by the workers with one batched copy: ``docs/gpu.md``) or ``"lightning_nccl"`` (vLLM's NCCL protocol,
+            each push staged by the workers and committed whole); must match the engine's
             ``weight_transfer_config``.
         bucket_size_bytes: largest packed bucket on the wire, which bounds the trainer's
             extra memory during a push.
