@@ -229,7 +229,7 @@ Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
 
 {timing_table([*results, many], METHODS)}
 
-The check after every push (`verify_pushes=True`; `checked` is ours with it, off by default):
+The check after every push (`verify_pushes`, on by default; `ours` leaves it off, `checked` is ours with it):
 checked / ours {check_cost_text([*results, many])}.
 On this CPU build vLLM repacks the linear layers, so after the first push only the embeddings, the
 head and the norms are summed (on both sides); the rest is named once as not verifiable.

@@ -62,7 +62,7 @@ class UpdaterOptions:
     lora: LoraMode = "auto"
     changed_only: bool = True
     reset_prefix_cache: bool = True
-    verify_pushes: bool = False
+    verify_pushes: bool = True
 
     @property
     def address(self) -> str:

@@ -1,9 +1,9 @@
 """The check after every push to one engine: what its workers hold, per layer, against what was sent.
 
 While a push is on the wire, each tensor is summed on the trainer's device as the engine gets it
-(``weights/layer_sums.SentSums``); once the push has committed, the engine's workers sum what
-they hold (``engines/worker_check.py``) and the two are compared layer by layer. A layer that
-differs beyond float64 rounding is named in ``LandedWeightsMismatchError``. What cannot be
+(``weights/layer_sums.SentSums``: exact integer fingerprints); once the push has committed, the
+engine's workers sum what they hold (``engines/worker_check.py``) and the two are compared layer by
+layer. A layer whose fingerprint differs is named in ``LandedWeightsMismatchError``. What cannot be
 checked (an engine built without the worker extension, layers vLLM stores in another form, a
 push from every rank) is said once, in a warning, never as a false alarm.
 """
@@ -47,7 +47,7 @@ class LandingCheck:
 
     @classmethod
     def for_engine(cls, engine: EngineTarget, enabled: bool, timeout_seconds: float) -> LandingCheck | None:
-        """The check of ``engine``'s pushes, or ``None``: not asked for (``verify_pushes=False``), or the engine
+        """The check of ``engine``'s pushes, or ``None``: turned off (``verify_pushes=False``), or the engine
         cannot report its sums (said once, in a warning). A push that is not checked never enters this module."""
         if not enabled:
             return None
@@ -60,7 +60,9 @@ class LandingCheck:
             return None
         return cls(engine, timeout_seconds)
 
-    def tally_for(self, carries_base: bool, every_rank: bool) -> Callable[[str, torch.Tensor], None] | None:
+    def tally_for(
+        self, carries_base: bool, every_rank: bool
+    ) -> Callable[[str, torch.Tensor, torch.dtype], None] | None:
         """What the push's tensors are to be given to as they go on the wire (``None``: the push is not
         checked: a LoRA adapter alone, or shares the other ranks send too)."""
         self._pending = False
@@ -74,9 +76,9 @@ class LandingCheck:
         self._pending = True
         return self._tally
 
-    def _tally(self, name: str, tensor: torch.Tensor) -> None:
+    def _tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         if not name.startswith(ADAPTER_PREFIX) and layer_of(name) not in self._unverifiable:
-            self.sent.tally(name, tensor)
+            self.sent.tally(name, tensor, dtype)
 
     def landed(self, committed: bool) -> None:
         """The push committed (what was tallied is held now) or did not."""

@@ -266,9 +266,10 @@ def _mismatch_error(engines: EngineSet, stats: SyncStats, layers: dict[int, list
     )
     return LandedWeightsMismatchError(
         f"Weight version {stats.weight_version} was committed, but what the engine holds now differs from what "
-        f"was sent beyond float64 rounding (per-layer sum and sum of squares): {named}. The engine serves those "
-        "weights; the next push sends every tensor again. If the layers differ after every push, the model's "
-        "vLLM loader changes weights as it loads them (its sums cannot match): pass verify_pushes=False.",
+        f"was sent (per-layer fingerprints: exact sums of the values' and their squares' bit patterns): {named}. "
+        "The engine serves those weights; the next push sends every tensor again. If the layers differ after "
+        "every push, the model's vLLM loader changes weights as it loads them (its sums cannot match): pass "
+        "verify_pushes=False.",
         stats,
         layers,
     )

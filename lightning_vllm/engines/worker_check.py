@@ -1,6 +1,6 @@
 """The engine's half of the check after every push: each vLLM worker sums what it holds, per layer.
 
-Pushes are checked when the updater is built with ``verify_pushes=True``. The trainer reaches the
+Pushes are checked unless the updater is built with ``verify_pushes=False``. The trainer reaches the
 workers through ``collective_rpc``. By name, the method must be on the
 worker, which vLLM's ``worker_extension_cls`` arranges (no pickle crosses the wire)::
 
@@ -33,7 +33,7 @@ class WeightCheckExtension:
     worker methods of your own; vLLM takes one extension class."""
 
     def lightning_vllm_layer_sums(self) -> dict[str, dict[str, Any]]:
-        """Per-layer float64 sums of this worker's model (its shard under tensor parallelism)."""
+        """Per-layer fingerprints of this worker's model (its shard under tensor parallelism)."""
         return held_layer_sums(self.get_model())  # type: ignore[attr-defined]  # vLLM's worker has it
 
 
@@ -71,5 +71,5 @@ def missing_extension(description: str) -> str:
     return (
         f"the {description} engine's workers were built without lightning_vllm's worker extension, so what they "
         f"hold after a push cannot be checked. Build the engine with worker_extension_cls={WORKER_EXTENSION!r} "
-        "(vllm serve: --worker-extension-cls; a class of yours may subclass it), or leave verify_pushes off"
+        "(vllm serve: --worker-extension-cls; a class of yours may subclass it), or pass verify_pushes=False"
     )

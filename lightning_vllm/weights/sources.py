@@ -273,7 +273,7 @@ class EngineWeights(Weights):
         engine_metadata: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
         device: where vLLM's engine sends from (the trainer's GPU); ``None`` when the
             transport converts by itself.
-        tally: given each ``(name, tensor)`` as the engine gets it (its serving dtype), as it goes
+        tally: given each ``(name, tensor, serving dtype)`` as it goes
             (the check after the push, ``weights/layer_sums.py``).
     """
 
@@ -282,7 +282,7 @@ class EngineWeights(Weights):
         source: Weights,
         engine_metadata: Mapping[str, tuple[torch.dtype, Any]],
         device: torch.device | None = None,
-        tally: Callable[[str, torch.Tensor], None] | None = None,
+        tally: Callable[[str, torch.Tensor, torch.dtype], None] | None = None,
     ) -> None:
         self.source = source
         self.engine_metadata = engine_metadata
@@ -327,5 +327,5 @@ class EngineWeights(Weights):
             if self.device is not None and (tensor.dtype != dtype or tensor.device != self.device):
                 tensor = tensor.to(device=self.device, dtype=dtype, non_blocking=True)
             if self.tally is not None:
-                self.tally(name, tensor if tensor.dtype == dtype else tensor.to(dtype))
+                self.tally(name, tensor, dtype)
             yield name, tensor

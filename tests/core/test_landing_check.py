@@ -17,7 +17,7 @@ NORM = "model.layers.1.post_attention_layernorm"
 @pytest.mark.engine
 def test_a_layer_corrupted_in_the_engine_is_named_by_the_next_push_and_mended_by_the_one_after(llm, caplog):
     model = tiny_qwen2(seed=41)
-    updater = VLLMUpdater(engine=llm, timeout_seconds=60, verify_pushes=True)
+    updater = VLLMUpdater(engine=llm, timeout_seconds=60)  # verify_pushes: on by default
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
         updater.push_weights(model)
         updater.push_weights(model)
@@ -47,15 +47,15 @@ def test_a_layer_corrupted_in_the_engine_is_named_by_the_next_push_and_mended_by
 
 
 @pytest.mark.engine
-def test_without_verify_pushes_nothing_is_checked(llm):
+def test_with_verify_pushes_off_nothing_is_checked(llm):
     model = tiny_qwen2(seed=42)
-    updater = VLLMUpdater(engine=llm, timeout_seconds=60)  # verify_pushes=False: the default
+    updater = VLLMUpdater(engine=llm, timeout_seconds=60, verify_pushes=False)
     updater.push_weights(model)
     assert updater.last_sync is not None and updater.last_sync.timing.check_seconds < 1e-3
     (value,) = llm.collective_rpc("add_to_parameter", args=(f"{NORM}.weight", 0.5))
     updater.push_weights(model)  # nothing changed on the trainer: nothing sent, nothing noticed
     updater.close()
-    VLLMUpdater(engine=llm, timeout_seconds=60, verify_pushes=True).push_weights(model)  # a new connection: all
+    VLLMUpdater(engine=llm, timeout_seconds=60).push_weights(model)  # a new connection, checked (the default): all
     assert_serves(llm, model)
 
 
@@ -85,7 +85,7 @@ class ReportingEngine:
 def _pushed(check, tensors: dict) -> None:
     tally = check.tally_for(carries_base=True, every_rank=False)
     for name, tensor in tensors.items():
-        tally(name, tensor)
+        tally(name, tensor, tensor.dtype)
     check.landed(committed=True)
 
 
@@ -106,11 +106,12 @@ def test_a_check_that_is_off_or_cannot_ask_sums_nothing(caplog):
 
 def test_the_engines_report_is_held_against_what_was_sent_and_unverifiable_layers_are_not_summed_again(caplog):
     from lightning_vllm.core.landing_check import LandingCheck
+    from lightning_vllm.weights.layer_sums import tensor_sums
 
     norm, attention = "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"
     report = {
         "sharded": {},
-        "replicated": {"model.layers.0.input_layernorm": [3.0, 3.0]},
+        "replicated": {"model.layers.0.input_layernorm": tensor_sums(torch.ones(3)).tolist()[:2]},
         "unverifiable": {"model.layers.0.self_attn": "repacked"},
     }
     engine = ReportingEngine([report])
@@ -121,8 +122,8 @@ def test_the_engines_report_is_held_against_what_was_sent_and_unverifiable_layer
         assert check.differing_layers() == []  # nothing pushed since: the engine is not asked again
     assert engine.asked == 1 and caplog.text.count("cannot be verified") == 1
     _pushed(check, {norm: torch.full((3,), 2.0), attention: torch.full((4,), 5.0)})
-    assert check.sent._held[attention] == (4.0, 4.0, 4)  # from the first push: not summed again
-    assert check.differing_layers() == ["model.layers.0.input_layernorm"]  # the engine still reports 3.0
+    assert check.sent._held[attention] == (*tensor_sums(torch.ones(4)).tolist(), 4)  # the first push's: not summed
+    assert check.differing_layers() == ["model.layers.0.input_layernorm"]  # the engine still reports ones
 
 
 def test_an_engine_that_does_not_report_in_time_leaves_the_push_as_it_was(caplog):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
@@ -32,23 +33,33 @@ def test_a_layer_is_the_block_after_the_decoder_layers_index_or_the_module():
     assert layer_of("bias") == "bias"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tensor_sums_are_the_float64_sums_of_the_values(dtype):
-    values = torch.randn(3000, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
-    reference = values.double()
-    total, squares = tensor_sums(values).tolist()
-    assert total == pytest.approx(float(reference.sum()), rel=1e-14, abs=1e-12)
-    assert squares == pytest.approx(float((reference * reference).sum()), rel=1e-14)
+def _reference(values: torch.Tensor) -> list[int]:
+    """The fingerprint as its definition says, one value at a time in Python (``tensor_sums``'s docstring)."""
+    as_float32 = values.reshape(-1).float()
+    bits = [int.from_bytes(struct.pack("<f", value), "little", signed=True) for value in as_float32.tolist()]
+    squares = [int.from_bytes(struct.pack("<f", value * value), "little", signed=True) for value in as_float32.tolist()]
+    return [sum(bits), sum(squares), 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensor_sums_are_the_exact_sums_of_the_float32_bit_patterns(dtype):
+    values = torch.randn(300, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert tensor_sums(values).tolist() == _reference(values)
+    # A value held in another dtype that represents it (vLLM keeping a bfloat16 value as float32) sums the same.
+    assert tensor_sums(values.float()).tolist() == tensor_sums(values).tolist()
 
 
 @pytest.mark.parametrize("numel", [17, 4096, 3 * 4096, 3 * 4096 + 17])
 def test_the_gpus_row_split_adds_up_to_the_sums_of_every_value(numel):
     from lightning_vllm.weights.layer_sums import _sums_kernel, row_sums
 
-    values = torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    total, squares = row_sums(values, _sums_kernel).tolist()
-    assert total == pytest.approx(float(values.sum()), rel=1e-12, abs=1e-12)
-    assert squares == pytest.approx(float((values * values).sum()), rel=1e-12)
+    values = torch.randn(numel, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
+    assert row_sums(values, _sums_kernel).tolist() == tensor_sums(values).tolist() == _reference(values)
+
+
+def test_non_finite_squares_are_counted():
+    values = torch.tensor([1.0, math.nan, math.inf, 3e19, 2.0])  # (3e19 squared overflows float32)
+    assert tensor_sums(values).tolist()[2] == 3
 
 
 def _hf_layer(generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -117,13 +128,30 @@ def test_what_vllm_holds_in_its_own_layout_matches_what_was_sent(tp_size):
     assert held.differing(expected) == []
 
 
-def test_one_element_changed_by_a_thousandth_is_named():
+def test_one_element_one_step_off_is_named():
     hf = _hf_layer(torch.Generator().manual_seed(2))
     engine = _vllm_layout(hf)
     with torch.no_grad():
-        engine.model.layers[0].self_attn.qkv_proj.weight[5, 3] += 1e-3
+        weight = engine.model.layers[0].self_attn.qkv_proj.weight
+        weight[5, 3] = torch.nextafter(weight[5, 3], torch.tensor(math.inf))
     held = HeldSums.combine([held_layer_sums(engine)])
     assert held.differing(_sent(hf).by_layer()) == ["model.layers.0.self_attn"]
+
+
+def test_steps_that_cancel_in_the_bit_sum_are_named_by_the_squares():
+    hf = _hf_layer(torch.Generator().manual_seed(7))
+    engine = _vllm_layout(hf)
+    with torch.no_grad():
+        weight = engine.model.layers[0].self_attn.qkv_proj.weight
+        up, down = weight[0, 0].abs() + 1, weight[0, 1].abs() + 1  # two positive values: one bit step each way
+        weight[0, 0], weight[0, 1] = up, down
+    sent = _hf_layer(torch.Generator().manual_seed(7))
+    sent["model.layers.0.self_attn.q_proj.weight"][0, 0] = torch.nextafter(up, torch.tensor(-math.inf))
+    sent["model.layers.0.self_attn.q_proj.weight"][0, 1] = torch.nextafter(down, torch.tensor(math.inf))
+    held = HeldSums.combine([held_layer_sums(engine)])
+    expected = _sent(sent).by_layer()
+    assert held.layers["model.layers.0.self_attn"][0] == expected["model.layers.0.self_attn"].total
+    assert held.differing(expected) == ["model.layers.0.self_attn"]
 
 
 def test_a_nan_on_the_engine_is_named_and_a_nan_in_the_trainers_weights_is_not_checked():
@@ -158,22 +186,30 @@ def test_a_quantized_parameter_makes_its_layer_unverifiable():
 
 
 def test_sums_sent_earlier_count_until_sent_again_and_a_failed_push_leaves_them():
+    one, two = tensor_sums(torch.ones(3)).tolist(), tensor_sums(torch.full((3,), 2.0)).tolist()
     sent = SentSums()
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.ones(3))
     sent.tally("model.layers.0.mlp.down_proj.weight", torch.ones(3))
     sent.landed()
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.full((3,), 2.0))  # a changed-only push: one tensor
     sent.dropped()  # ... that did not commit
-    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(6.0, 6.0, 6)
+    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(2 * one[0], 2 * one[1], 6)
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.full((3,), 2.0))
     sent.landed()
-    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(9.0, 15.0, 6)
+    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(one[0] + two[0], one[1] + two[1], 6)
 
 
-def test_sums_added_in_another_order_match_and_a_real_difference_does_not():
-    values = torch.randn(1_000_003, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    in_order = LayerSums(float(values.sum()), float((values * values).sum()), values.numel())
-    reversed_chunks = torch.stack([chunk.sum() for chunk in values.flip(0).split(4099)]).sum()
-    assert in_order.matches(float(reversed_chunks), float((values.flip(0) ** 2).sum()))
-    assert not in_order.matches(in_order.total + 1e-4, in_order.squares)
-    assert not in_order.matches(in_order.total, in_order.squares * (1 + 1e-9))
+def test_the_same_values_in_another_layout_and_order_match_exactly():
+    values = torch.randn(1_000_003, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    sent = LayerSums(*tensor_sums(values).tolist()[:2], values.numel())
+    pieces = [tensor_sums(chunk) for chunk in values.flip(0).split(4099)]  # shards, summed in another order
+    assert sent.matches(*torch.stack(pieces).sum(0).tolist()[:2])
+    assert not sent.matches(sent.total + 1, sent.squares)
+
+
+def test_values_rounded_to_the_serving_dtype_a_chunk_at_a_time_sum_as_the_rounded_tensor():
+    master = torch.randn(5_000_000, generator=torch.Generator().manual_seed(8))  # float32, more than one chunk
+    rounded = master.to(torch.bfloat16)
+    assert tensor_sums(master, torch.bfloat16).tolist() == tensor_sums(rounded).tolist()
+    assert tensor_sums(master, torch.bfloat16).tolist() != tensor_sums(master).tolist()
+    assert torch.equal(master.to(torch.bfloat16), rounded)  # the master weights were not written

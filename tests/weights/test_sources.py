@@ -96,7 +96,7 @@ def test_a_source_names_the_tensors_it_holds_only_when_it_sends_them_as_held():
     engine_metadata = {name: (torch.bfloat16, None) for name in names if name != "model.norm.weight"}
     shown = EngineWeights(ModuleWeights(model), engine_metadata)  # converted on the way: still the tensors read
     assert shown.held_tensors()[0] == [name for name, _ in shown.iter_full()]
-    tallied = EngineWeights(ModuleWeights(model), engine_metadata, tally=lambda name, tensor: None)
+    tallied = EngineWeights(ModuleWeights(model), engine_metadata, tally=lambda name, tensor, dtype: None)
     assert tallied.held_tensors() is None  # each tensor is read as it goes
 
 

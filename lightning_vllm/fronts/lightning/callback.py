@@ -113,7 +113,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             still in flight: ``"skip"`` (default: logged as ``vllm/sync_skipped``; the next push
             point sends the newer weights) or ``"wait"``.
         changed_only: send only the layer groups written since the last push (see ``VLLMUpdater``).
-        verify_pushes: check what each engine holds after every push, per layer (see ``VLLMUpdater``).
+        verify_pushes: check what each engine holds after every push, per layer (on by default; see
+            ``VLLMUpdater``).
         push_from: which trainer ranks send a sharded (FSDP2) policy: ``"rank0"`` (default) gathers
             it on every rank and rank 0 sends it, through the sync's one port; ``"every_rank"`` has
             each rank send its own shard, with no gather, so every trainer host's link carries
@@ -165,7 +166,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         blocking: bool = True,
         when_busy: WhenBusy = "skip",
         changed_only: bool = True,
-        verify_pushes: bool = False,
+        verify_pushes: bool = True,
         push_from: PushFrom = "rank0",
     ) -> None:
         updater_options = UpdaterOptions.among(locals())

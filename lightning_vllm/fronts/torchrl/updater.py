@@ -161,13 +161,13 @@ class VLLMUpdater(WeightSync):
         changed_only: send only the layer groups with a tensor written since this updater's last
             push to the engine (PyTorch counts in-place writes; writes through ``.data`` are not
             counted); the engine keeps the others. See ``docs/concepts.md``.
-        verify_pushes: after each push, hold the per-layer sums of what every engine now holds
-            against those of what was sent, and raise ``WeightsMismatchError`` naming the layers that
-            differ. Off by default: it made a gloo push 1.1-3.1x slower on 2 CPU cores and an 8B
-            ``lightning_ipc`` push 6x slower on an H200. The workers are asked through
-            ``collective_rpc``: build the engine with ``worker_extension_cls=WORKER_EXTENSION``
-            (``engines/worker_check.py``) unless its RPCs may carry a function; otherwise pushes are
-            not checked and a warning says so once (``docs/concepts.md``).
+        verify_pushes: after each push, hold the per-layer fingerprints of what every engine now
+            holds against those of what was sent (exact integer sums, ``weights/layer_sums.py``), and
+            raise ``LandedWeightsMismatchError`` naming the layers that differ. On by default; ``False``
+            saves its cost (``docs/concepts.md`` gives it) and gives up noticing a push that committed
+            wrong weights. The workers are asked through ``collective_rpc``: build the engine with
+            ``worker_extension_cls=WORKER_EXTENSION`` (``engines/worker_check.py``) unless its RPCs may
+            carry a function; otherwise pushes are not checked and a warning says so once.
 
     Example::
 
@@ -196,7 +196,7 @@ class VLLMUpdater(WeightSync):
         pause_mode: PauseMode = "keep",
         lora: LoraMode = "auto",
         changed_only: bool = True,
-        verify_pushes: bool = False,
+        verify_pushes: bool = True,
     ) -> None:
         options = UpdaterOptions.among(locals())
         super().__init__(engine, options=options, model_metadata=model_metadata)
