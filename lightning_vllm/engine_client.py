@@ -41,6 +41,7 @@ class TimedClient:
         self.timeout = timeout
         self.weight_version = weight_version
         self.commit_window = commit_window
+        self.updates_sent = 0  # update_weights calls made (or tried): a streaming engine may have loaded from any
 
     def committing(
         self, weight_version: str, commit_window: Callable[[], AbstractContextManager[None]] = nullcontext
@@ -64,6 +65,7 @@ class TimedClient:
         self._call("start_weight_update", what="vLLM to start a weight update (start_weight_update)")
 
     def update_weights(self, update_info: Any) -> None:
+        self.updates_sent += 1
         self._call("update_weights", update_info, what="vLLM workers to receive and load the weights (update_weights)")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -87,10 +89,11 @@ class TimedClient:
                 what="vLLM workers to start, load and finish the update (update_weights_in_one_call)",
             )
 
-    def close_open_update(self) -> None:
-        """``finish_weight_update`` with no version and no commit window: closes an update
-        that received nothing (a no-op load on the gloo engine)."""
-        self._call("finish_weight_update", None, what="vLLM to close an open weight update")
+    def close_open_update(self, weight_version: str | None = None) -> None:
+        """``finish_weight_update`` with no commit window: closes an update that received nothing (a no-op load
+        on the gloo engine), or one a failed push left open, under ``weight_version`` (``None``: the engine's
+        stays)."""
+        self._call("finish_weight_update", weight_version, what="vLLM to close an open weight update")
 
     def shutdown_weight_transfer_engine(self) -> None:
         if hasattr(self.inner, "shutdown_weight_transfer_engine"):

@@ -3,10 +3,11 @@
 vLLM's own engines (``nccl``, ``ipc``) load each chunk as it arrives, inside an update that
 ``start_weight_update`` opened, with generation paused around it. A push that fails half way
 leaves that update open, and vLLM has no abort: :func:`end_failed_update` closes it, then
-resumes generation. The connection runs that on a background thread (the engine may be
-frozen, and the error must reach the trainer within ``timeout_seconds``); a new connection to
-the same engine waits for it first (:func:`wait_for`), so that its first update never meets
-the end of the old one.
+resumes generation. The engine then reports a mixed version (``"1+2"``: version 1's weights with
+what the failed push 2 had loaded) until the next push lands. The connection runs that on a
+background thread (the engine may be frozen, and the error must reach the trainer within
+``timeout_seconds``); a new connection to the same engine waits for it first (:func:`wait_for`),
+so that its first update never meets the end of the old one.
 """
 
 from __future__ import annotations
@@ -63,10 +64,16 @@ def wait_for(engine: EngineTarget, timeout: float) -> None:
     _RUNNING.pop(engine_key(engine), None)
 
 
-def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: EngineTarget) -> None:
+def end_failed_update(
+    client: TimedClient, resume: Callable[[], None], engine: EngineTarget, mixed_version: str | None = None
+) -> None:
     """Close the update a failed push left open on vLLM's workers, then resume generation; no version is
     committed. Every call is bounded by the client's timeout; what fails is logged, not raised (the
     push's own error is what the trainer gets).
+
+    ``mixed_version`` (``engines/base.mixed_weight_version``: the version the engine had committed and the failed
+    push's) is what the engine reports from then on, when the push had sent it anything to load: its rollouts
+    then carry that they come from a mix, never a version whose weights the engine no longer serves whole.
 
     The worker stays inside the update when the failure came before its ``update_weights`` (the
     trainer's side broke): ``finish_weight_update`` without a version closes it, and layer-wise
@@ -80,11 +87,11 @@ def end_failed_update(client: TimedClient, resume: Callable[[], None], engine: E
     if engine.is_dead():
         return
     try:
-        client.close_open_update()
+        client.close_open_update(mixed_version)
     except Exception as first:  # noqa: BLE001  # the worker had left the update: put its layers back
         try:
             client.start_weight_update()
-            client.close_open_update()
+            client.close_open_update(mixed_version)
         except Exception as error:  # noqa: BLE001  # gone or frozen: the next connection finds out
             log.warning(
                 "Could not close the update a failed push left on %s: %s (first: %s)", engine.description, error, first

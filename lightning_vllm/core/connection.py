@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from typing_extensions import Self
@@ -34,6 +34,7 @@ from lightning_vllm.engines.base import (
     PolicyAdapter,
     ServesLoraAdapters,
     UpdatesInOneCall,
+    mixed_weight_version,
     version_number,
 )
 from lightning_vllm.engines.failures import raise_if_dead
@@ -80,19 +81,15 @@ class PushTiming:
     check_seconds: float = 0.0
 
     def __add__(self, other: PushTiming) -> PushTiming:
-        return PushTiming(
-            self.transfer_seconds + other.transfer_seconds,
-            self.commit_seconds + other.commit_seconds,
-            self.pause_seconds + other.pause_seconds,
-            self.check_seconds + other.check_seconds,
-        )
+        return PushTiming(*(mine + theirs for mine, theirs in zip(astuple(self), astuple(other))))
 
 
 class EngineConnection:
     """A formed transfer group with one engine, and what the engine loads (``engine_metadata``).
 
-    ``reported_version`` is the weight version the engine served when the group formed (0 if it is not a number:
-    none pushed), so that an updater that connects to an engine another trainer already pushed to continues after it.
+    ``committed_version`` is the last version the engine committed: the one it served when the group formed (0 if
+    none was pushed), so that an updater that connects to an engine another trainer pushed to continues after it,
+    then each push's that landed (a failed streaming push's mix names it).
     ``has_policy_base`` says whether this connection gave the engine the policy's base weights (with an adapter),
     after which an adapter push sends the adapter alone.
 
@@ -112,7 +109,7 @@ class EngineConnection:
         reported_version: int = 0,
     ) -> None:
         self.engine = engine
-        self.reported_version = reported_version
+        self.committed_version = reported_version
         self.options = options
         self.client = client
         self.backend = backend
@@ -261,10 +258,14 @@ class EngineConnection:
             if self.landing:
                 self.landing.landed(committed=False)
             # The engine may be frozen or gone: release its side without waiting, so the error reaches the caller
-            # within timeout_seconds. vLLM's engines may be left inside the update (after_failure.py).
-            self.close(wait=False, update_open=pause_for_transfer)
+            # within timeout_seconds. vLLM's engines may be left inside the update, with some of it loaded if any
+            # was sent: then they report the mix (after_failure.py).
+            sent_some = pause_for_transfer and outgoing.client.updates_sent > 0
+            mixed = mixed_weight_version(self.committed_version, version) if sent_some else None
+            self.close(wait=False, update_open=pause_for_transfer, mixed_version=mixed)
             raise
         sent_seconds = time.perf_counter() - started
+        self.committed_version = version
         if pause_for_transfer:
             self._resume()
         self.last_timing = PushTiming(sent_seconds - self._commit_seconds, self._commit_seconds, self._pause_seconds)
@@ -343,11 +344,10 @@ class EngineConnection:
         started = time.perf_counter()
         try:
             yield
-            engine = self.engine
             # A first adapter push, or a merged one after adapter pushes (an engine that cannot serve
             # adapters was sent merged weights only: see adapter_problems).
-            if isinstance(engine, ServesLoraAdapters) and engine.adapter != adapter:
-                self._call(engine.serve_adapter, adapter, what=f"{engine.description} to serve the adapter")
+            if isinstance(self.engine, ServesLoraAdapters) and self.engine.adapter != adapter:
+                self._call(self.engine.serve_adapter, adapter, what=f"{self.engine.description} to serve the adapter")
             if self.options.reset_prefix_cache:
                 self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
             self._commit_seconds = time.perf_counter() - started
@@ -372,20 +372,20 @@ class EngineConnection:
             self._pause_seconds += time.perf_counter() - self._paused_at
             self._paused_at = None
 
-    def close(self, wait: bool = True, update_open: bool = False) -> None:
+    def close(self, wait: bool = True, update_open: bool = False, mixed_version: str | None = None) -> None:
         """Leave the group and release the engine's side of it; the engine keeps serving.
 
         Args:
             wait: wait (at most ``timeout_seconds`` a call) for the engine; ``False`` asks on a background thread
                 and returns at once (the next connection waits for it).
-            update_open: a failed push over ``nccl``/``ipc`` may have left the engine inside the update, paused: it
-                is closed, then generation resumes, then the engine's side is released.
+            update_open: a failed ``nccl``/``ipc`` push may have left the engine inside the update, paused: it is
+                closed (under ``mixed_version``, if given), generation resumes, then the engine's side is released.
         """
         self.sender.shutdown()
 
         def release() -> None:
             if update_open:
-                end_failed_update(self.client, self._resume, self.engine)
+                end_failed_update(self.client, self._resume, self.engine, mixed_version)
             try:
                 self.client.shutdown_weight_transfer_engine()
             except Exception as error:  # the engine may be gone; nothing left to release then

@@ -202,7 +202,7 @@ class WeightSync:
         assert self.model_metadata is not None, "set by connect or by the first push"
         connection = EngineConnection.open(self._engine_set.targets[index], self.model_metadata, self._options, index)
         # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.
-        self.versions.follow(connection.reported_version)
+        self.versions.follow(connection.committed_version)
         return connection
 
     def close(self) -> None:

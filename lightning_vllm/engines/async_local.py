@@ -29,7 +29,7 @@ from lightning_vllm.engines.base import (
     UpdatesInOneCall,
     as_prompt,
     generations_from_outputs,
-    version_number,
+    parse_weight_version,
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
@@ -138,10 +138,10 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, Upda
                 final = output
             return final
 
-        before = version_number(await self.async_llm.get_weight_version())
+        before = parse_weight_version(await self.async_llm.get_weight_version())
         outputs = await asyncio.gather(*(one(prompt) for prompt in prompts))
-        after = version_number(await self.async_llm.get_weight_version())
-        return generations_from_outputs(outputs, before, after)
+        after = parse_weight_version(await self.async_llm.get_weight_version())
+        return generations_from_outputs(outputs, before, unchanged=after == before)
 
     def generate(
         self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None

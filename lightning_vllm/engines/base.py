@@ -45,6 +45,9 @@ class Generation:
             never under-reported.
         weight_versions: ``(version, start, end)`` spans over ``token_ids`` when vLLM reports them.
         weight_version_exact: whether ``weight_version`` is known to be the first token's.
+        partial_version: set when the engine served a mix: ``weight_version``'s weights with the layers a failed
+            push of this version had loaded before it failed (vLLM's streaming ``nccl``/``ipc``: no single version
+            names those weights; :func:`mixed_weight_version`). ``None``: the weights of ``weight_version``.
     """
 
     prompt_token_ids: list[int]
@@ -55,6 +58,7 @@ class Generation:
     weight_version: int = 0
     weight_versions: list[tuple[int, int, int]] = field(default_factory=list)
     weight_version_exact: bool = True
+    partial_version: int | None = None
 
 
 @runtime_checkable
@@ -269,22 +273,27 @@ def as_prompt(prompt: list[int] | str) -> Any:
 
 def spans(weight_versions: Any) -> list[tuple[int, int, int]]:
     """vLLM's ``WeightVersionSpan`` list (or dicts from JSON) as plain tuples of ints."""
-    result = []
-    for span in weight_versions or []:
-        if isinstance(span, dict):
-            result.append((version_number(str(span["version"])), int(span["start"]), int(span["end"])))
-        else:
-            result.append((version_number(str(span.version)), int(span.start), int(span.end)))
-    return result
+    return [
+        (version_number(_span_field(span, "version")), int(_span_field(span, "start")), int(_span_field(span, "end")))
+        for span in weight_versions or []
+    ]
 
 
-def generations_from_outputs(outputs: Any, version_before: int, version_after: int) -> list[Generation]:
+def _span_field(span: Any, field_name: str) -> str:
+    return str(span[field_name] if isinstance(span, dict) else getattr(span, field_name))
+
+
+def generations_from_outputs(
+    outputs: Any, reported_before: tuple[int, int | None], unchanged: bool = True
+) -> list[Generation]:
     """Turn vLLM ``RequestOutput`` objects into :class:`Generation` s.
 
-    ``version_before`` and ``version_after`` are the engine's versions read before the
-    request was sent and after it finished: a sample for which vLLM reports no spans (no
-    token generated) takes ``version_before``, exact when no push landed in between.
+    ``reported_before`` is what the engine reported (:func:`parse_weight_version`) before the request was
+    sent, and ``unchanged`` whether it reported the same after the request finished: a sample for which vLLM
+    reports no spans (no token generated) takes ``reported_before``, exact when no push landed (or failed) in
+    between.
     """
+    version_before, partial_before = reported_before
     result = []
     for output in outputs:
         prompt = list(output.prompt_token_ids or [])
@@ -296,7 +305,9 @@ def generations_from_outputs(outputs: Any, version_before: int, version_after: i
             logprobs = None
             if sample.logprobs is not None:
                 logprobs = [entry[token].logprob for entry, token in zip(sample.logprobs, token_ids)]
-            versions = spans(getattr(sample, "weight_versions", None))  # (absent before vLLM 0.32)
+            raw_spans = getattr(sample, "weight_versions", None) or []  # (absent before vLLM 0.32)
+            versions = spans(raw_spans)
+            partial = parse_weight_version(_span_field(raw_spans[0], "version"))[1] if raw_spans else partial_before
             result.append(
                 Generation(
                     prompt_token_ids=prompt,
@@ -306,18 +317,45 @@ def generations_from_outputs(outputs: Any, version_before: int, version_after: i
                     text=sample.text or None,
                     weight_version=versions[0][0] if versions else version_before,
                     weight_versions=versions,
-                    weight_version_exact=bool(versions) or version_before == version_after,
+                    weight_version_exact=bool(versions) or unchanged,
+                    partial_version=partial,
                 )
             )
     return result
 
 
 def version_number(weight_version: str | None) -> int:
-    """A weight version string as a number; vLLM's ``"default"`` (never pushed) is 0.
+    """A weight version string as a number; vLLM's ``"default"`` (never pushed) is 0, and a mixed state
+    (:func:`mixed_weight_version`) is the version it was committed as.
 
     Example::
 
-        >>> version_number("7"), version_number("default"), version_number(None)
-        (7, 0, 0)
+        >>> version_number("7"), version_number("default"), version_number(None), version_number("7+8")
+        (7, 0, 0, 7)
     """
-    return int(weight_version) if weight_version is not None and weight_version.isdigit() else 0
+    return parse_weight_version(weight_version)[0]
+
+
+def mixed_weight_version(committed: int, failed: int) -> str:
+    """What an engine reports after a push failed half way over vLLM's streaming ``nccl``/``ipc``, which load each
+    layer as it arrives and cannot roll back: ``"{committed}+{failed}"``, version ``committed``'s weights with the
+    layers the failed push ``failed`` had loaded (possibly none), until the next push lands.
+
+    Example::
+
+        >>> mixed_weight_version(3, 4), parse_weight_version(mixed_weight_version(3, 4))
+        ('3+4', (3, 4))
+    """
+    return f"{committed}+{failed}"
+
+
+def parse_weight_version(weight_version: str | None) -> tuple[int, int | None]:
+    """``(version, partial version)`` of what an engine reports (:func:`mixed_weight_version`); ``None``: not mixed.
+
+    Example::
+
+        >>> parse_weight_version("7"), parse_weight_version("default"), parse_weight_version("7+8")
+        ((7, None), (0, None), (7, 8))
+    """
+    committed, mixed, failed = (weight_version or "").partition("+")
+    return int(committed) if committed.isdigit() else 0, int(failed) if mixed and failed.isdigit() else None

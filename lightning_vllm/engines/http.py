@@ -33,7 +33,7 @@ from lightning_vllm.engines.base import (
     PolicyAdapter,
     ReportsLayerSums,
     ServesAdapter,
-    version_number,
+    parse_weight_version,
 )
 from lightning_vllm.engines.completions import completion_fields
 from lightning_vllm.engines.routes import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
@@ -310,10 +310,10 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, Reports
             "return_token_ids": True,
             **completion_fields(sampling_params),
         }
-        before = version_number(self.get_weight_version())
+        before = parse_weight_version(self.get_weight_version())
         timeout = self.generate_timeout_seconds if timeout_seconds is None else timeout_seconds
         response = self._request("POST", "v1/completions", json=body, timeout=timeout)
-        exact = version_number(self.get_weight_version()) == before
+        exact = parse_weight_version(self.get_weight_version()) == before
         generations = []
         for choice in sorted(response["choices"], key=lambda choice: choice["index"]):
             prompt = list(choice.get("prompt_token_ids") or [])
@@ -331,8 +331,9 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, Reports
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                     text=choice.get("text") or None,
-                    weight_version=before,
+                    weight_version=before[0],
                     weight_version_exact=exact,
+                    partial_version=before[1],
                 )
             )
         return generations

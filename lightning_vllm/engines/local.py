@@ -18,7 +18,7 @@ from lightning_vllm.engines.base import (
     UpdatesInOneCall,
     as_prompt,
     generations_from_outputs,
-    version_number,
+    parse_weight_version,
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
@@ -123,11 +123,11 @@ class LocalLLMEngine(
         self, prompts: Sequence[list[int] | str], sampling_params: Any, *, timeout_seconds: float | None = None
     ) -> list[Generation]:
         with self._generating:  # no commit in between: the version read is the one the tokens came from
-            version = version_number(self.get_weight_version())
+            reported = parse_weight_version(self.get_weight_version())
             outputs = self.llm.generate(
                 [as_prompt(p) for p in prompts], sampling_params, use_tqdm=False, lora_request=self.lora_request()
             )
-            return generations_from_outputs(outputs, version, version)
+            return generations_from_outputs(outputs, reported)
 
 
 def _guard_request_socket(client: Any) -> bool:

@@ -25,6 +25,7 @@ from lightning_vllm.backends.vllm_engines import ReplayedClient, ReplayedWeights
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.engine_client import TimedClient
+from lightning_vllm.engines.base import mixed_weight_version, parse_weight_version
 from lightning_vllm.weights import DeclaredWeights, EngineWeights, ModuleWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
 
@@ -128,7 +129,7 @@ def test_vllms_trainer_engine_gets_the_engines_metadata_as_its_source_when_the_g
 CUDA = torch.device("cuda")
 
 
-def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=CUDA):
+def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=CUDA, reported_version=0):
     """A connection over vLLM's real NCCL trainer engine, whose broadcast (the NCCL call) is ``broadcast``
     (``device=None``: the weights stay where they are, so that ``broadcast`` may read them here)."""
     engine_metadata = source_metadata(ModuleWeights(model))
@@ -138,7 +139,9 @@ def nccl_connection(engine, model, broadcast, timeout_seconds=2.0, device=CUDA):
     transfer._broadcast = broadcast  # type: ignore[method-assign]
     sender = VLLMEngineSender(transfer, source, replayed, device, timeout_seconds)
     options = replace(SETTINGS, backend="nccl", timeout_seconds=timeout_seconds)
-    return EngineConnection(engine, options, client, backend_named("nccl"), sender, engine_metadata, False)
+    return EngineConnection(
+        engine, options, client, backend_named("nccl"), sender, engine_metadata, False, reported_version
+    )
 
 
 def test_an_nccl_push_hands_vllm_the_weights_on_the_gpu_in_the_engines_dtypes_and_commits_the_version():
@@ -217,17 +220,46 @@ def test_a_push_that_fails_half_way_closes_the_update_then_resumes_and_the_next_
     after_failure.wait_for(engine, timeout=5.0)  # what the next connection waits for
 
     assert not engine.active and not engine.reloading  # the update is closed, every layer back in place
-    assert engine.version == "default"  # nothing committed
-    tail = ["finish None", "resume", "shutdown"]  # closed before generation resumes, released after
+    # Nothing committed; the workers had been sent part of version 1 to load as it arrived, so from now on the
+    # engine reports the mix: the weights it started with (0) and what it had loaded of 1.
+    assert engine.version == mixed_weight_version(0, 1) == "0+1"
+    assert parse_weight_version(engine.version) == (0, 1)
+    tail = ["finish 0+1", "resume", "shutdown"]  # closed before generation resumes, released after
     assert engine.calls[-len(tail) :] == tail
     if where == "worker side":  # the worker had left the update itself: an empty one put its layers back
-        assert engine.calls[-5:-3] == ["finish None", "start"]
+        assert engine.calls[-5:-3] == ["finish 0+1", "start"]
 
     engine.fail_update_weights = False
     engine.calls.clear()
     again = nccl_connection(engine, model, read_all, device=None)
     again.push(Payload(ModuleWeights(model)), version=1)
     assert engine.version == "1" and engine.calls == ["start", "finish 1", "resume"]
+
+
+def test_a_push_that_fails_before_the_workers_were_sent_anything_leaves_the_version_as_it_was():
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "nccl")
+    engine.version = "3"
+    connection = nccl_connection(engine, model, read_all, device=None, reported_version=3)
+    start = engine.start_weight_update
+    engine.start_weight_update = raises(RuntimeError("the engine refused to start an update"))
+    with pytest.raises(RuntimeError, match="refused to start"):
+        connection.push(Payload(ModuleWeights(model)), version=4)
+    after_failure.wait_for(engine, timeout=5.0)
+    assert engine.version == "3"  # nothing was sent to load: the weights of version 3, whole
+    engine.start_weight_update = start
+
+
+def test_a_push_that_fails_after_a_mix_names_the_last_version_the_engine_committed():
+    model = tiny_qwen2()
+    engine = GPUEngine(model, "nccl")
+    connection = nccl_connection(engine, model, read_all, device=None, reported_version=0)
+    connection.push(Payload(ModuleWeights(model)), version=1)
+    engine.fail_update_weights = True
+    with pytest.raises(RuntimeError, match="could not load"):
+        connection.push(Payload(ModuleWeights(model)), version=2)
+    after_failure.wait_for(engine, timeout=5.0)
+    assert engine.version == "1+2"
 
 
 def test_a_new_connection_waits_for_the_end_of_what_a_failed_push_left_running():

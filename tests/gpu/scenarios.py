@@ -48,7 +48,9 @@ from helpers import (
 
 from lightning_vllm import EngineConfigError, VLLMUpdater, VLLMWeightSync, WeightSyncError, generate
 from lightning_vllm._waits import call_with_timeout
-from lightning_vllm.engines.base import version_number
+from lightning_vllm.core import after_failure
+from lightning_vllm.engines import as_engine_target
+from lightning_vllm.engines.base import mixed_weight_version, version_number
 
 FLOOR_BOUND = 2 * 2.0e-4
 """Twice the engine's own float32 floor on the H200 (its kernels against HF's on the same weights, 2.0e-4)."""
@@ -173,8 +175,10 @@ def fails_half_way(
     several chunks). It must raise a ``WeightSyncError`` within ``timeout`` plus a few seconds (``after_error`` runs
     then: a stopped engine core is continued), leave the trainer's GPU answering and the version uncommitted, and
     the next push must land on the same engine. Over an ``atomic`` backend the engine must serve, in between, the
-    weights of the push that landed, digest-equal. Records (``<prefix>failure_<name>`` in the figures) and returns the
-    error, its seconds and :func:`what_it_serves` in between."""
+    weights of the push that landed, digest-equal, under their version; over a streaming one (vLLM's ``nccl``,
+    ``ipc``) it must report the mix (``"1+2"``) whenever it serves other weights than those. Records
+    (``<prefix>failure_<name>`` in the figures) and returns the error, its seconds and :func:`what_it_serves` in
+    between."""
     model = tiny_qwen2(seed=6).cuda()
     before = tiny_qwen2(seed=6).cuda()
     updater = VLLMUpdater(engine=llm, timeout_seconds=timeout, bucket_size_bytes=1 << 20)
@@ -191,15 +195,24 @@ def fails_half_way(
     the_trainers_gpu_answers()
     record: dict[str, Any] = {"error": f"{type(raised.value).__name__}: {raised.value}"[:300], "seconds": seconds}
     FIGURES[f"{prefix}failure_{name}"] = record  # (kept even if what follows fails)
+    if not atomic:  # the clean-up that closes the open update (and labels the mix) ends once the engine answers
+        after_failure.wait_for(as_engine_target(llm), timeout=timeout + 30)
     record["in_between"] = what_it_serves(llm, before, model, bound=FLOOR_BOUND)
+    record["in_between"]["reported"] = reported = llm.get_weight_version()
     if atomic:
         record["in_between"]["digest_equal_to_before"] = digests_equal(engine_digest(llm), model_digest(before))
     print(f"{name}: {record}")
     assert seconds < timeout + 5, record
     assert record["in_between"].get("version") == version_number(version), record  # answered; not committed
-    if atomic:  # the last committed weights, exactly
+    if atomic:  # the last committed weights, exactly, under their version
         assert record["in_between"]["serves"] == "the weights before", record
         assert record["in_between"]["digest_equal_to_before"], record
+        assert reported == version, record
+    else:  # the weights before under their version, or the mix reported as such: never another version's name
+        mixed = mixed_weight_version(version_number(version), version_number(version) + 1)
+        assert reported == mixed or (reported == version and record["in_between"]["serves"] == "the weights before"), (
+            record
+        )
     with torch.no_grad():  # other weights than the failed push's: what lands is told apart from what it left
         model.lm_head.weight.mul_(1.1)
     updater.push_weights(model)  # the same engine, no restart
