@@ -12,10 +12,13 @@ from pathlib import Path
 from helpers import TinyCausalLM, build_llm, cpu_trainer, save_model, shutdown, tiny_qwen2, token_batches
 from push_trace import TRACED_STEP, ModulesEntered, TracedSync
 
+from lightning_vllm.engines.worker_check import WORKER_EXTENSION
+
 
 def main(out_dir: Path) -> None:
     model = tiny_qwen2(seed=3)
-    llm = build_llm(save_model(model, out_dir / "model"))
+    # Built so that its pushes are checked, as by default (issue 46): the check is part of a push's path.
+    llm = build_llm(save_model(model, out_dir / "model"), worker_extension_cls=WORKER_EXTENSION)
     tracer = ModulesEntered()
     tracer.install()
     try:

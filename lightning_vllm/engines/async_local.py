@@ -84,7 +84,8 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, Upda
         return ipc_handles_problem(self.async_llm.engine_core, self.description)
 
     def layer_sums(self) -> list[dict[str, Any]]:
-        return list(self.run(self.async_llm.collective_rpc(self._layer_sums_rpc())))
+        assert self._sums_rpc is not None, "layer_sums is asked only where layer_sums_problem() is None"
+        return list(self.run(self.async_llm.collective_rpc(self._sums_rpc)))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any
 
 from lightning_vllm.engines.base import ServesAdapter
@@ -23,13 +24,15 @@ class EngineConfigFacts(ServesAdapter):
     def description(self) -> str:
         return "in-process engine"  # (each engine class names itself)
 
-    def layer_sums_problem(self) -> str | None:
-        return None if rpc_for(self._config, self._engine_core) is not None else missing_extension(self.description)
+    @cached_property
+    def _sums_rpc(self) -> str | Callable[[Any], Any] | None:
+        """What the workers are asked through ``collective_rpc`` for their sums (``None``: they cannot be). Chosen once,
+        when the connection asks :meth:`layer_sums_problem`: the engine's config and where its core runs do not change,
+        and every push is checked."""
+        return rpc_for(self._config, self._engine_core)
 
-    def _layer_sums_rpc(self) -> str | Callable[[Any], Any]:
-        rpc = rpc_for(self._config, self._engine_core)
-        assert rpc is not None, "layer_sums is asked only where layer_sums_problem() is None"
-        return rpc
+    def layer_sums_problem(self) -> str | None:
+        return None if self._sums_rpc is not None else missing_extension(self.description)
 
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config

@@ -77,7 +77,8 @@ class LocalLLMEngine(
         return ipc_handles_problem(self.llm.llm_engine.engine_core, self.description)
 
     def layer_sums(self) -> list[dict[str, Any]]:
-        return list(self.llm.collective_rpc(self._layer_sums_rpc()))
+        assert self._sums_rpc is not None, "layer_sums is asked only where layer_sums_problem() is None"
+        return list(self.llm.collective_rpc(self._sums_rpc))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
