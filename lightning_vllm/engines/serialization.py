@@ -96,15 +96,23 @@ def ipc_handles_problem(engine_core: Any, description: str) -> str | None:
     )
     if not flag_set(os.environ.get(INSECURE_SERIALIZATION)):
         return f"The {description} engine cannot take ipc pushes: {WHY}, which this process lacks. {fix}"
+    if (pid := started_without_pickle(engine_core)) is not None:
+        return (
+            f"The {description} engine cannot take ipc pushes: {WHY}, and its engine core (pid {pid}) "
+            f"started without it (it was set in this process after the engine was built). {fix}"
+        )
+    return None
+
+
+def started_without_pickle(engine_core: Any) -> int | None:
+    """The pid of a spawned engine core of this client that started without the variable, so that its input thread
+    would stop at the first pickled message it decodes (``None``: none did, or none can be read)."""
     for process in engine_core_processes(engine_core):
         if getattr(process, "_start_method", None) != "spawn" or process.pid is None:
             continue
         environment = process_environment(process.pid)
         if environment is not None and not flag_set(environment.get(INSECURE_SERIALIZATION)):
-            return (
-                f"The {description} engine cannot take ipc pushes: {WHY}, and its engine core (pid {process.pid}) "
-                f"started without it (it was set in this process after the engine was built). {fix}"
-            )
+            return int(process.pid)
     return None
 
 

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning_vllm.engines.serialization import INSECURE_SERIALIZATION, flag_set
+from lightning_vllm.engines.serialization import INSECURE_SERIALIZATION, flag_set, started_without_pickle
 from lightning_vllm.weights.layer_sums import held_layer_sums
 
 LAYER_SUMS_METHOD = "lightning_vllm_layer_sums"
@@ -61,7 +61,9 @@ def rpc_for(vllm_config: Any, engine_core: Any) -> str | Callable[[Any], Any] | 
     if has_extension(getattr(vllm_config.parallel_config, "worker_extension_cls", None)):
         return LAYER_SUMS_METHOD
     in_process = getattr(engine_core, "_send_input", None) is None
-    if in_process or flag_set(os.environ.get(INSECURE_SERIALIZATION)):
+    # A function crosses a multiprocess core's RPC pickled: this process must encode it, and the core must have
+    # started able to decode it, or its input thread stops (seen on an H200: the engine then answered nothing).
+    if in_process or (flag_set(os.environ.get(INSECURE_SERIALIZATION)) and started_without_pickle(engine_core) is None):
         return layer_sums_of_worker
     return None
 
