@@ -47,18 +47,17 @@ _ROW_ELEMENTS = 1 << 12
 @dataclass(frozen=True)
 class LayerSums:
     """The fingerprint of one layer's tensors as the trainer sent them: the sum of their float32 bit
-    patterns, the sum of their squares' bit patterns, the element count, and whether every value was finite.
+    patterns, the sum of their squares' bit patterns, and whether every value was finite.
 
     Example::
 
-        >>> sums = LayerSums(2, 5, 2)
+        >>> sums = LayerSums(2, 5)
         >>> sums.matches(2, 5), sums.matches(2, 6)
         (True, False)
     """
 
     total: int
     squares: int
-    count: int = 0
     finite: bool = True
 
     def matches(self, total: int, squares: int) -> bool:
@@ -189,23 +188,22 @@ class SentSums:
         >>> sent.tally("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))
         >>> sent.landed()
         >>> sent.by_layer()
-        {'model.layers.0.mlp': LayerSums(total=4261412864, squares=4261412864, count=4, finite=True)}
+        {'model.layers.0.mlp': LayerSums(total=4261412864, squares=4261412864, finite=True)}
     """
 
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[torch.Tensor, int]] = {}
-        self._held: dict[str, tuple[int, int, int, int]] = {}  # bits, squares, not finite, count
+        self._pending: dict[str, torch.Tensor] = {}
+        self._held: dict[str, tuple[int, int, int]] = {}  # bits, squares, not finite
 
     def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``."""
-        self._pending[name] = (tensor_sums(tensor, dtype), tensor.numel())
+        self._pending[name] = tensor_sums(tensor, dtype)
 
     def landed(self) -> None:
         """The push committed: the engine now holds what was tallied (one device sync)."""
         names = list(self._pending)
-        values = _to_ints([self._pending[name][0] for name in names])
-        for name, (total, squares, not_finite) in zip(names, values):
-            self._held[name] = (total, squares, not_finite, self._pending[name][1])
+        for name, (total, squares, not_finite) in zip(names, _to_ints([self._pending[name] for name in names])):
+            self._held[name] = (total, squares, not_finite)
         self._pending = {}
 
     def dropped(self) -> None:
@@ -218,8 +216,8 @@ class SentSums:
         for name, values in self._held.items():
             _add(layers, layer_of(name), values)
         return {
-            layer: LayerSums(total, squares, count, finite=not not_finite)
-            for layer, (total, squares, not_finite, count) in layers.items()
+            layer: LayerSums(total, squares, finite=not not_finite)
+            for layer, (total, squares, not_finite) in layers.items()
         }
 
 

@@ -193,15 +193,15 @@ def test_sums_sent_earlier_count_until_sent_again_and_a_failed_push_leaves_them(
     sent.landed()
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.full((3,), 2.0))  # a changed-only push: one tensor
     sent.dropped()  # ... that did not commit
-    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(2 * one[0], 2 * one[1], 6)
+    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(2 * one[0], 2 * one[1])
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.full((3,), 2.0))
     sent.landed()
-    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(one[0] + two[0], one[1] + two[1], 6)
+    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(one[0] + two[0], one[1] + two[1])
 
 
 def test_the_same_values_in_another_layout_and_order_match_exactly():
     values = torch.randn(1_000_003, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
-    sent = LayerSums(*tensor_sums(values).tolist()[:2], values.numel())
+    sent = LayerSums(*tensor_sums(values).tolist()[:2])
     pieces = [tensor_sums(chunk) for chunk in values.flip(0).split(4099)]  # shards, summed in another order
     assert sent.matches(*torch.stack(pieces).sum(0).tolist()[:2])
     assert not sent.matches(sent.total + 1, sent.squares)
