@@ -76,8 +76,8 @@ def end_failed_update(
     then carry that they come from a mix, never a version whose weights the engine no longer serves whole.
 
     The worker stays inside the update when the failure came before its ``update_weights`` (the
-    trainer's side broke): ``finish_weight_update`` without a version closes it, and layer-wise
-    reload puts back the current weights of every layer that received nothing. When its
+    trainer's side broke): ``finish_weight_update`` closes it (committing only ``mixed_version``, if given), and
+    layer-wise reload puts back the current weights of every layer that received nothing. When its
     ``update_weights`` failed, the worker left the update itself, but the layers it had started
     stay in layer-wise reload (their weights on the meta device, which generation cannot run on):
     one empty update (start, finish) puts them back. Layers that the failed push had sent whole
