@@ -1,8 +1,9 @@
 """How many of the package's modules one steady-state ``gloo`` push runs through (``push_trace.py``): each is a place a
 maintainer reads to follow a push, so the count is held down. The house we head for (issue 45) takes a push over
-``gloo`` through at most 17, and the check after every push, on by default since issue 46, adds its two
-(``core/landing_check``, ``weights/layer_sums``); the bound below is where the house stands, lowered as it gets
-there."""
+``gloo`` through at most 17, and the check after every push, on by default since issue 46, adds its three
+(``core/landing_check``, ``weights/layer_sums`` and, on a CPU, ``weights/cpu_sums``, the cache-sized sums that
+took the check's CPU cost from 1.5x to 1.02x of a push at 400M); the bound below is where the house stands,
+lowered as it gets there."""
 
 import json
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from push_trace import assert_few_modules
 
-MOST_MODULES_A_GLOO_PUSH_ENTERS = 19
+MOST_MODULES_A_GLOO_PUSH_ENTERS = 20
 
 
 @pytest.mark.engine

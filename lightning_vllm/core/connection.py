@@ -295,14 +295,13 @@ class EngineConnection:
         """What the backend's sender is handed for one push: the tensors under ``names``, counted for the landing
         check; the client that commits ``version`` inside the commit window; the adapter's message."""
         adapter = self.adapter if payload.adapter_config is not None else None
-        pause_for_transfer = self.backend.traits.loads_while_receiving
+        pause = not self.backend.traits.loads_while_receiving
         landing, every_rank = self.landing, payload.every_rank is not None
         tally = landing.tally_for(payload.view != "adapter", every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
         sent = EngineWeights(payload.weights, names, device=self.device, tally=tally)
-        client = self.client.committing(
-            str(version), lambda: self._commit_window(pause=not pause_for_transfer, adapter=adapter)
-        )
+        sent.tally_held()  # (the model's own tensors: summed after the commit, on a GPU in one launch)
+        client = self.client.committing(str(version), lambda: self._commit_window(pause=pause, adapter=adapter))
         adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
         return Outgoing(
             sent,

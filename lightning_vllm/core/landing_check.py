@@ -11,11 +11,13 @@ push from every rank) is said once, in a warning, never as a false alarm.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from lightning_vllm._waits import call_with_timeout
+from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ReportsLayerSums
 from lightning_vllm.errors import WeightSyncError
@@ -43,6 +45,7 @@ class LandingCheck:
         self.sent = SentSums()
         self._said: set[str] = set()
         self._pending = False
+        self._report: BackgroundCall[list[dict[str, Any]]] | None = None  # the engine's sums, asked at the commit
         self._unverifiable: set[str] = set()  # the engine's layers it cannot verify: not summed after the first push
 
     @classmethod
@@ -62,10 +65,10 @@ class LandingCheck:
 
     def tally_for(
         self, carries_base: bool, every_rank: bool
-    ) -> Callable[[str, torch.Tensor, torch.dtype], None] | None:
+    ) -> Callable[[str, torch.Tensor, torch.dtype, bool], None] | None:
         """What the push's tensors are to be given to as they go on the wire (``None``: the push is not
         checked: a LoRA adapter alone, or shares the other ranks send too)."""
-        self._pending = False
+        self._pending, self._report = False, None
         if not carries_base:
             return None
         if every_rank:
@@ -76,13 +79,24 @@ class LandingCheck:
         self._pending = True
         return self._tally
 
-    def _tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    def _tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, held: bool) -> None:
         if not name.startswith(ADAPTER_PREFIX) and layer_of(name) not in self._unverifiable:
-            self.sent.tally(name, tensor, dtype)
+            self.sent.tally(name, tensor, dtype, held)
 
     def landed(self, committed: bool) -> None:
-        """The push committed (what was tallied is held now) or did not."""
+        """The push committed (what was tallied is held now) or did not.
+
+        After a commit that is to be checked, the engine's workers are asked for their sums at once, on a thread
+        of their own, while this thread finishes the trainer's (``SentSums.landed``): the two overlap, on a CPU
+        host as on a GPU.
+        """
         if committed:
+            if self._pending:
+                self._report = BackgroundCall(
+                    self.engine.layer_sums,  # type: ignore[attr-defined]  # built only for ReportsLayerSums
+                    what=f"{self.engine.description} to sum the weights it holds",
+                    waited_until=time.monotonic() + self.timeout_seconds,
+                )
             self.sent.landed()
         else:
             self.sent.dropped()
@@ -93,15 +107,13 @@ class LandingCheck:
         push was not checked, or the engine could not say within ``timeout_seconds``: a warning then
         tells why, and the push stands as committed).
         """
-        if not self._pending:
+        report, self._report = self._report, None
+        if not self._pending or report is None:
             return []
         self._pending = False
         try:
-            reports = call_with_timeout(
-                self.engine.layer_sums,  # type: ignore[attr-defined]  # built only for ReportsLayerSums
-                timeout=self.timeout_seconds,
-                what=f"{self.engine.description} to sum the weights it holds",
-            )
+            left = max(0.0, (report.waited_until or 0.0) - time.monotonic())
+            reports = report.result(left, waited=self.timeout_seconds)
         except WeightSyncError as error:
             log.warning("The push to %s could not be checked: %s", self.engine.description, error)
             return []

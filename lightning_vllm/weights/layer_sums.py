@@ -1,21 +1,22 @@
 """Per-layer fingerprints of weights: what the trainer sent and what an engine holds, compared.
 
-A tensor's fingerprint is two exact integer sums over its values, each value taken as a float32
-(bfloat16 and float16 values are float32 values): the sum of the values' bit patterns, and the sum
-of the bit patterns of their float32 squares. Integer sums do not depend on the order in which
-they are added, and the square is computed per value, so the fingerprints of a layer are *equal*,
-not merely close, when vLLM fuses q/k/v or gate/up into one tensor, splits a tensor over
-tensor-parallel ranks (the ranks' sums add up), or pads a vocabulary with zero rows (a zero's bit
-pattern is 0). Any one value that differs changes the first sum; the second, not linear in the
-bit patterns, keeps changes that cancel in the first (values one step up and as many one step
-down) from going unnoticed. So the two sides can be held against each other after every push,
-across the two layouts, without moving a weight off its device. A *layer* is what
-:func:`layer_of` names: a decoder layer's attention or MLP block or norm
+A tensor's fingerprint is two integer sums over its values, each value taken as a float32
+(bfloat16 and float16 values are float32 values): the sum of the values' bit patterns (exact, in
+int64), and the sum of the bit patterns of their float32 squares (compared modulo 2**32). Integer
+sums do not depend on the order in which they are added, and the square is computed per value, so
+the fingerprints of a layer are *equal*, not merely close, when vLLM fuses q/k/v or gate/up into one
+tensor, splits a tensor over tensor-parallel ranks (the ranks' sums add up), or pads a vocabulary
+with zero rows (a zero's bit pattern is 0). Any one value that differs changes the first sum (a
+sign flipped, by 2**31: a layer negated whole changes it unless exactly half its values were
+negative); the second, not linear in the bit patterns, keeps changes that cancel in the first
+(values one step up and as many one step down) from going unnoticed. So the two sides can be held
+against each other after every push, across the two layouts, without moving a weight off its
+device. A *layer* is what :func:`layer_of` names: a decoder layer's attention or MLP block or norm
 (``model.layers.3.self_attn``), the embedding, the final norm, the head.
 
-They are cheap: on a CPU, integer sums of float32 bit patterns run vectorized (numpy's), about
-2.5x faster than the float64 sums this check used before; on a GPU one fused kernel reads each
-tensor once (``torch.compile``).
+What they cost: on a CPU about a nanosecond a value (chunks summed from the core's cache,
+``weights/cpu_sums.py``: 0.057 s for 57M bfloat16 values, against 0.126 s for numpy's int64 sums before); on a
+GPU one fused kernel reads each tensor once (``torch.compile``).
 
 The engine's side (:func:`held_layer_sums`) runs inside vLLM's worker; the trainer asks for
 it through ``collective_rpc`` (``engines/worker_check.py``). Layers an engine stores in
@@ -30,15 +31,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+
+from lightning_vllm.weights.cpu_sums import SQUARES_MODULUS, cpu_sums
 
 log = logging.getLogger(__name__)
 
 # The parts of a MoE block vLLM holds as modules of their own: each is a layer of its own here, so that a check
 # names the routed experts (one fused tensor per projection in vLLM) apart from the router and the shared experts.
 MOE_PARTS = frozenset({"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"})
-_CHUNK_ELEMENTS = 1 << 22  # an eager float32 chunk: 16 MiB, whatever the tensor's size
+_CHUNK_ELEMENTS = 1 << 22  # an eager float32 chunk on a GPU: 16 MiB, whatever the tensor's size
 # The fused kernel reduces rows of this many elements in parallel, then the row sums: a reduction of a
 # whole tensor to one number in one pass would run on a handful of the GPU's cores.
 _ROW_ELEMENTS = 1 << 12
@@ -61,8 +63,8 @@ class LayerSums:
     finite: bool = True
 
     def matches(self, total: int, squares: int) -> bool:
-        """Whether an engine's fingerprint equals this one (integer sums: exactly)."""
-        return total == self.total and squares == self.squares
+        """Whether an engine's fingerprint equals this one: the bits' sums exactly, the squares' modulo 2**32."""
+        return total == self.total and (squares - self.squares) % SQUARES_MODULUS == 0
 
 
 def layer_of(name: str) -> str:
@@ -92,12 +94,12 @@ def layer_of(name: str) -> str:
 
 def tensor_sums(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[bits, squares, not finite]`` of ``tensor``'s values, as int64 on its device (nothing synchronizes on a
-    GPU): the sum of their float32 bit patterns, of their float32 squares' bit patterns, and how many squares
-    are not finite (NaN or inf). With ``dtype``, of the values rounded to it first (as an engine serving that
-    dtype holds them), a chunk at a time: no rounded copy of the whole tensor is made.
+    GPU): the sum of their float32 bit patterns, of their float32 squares' bit patterns (on a CPU, modulo 2**32),
+    and how many squares are not finite (NaN or inf). With ``dtype``, of the values rounded to it first (as an
+    engine serving that dtype holds them), a chunk at a time: no rounded copy of the whole tensor is made.
 
     On a GPU one fused kernel reads the tensor once (``torch.compile``); on a CPU, or if that kernel cannot be
-    built, float32 chunks of bounded size are summed (by numpy on a CPU: its integer sums are vectorized).
+    built, float32 chunks of bounded size are summed (on a CPU, chunks its cache holds: ``weights/cpu_sums.py``).
 
     Example::
 
@@ -117,6 +119,24 @@ def tensor_sums(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch
     return _chunked_sums(flat, dtype)
 
 
+def sums_of_many(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype | None]) -> list[torch.Tensor]:
+    """:func:`tensor_sums` of each of ``tensors`` (rounded to its ``dtypes`` entry): on a GPU, those needing no
+    rounding in one kernel launch per device and dtype (``weights/gpu_sums.py``); the others one by one."""
+    sums: list[torch.Tensor | None] = [None] * len(tensors)
+    flats = [tensor.detach().reshape(-1) for tensor in tensors]
+    on_gpus: dict[torch.device, list[int]] = {}
+    for position, (flat, dtype) in enumerate(zip(flats, dtypes)):
+        if flat.is_cuda and dtype in (None, flat.dtype) and flat.is_contiguous():
+            on_gpus.setdefault(flat.device, []).append(position)
+    for positions in on_gpus.values():
+        from lightning_vllm.weights.gpu_sums import batched_sums  # (imports Triton: only where a GPU sums)
+
+        rows = batched_sums([flats[position] for position in positions])
+        for position, row in zip(positions, rows.unbind(0) if rows is not None else ()):
+            sums[position] = row
+    return [found if found is not None else tensor_sums(flat, dtype) for found, flat, dtype in zip(sums, flats, dtypes)]
+
+
 def row_sums(flat: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """:func:`tensor_sums` of ``flat``: ``kernel`` on its whole rows of ``_ROW_ELEMENTS``, the rest in chunks."""
     rows = flat.numel() // _ROW_ELEMENTS
@@ -129,21 +149,12 @@ def row_sums(flat: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor])
 
 
 def _chunked_sums(flat: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if flat.device.type != "cpu":
-        sums = torch.zeros(3, dtype=torch.int64, device=flat.device)
-        for chunk in flat.split(_CHUNK_ELEMENTS):
-            sums += _sums_kernel(chunk)
-        return sums
-    bits = squares = not_finite = 0
+    if flat.device.type == "cpu":
+        return cpu_sums(flat, dtype)
+    sums = torch.zeros(3, dtype=torch.int64, device=flat.device)
     for chunk in flat.split(_CHUNK_ELEMENTS):
-        rounded = chunk if dtype is None else chunk.to(dtype)
-        values = rounded.float()  # (the float32 weights themselves: never squared in place)
-        bits += int(values.view(torch.int32).numpy().sum(dtype=np.int64))
-        squared = values * values if values is chunk else values.square_()
-        squares += int(squared.view(torch.int32).numpy().sum(dtype=np.int64))
-        if not np.isfinite(squared.numpy().sum()):  # a float32 sum: inf or NaN iff a square is, or it overflows
-            not_finite += int((~torch.isfinite(squared)).sum())
-    return torch.tensor([bits, squares, not_finite], dtype=torch.int64)
+        sums += _sums_kernel(chunk)
+    return sums
 
 
 def _sums_kernel(rows: torch.Tensor) -> torch.Tensor:
@@ -180,7 +191,10 @@ class SentSums:
     some tensors, and the engine holds the others from earlier pushes.
 
     :meth:`tally` is given each tensor as it goes on the wire (summed on its device, no sync);
-    :meth:`landed` keeps the push's sums once it committed, :meth:`dropped` forgets them.
+    :meth:`landed` keeps the push's sums once it committed, :meth:`dropped` forgets them. A tensor that the
+    trainer's model holds and leaves as it is until the push returns (``held``) is summed in :meth:`landed`
+    instead: then the trainer's sums run while the engine's workers sum theirs (``core/landing_check.py``), not
+    while the engine is receiving, which on a host of few cores they would slow; and on a GPU, all in one launch.
 
     Example::
 
@@ -193,22 +207,33 @@ class SentSums:
 
     def __init__(self) -> None:
         self._pending: dict[str, torch.Tensor] = {}
+        self._later: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # held tensors, summed in landed()
         self._held: dict[str, tuple[int, int, int]] = {}  # bits, squares, not finite
 
-    def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``."""
-        self._pending[name] = tensor_sums(tensor, dtype)
+    def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, held: bool = False) -> None:
+        """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``;
+        ``held``: the model holds it, unchanged until the push returns (see the class docstring)."""
+        if held:
+            self._pending.pop(name, None)
+            self._later[name] = (tensor, dtype)
+        else:
+            self._later.pop(name, None)
+            self._pending[name] = tensor_sums(tensor, dtype)
 
     def landed(self) -> None:
-        """The push committed: the engine now holds what was tallied (one device sync)."""
+        """The push committed: the engine now holds what was tallied (the held tensors summed: on a GPU in one
+        launch; then one device sync)."""
+        later = list(self._later.items())
+        for (name, _), sums in zip(later, sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later])):
+            self._pending[name] = sums
         names = list(self._pending)
         for name, (total, squares, not_finite) in zip(names, _to_ints([self._pending[name] for name in names])):
             self._held[name] = (total, squares, not_finite)
-        self._pending = {}
+        self._pending, self._later = {}, {}
 
     def dropped(self) -> None:
         """The push did not commit: what was tallied is not what the engine holds."""
-        self._pending = {}
+        self._pending, self._later = {}, {}
 
     def by_layer(self) -> dict[str, LayerSums]:
         """What the engine should hold, per layer (:func:`layer_of`)."""
@@ -301,14 +326,15 @@ REPACKED = "held in another form than loaded (vLLM's CPU build repacks linear la
 
 @torch.no_grad()
 def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Per-layer fingerprints of what ``model`` (vLLM's, in its worker) holds, on its device; one sync at the end.
+    """Per-layer fingerprints of what ``model`` (vLLM's, in its worker) holds, on its device (on a GPU in one
+    kernel launch per dtype); one sync at the end.
 
     Returns ``{"sharded": {layer: [bits, squares]}, "replicated": {...}, "unverifiable": {layer: why}}``
     (:func:`tensor_sums`):
     a parameter of a tensor-parallel layer (``tp_size > 1``) is this rank's shard, the others are
     whole on every rank. Plain lists and strings, so any of vLLM's RPC paths carries it.
     """
-    sums: dict[tuple[str, str], torch.Tensor] = {}
+    entries: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, values)
     unverifiable: dict[str, str] = {}
     for name, parameter in model.named_parameters():
         layer = layer_of(name)
@@ -327,10 +353,9 @@ def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             continue
         kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
         rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else [(layer, parameter)]
-        for row_layer, values in rows:
-            key = (kind, row_layer)
-            sums[key] = sums[key] + tensor_sums(values) if key in sums else tensor_sums(values)
+        entries.extend((kind, row_layer, values) for row_layer, values in rows)
     report: dict[str, dict[str, Any]] = {"sharded": {}, "replicated": {}, "unverifiable": unverifiable}
-    for (kind, layer), (bits, squares, _) in zip(sums, _to_ints(list(sums.values()))):
-        report[kind][layer] = [bits, squares]
+    values = [values for _, _, values in entries]
+    for (kind, layer, _), (bits, squares, _) in zip(entries, _to_ints(sums_of_many(values, [None] * len(values)))):
+        _add(report[kind], layer, [bits, squares])
     return report

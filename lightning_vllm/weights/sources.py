@@ -273,8 +273,8 @@ class EngineWeights(Weights):
         engine_metadata: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
         device: where vLLM's engine sends from (the trainer's GPU); ``None`` when the
             transport converts by itself.
-        tally: given each ``(name, tensor, serving dtype)`` as it goes
-            (the check after the push, ``weights/layer_sums.py``).
+        tally: given each ``(name, tensor, serving dtype, held)`` as it goes (the check after the push,
+            ``weights/layer_sums.SentSums``); or, by :meth:`tally_held`, all at once with ``held`` true.
     """
 
     def __init__(
@@ -282,7 +282,7 @@ class EngineWeights(Weights):
         source: Weights,
         engine_metadata: Mapping[str, tuple[torch.dtype, Any]],
         device: torch.device | None = None,
-        tally: Callable[[str, torch.Tensor, torch.dtype], None] | None = None,
+        tally: Callable[[str, torch.Tensor, torch.dtype, bool], None] | None = None,
     ) -> None:
         self.source = source
         self.engine_metadata = engine_metadata
@@ -301,6 +301,20 @@ class EngineWeights(Weights):
         # The source's own grouping (a base-then-adapter source keeps the two apart), minus what is not sent.
         kept = ([name for name in group if name in self.engine_dtypes] for group in self.source.groups())
         return [group for group in kept if group]
+
+    def tally_held(self) -> bool:
+        """Hand the tally every tensor the source holds, at once, as held (summed once the push committed:
+        ``weights/layer_sums.SentSums``), and none as it goes; whether the source holds them. From then on
+        :meth:`held_tensors` names them, so a transport that keeps what it sent (``lightning_ipc``) keeps it on
+        checked pushes too."""
+        held = None if self.tally is None else self.source.held_tensors()
+        if held is None or self.tally is None:
+            return False
+        for name, tensor in zip(*held):
+            if name in self.engine_dtypes:
+                self.tally(name, tensor, self.engine_dtypes[name], True)
+        self.tally = None
+        return True
 
     def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
         """The source's, those the engine loads, unless each tensor is tallied as it goes (:meth:`iter_full`)."""
@@ -327,5 +341,5 @@ class EngineWeights(Weights):
             if self.device is not None and (tensor.dtype != dtype or tensor.device != self.device):
                 tensor = tensor.to(device=self.device, dtype=dtype, non_blocking=True)
             if self.tally is not None:
-                self.tally(name, tensor, dtype)
+                self.tally(name, tensor, dtype, False)
             yield name, tensor

@@ -82,10 +82,10 @@ class ReportingEngine:
         return self.reports
 
 
-def _pushed(check, tensors: dict) -> None:
+def _pushed(check, tensors: dict, held: bool = False) -> None:
     tally = check.tally_for(carries_base=True, every_rank=False)
     for name, tensor in tensors.items():
-        tally(name, tensor, tensor.dtype)
+        tally(name, tensor, tensor.dtype, held)
     check.landed(committed=True)
 
 
@@ -134,3 +134,35 @@ def test_an_engine_that_does_not_report_in_time_leaves_the_push_as_it_was(caplog
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
         assert check.differing_layers() == []
     assert "could not be checked" in caplog.text
+
+
+def test_the_trainers_sums_of_held_tensors_run_while_the_engine_sums_its_own(monkeypatch):
+    import threading
+
+    from lightning_vllm.core.landing_check import LandingCheck
+    from lightning_vllm.weights import layer_sums
+
+    asked = threading.Event()
+
+    class AskedEngine(ReportingEngine):
+        def layer_sums(self):
+            asked.set()
+            return super().layer_sums()
+
+    summed_after_asked: list[bool] = []
+    tensor_sums = layer_sums.tensor_sums
+
+    def watched_sums(tensor, dtype=None):
+        summed_after_asked.append(asked.wait(timeout=5))
+        return tensor_sums(tensor, dtype)
+
+    monkeypatch.setattr(layer_sums, "tensor_sums", watched_sums)
+    norm = "model.layers.0.input_layernorm.weight"
+    engine = AskedEngine([{"replicated": {"model.layers.0.input_layernorm": tensor_sums(torch.ones(3)).tolist()[:2]}}])
+    check = LandingCheck.for_engine(engine, enabled=True, timeout_seconds=5)
+    tally = check.tally_for(carries_base=True, every_rank=False)
+    tally(norm, torch.ones(3), torch.float32, True)
+    assert summed_after_asked == [] and not asked.is_set()  # held: not summed on the wire
+    check.landed(committed=True)
+    assert summed_after_asked == [True]  # summed once the engine had been asked for its sums
+    assert check.differing_layers() == [] and engine.asked == 1

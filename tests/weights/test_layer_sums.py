@@ -10,6 +10,7 @@ import torch
 
 from lightning_vllm.weights.layer_sums import (
     REPACKED,
+    SQUARES_MODULUS,
     HeldSums,
     LayerSums,
     SentSums,
@@ -34,11 +35,12 @@ def test_a_layer_is_the_block_after_the_decoder_layers_index_or_the_module():
 
 
 def _reference(values: torch.Tensor) -> list[int]:
-    """The fingerprint as its definition says, one value at a time in Python (``tensor_sums``'s docstring)."""
+    """The fingerprint as its definition says, one value at a time in Python (``tensor_sums``'s docstring): on a
+    CPU, the squares' sum modulo 2**32."""
     as_float32 = values.reshape(-1).float()
     bits = [int.from_bytes(struct.pack("<f", value), "little", signed=True) for value in as_float32.tolist()]
     squares = [int.from_bytes(struct.pack("<f", value * value), "little", signed=True) for value in as_float32.tolist()]
-    return [sum(bits), sum(squares), 0]
+    return [sum(bits), sum(squares) % SQUARES_MODULUS, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -54,7 +56,27 @@ def test_the_gpus_row_split_adds_up_to_the_sums_of_every_value(numel):
     from lightning_vllm.weights.layer_sums import _sums_kernel, row_sums
 
     values = torch.randn(numel, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
-    assert row_sums(values, _sums_kernel).tolist() == tensor_sums(values).tolist() == _reference(values)
+    bits, squares, not_finite = row_sums(values, _sums_kernel).tolist()  # (the squares' sum exact in int64)
+    assert [bits, squares % SQUARES_MODULUS, not_finite] == tensor_sums(values).tolist() == _reference(values)
+    assert LayerSums(*tensor_sums(values).tolist()[:2]).matches(bits, squares)
+
+
+def test_a_chunk_of_the_largest_bfloat16_bit_patterns_sums_exactly():
+    # The CPU adds bfloat16 patterns in int32, up to 2**16 of them a chunk: the largest finite one cannot overflow.
+    largest = torch.full((2**16 + 3,), 0x7F7F, dtype=torch.int16).view(torch.bfloat16)
+    bits, _, not_finite = tensor_sums(largest).tolist()
+    assert bits == (0x7F7F << 16) * (2**16 + 3)
+    assert not_finite == 2**16 + 3  # (their squares overflow float32)
+    assert tensor_sums(-largest).tolist()[0] == (0x7F7F << 16 | 0x80000000) * (2**16 + 3) - 2**32 * (2**16 + 3)
+
+
+def test_a_layer_negated_whole_is_named():
+    hf = _hf_layer(torch.Generator().manual_seed(9))
+    engine = _vllm_layout(hf)
+    with torch.no_grad():
+        engine.model.embed_tokens.weight.neg_()  # (the squares cannot tell: the bits' sum does)
+    held = HeldSums.combine([held_layer_sums(engine)])
+    assert held.differing(_sent(hf).by_layer()) == ["model.embed_tokens"]
 
 
 def test_non_finite_squares_are_counted():

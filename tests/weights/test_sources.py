@@ -96,20 +96,19 @@ def test_a_source_names_the_tensors_it_holds_only_when_it_sends_them_as_held():
     engine_metadata = {name: (torch.bfloat16, None) for name in names if name != "model.norm.weight"}
     shown = EngineWeights(ModuleWeights(model), engine_metadata)  # converted on the way: still the tensors read
     assert shown.held_tensors()[0] == [name for name, _ in shown.iter_full()]
-    tallied = EngineWeights(ModuleWeights(model), engine_metadata, tally=lambda name, tensor, dtype: None)
+    tallied = EngineWeights(ModuleWeights(model), engine_metadata, tally=lambda name, tensor, dtype, held: None)
     assert tallied.held_tensors() is None  # each tensor is read as it goes
 
 
-def test_a_sharded_parameter_is_not_held_whole(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        net = torch.nn.Linear(2, 2)
-        net.weight = torch.nn.Parameter(distribute_tensor(net.weight.detach(), init_device_mesh("cpu", (1,))))
-        assert ModuleWeights(net).held_tensors() is None  # gathered for the push
-    finally:
-        dist.destroy_process_group()
+def test_the_tensors_a_source_holds_are_tallied_at_once_and_the_others_as_they_go():
+    model = tiny_qwen2(tie_word_embeddings=True)
+    metadata = {name: (torch.float32, None) for name, _ in ModuleWeights(model).iter_full()}
+    for source, held in [(ModuleWeights(model), True), (weights_from(lora_model()), False)]:
+        told: list[tuple[str, bool]] = []
+        sent = EngineWeights(
+            source, metadata, tally=lambda name, tensor, dtype, held, told=told: told.append((name, held))
+        )
+        assert sent.tally_held() is held
+        assert (sent.held_tensors() is not None) is held  # (a transport may keep what it sent: nothing to tally)
+        names = [name for name, _ in sent.iter_full()]
+        assert told == [(name, held) for name in names]

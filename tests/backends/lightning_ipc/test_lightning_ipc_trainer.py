@@ -198,7 +198,7 @@ def test_a_push_that_tallies_what_it_sends_reads_every_tensor(engine):
     net = torch.nn.Linear(3, 3)
     tallied: list[str] = []
     for _ in range(3):
-        push_module(engine, net, tally=lambda name, tensor, dtype: tallied.append(name))
+        push_module(engine, net, tally=lambda name, tensor, dtype, held: tallied.append(name))
     assert tallied == ["weight", "bias"] * 3  # (the check after the push sums what was sent)
 
 
