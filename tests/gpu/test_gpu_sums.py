@@ -1,0 +1,17 @@
+"""The batched Triton sums (``weights/gpu_sums.py``) equal the per-tensor fingerprint on a real GPU."""
+
+import pytest
+import torch
+
+from lightning_vllm.weights.layer_sums import _sums_kernel, sums_of_many
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_launch_sums_every_tensor_as_the_per_tensor_kernel_does(dtype):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(n, device="cuda", generator=generator).to(dtype) for n in (1, 17, 4096, 16389, 3_000_001)]
+    tensors.append(torch.randn(64, 33, device="cuda", generator=generator).to(dtype)[7])  # a row: a view at an offset
+    tensors[2][3] = float("nan")
+    batched = torch.stack(sums_of_many(tensors, [None] * len(tensors))).tolist()
+    assert batched == torch.stack([_sums_kernel(t.reshape(-1)) for t in tensors]).tolist()
+    assert sums_of_many(tensors, [None] * len(tensors))[4].tolist() == batched[4]  # (the launch table, kept)
