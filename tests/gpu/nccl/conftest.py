@@ -79,3 +79,21 @@ def nccl_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     )
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def lightning_nccl_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``vllm serve`` over ``lightning_nccl``, an NCCL host of its own, with lightning-vllm's worker extension (its
+    per-layer sums are asked for, exact, after each push and by the tests), started and healthy before it returns."""
+    from lightning_vllm.engines.worker_check import WORKER_EXTENSION
+
+    logs = Path(os.environ["OUT"]) if os.environ.get("OUT") else tmp_path_factory.mktemp("lightning-nccl-server")
+    server = gpu_server(
+        gpu_model_dir,
+        logs / "lightning-nccl-server.log",
+        backend="lightning_nccl",
+        env=host_env("engine-serve-staged"),
+        extra_args=["--middleware", "lightning_vllm.server.PauseLease", "--worker-extension-cls", WORKER_EXTENSION],
+    )
+    yield server
+    server.stop()

@@ -1,0 +1,132 @@
+"""What the landing check costs on an 8B-shaped bf16 push over nccl into vLLM's own engine on one GPU: the same
+pushes with the check after each (``verify_pushes=True``, the default) and without, in one run (docs/gpu.md).
+
+On the GPU host, with ``.gpu-carry`` beside the checkout (``make gpu-carry`` here)::
+
+    source .gpu-carry/setup.sh && python3 benchmarks/gpu/nccl_check.py [--backends lightning_nccl,nccl] [--rounds 3]
+
+The one-GPU nccl setup of the tier (``tests/gpu/nccl/nccl_hosts.py``): this process and the engine core are NCCL
+hosts of their own, and NCCL's bytes go through loopback sockets, so the push's seconds say nothing of NVLink; only
+the ratio ``checked_over_unchecked`` is read from it (target 1.10). It builds Llama-3-8B's shape in bf16 on the GPU
+(random weights, ``ipc_push.build_model``) and, for each backend of ``--backends``, a real ``vllm.LLM`` of the same
+shape from dummy weights, then times, as medians of ``--rounds`` after one untimed push each:
+
+* ``checked``: ``VLLMUpdater.push_weights`` of every tensor (``changed_only=False``), checked after each push;
+* ``unchecked``: the same with ``verify_pushes=False``.
+
+The order alternates (checked, unchecked, checked, ...) so that a drift in the sockets' speed falls on both. After the
+pushes the engine's parameters are read back and must equal the trainer's. Prints ``name=value`` lines and writes
+``nccl_check.json`` into ``--out`` (default ``$OUT`` or ``.``); exits 1 when a push did not land exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1] / "tests"), str(HERE.parents[1] / "tests" / "gpu"),
+                str(HERE.parents[1] / "tests" / "gpu" / "nccl")]  # fmt: skip
+
+
+def timed_push(updater: Any, model: torch.nn.Module) -> tuple[float, Any]:
+    """Seconds of one push of ``model``, the GPU idle before and after, and its stats."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    stats = updater.push_weights(model)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, stats
+
+
+def check_figures(llm: Any, model: torch.nn.Module, rounds: int) -> dict[str, Any]:
+    """``rounds`` checked and ``rounds`` unchecked pushes into ``llm``, alternating, after an untimed one.
+
+    One updater, one group: a second updater would make the workers join a group of its own. Its connection's
+    check is set aside for the unchecked pushes, which then run as with ``verify_pushes=False``.
+    """
+    from gpu_helpers import digests_equal, engine_digest, model_digest
+
+    from lightning_vllm import VLLMUpdater
+
+    updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, verify_pushes=True)
+    seconds: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    check_seconds: list[float] = []
+    try:
+        updater.push_weights(model)  # joins the group; untimed
+        connection = updater._engine_set.connections[0]
+        check = connection.landing
+        assert check is not None, "the engine's pushes are not checked: the figure would compare nothing"
+        for _ in range(rounds):
+            spent, stats = timed_push(updater, model)
+            seconds["checked"].append(spent)
+            check_seconds.append(stats.timing.check_seconds)
+            connection.landing = None
+            try:
+                seconds["unchecked"].append(timed_push(updater, model)[0])
+            finally:
+                connection.landing = check
+        landed = digests_equal(engine_digest(llm), model_digest(model))
+    finally:
+        updater.close()
+    return {"seconds": seconds, "check_seconds": check_seconds, "landed_exactly": landed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--backends", default="lightning_nccl", help="weight_transfer_config backends, one engine each")
+    args = parser.parse_args()
+
+    from nccl_hosts import become_trainer_host, starting_as
+
+    become_trainer_host()  # before any NCCL communicator in this process; digests need cloudpickled RPCs
+
+    from gpu_helpers import gpu_llm, stop_llm
+    from ipc_push import build_model
+
+    model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
+    model = build_model(model_dir)
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    results: dict[str, Any] = {"bytes": num_bytes}
+    figures: dict[str, float] = {"bytes": float(num_bytes)}
+    for backend in args.backends.split(","):
+        with starting_as(f"engine-{backend}"):
+            llm = gpu_llm(
+                model_dir, backend=backend, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.3,
+                max_model_len=256, max_num_seqs=4,
+            )  # fmt: skip
+        try:
+            results[backend] = check_figures(llm, model, args.rounds)
+        finally:
+            stop_llm(llm)
+        checked = statistics.median(results[backend]["seconds"]["checked"])
+        unchecked = statistics.median(results[backend]["seconds"]["unchecked"])
+        figures[f"{backend}_checked_push_seconds"] = checked
+        figures[f"{backend}_unchecked_push_seconds"] = unchecked
+        figures[f"{backend}_check_seconds"] = statistics.median(results[backend]["check_seconds"])
+        figures[f"{backend}_checked_over_unchecked"] = checked / unchecked
+    first = args.backends.split(",")[0]
+    figures["checked_over_unchecked"] = figures[f"{first}_checked_over_unchecked"]
+    results["figures"] = figures
+    for name, value in figures.items():
+        print(f"{name}={value:.4g}")
+    for backend in args.backends.split(","):
+        print(f"{backend}_landed_exactly={results[backend]['landed_exactly']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "nccl_check.json").write_text(json.dumps(results, indent=1) + "\n")
+    if not all(results[backend]["landed_exactly"] for backend in args.backends.split(",")):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
