@@ -9,9 +9,6 @@ Each subprocess's log goes to ``$OUT`` (or the test's ``tmp_path``). ``make test
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,16 +18,8 @@ import pytest
 import torch
 from gpu_helpers import FIGURES, what_it_serves
 from helpers import tiny_qwen2
-from nccl_hosts import host_env
+from killed_trainers import ANSWER_MARGIN_SECONDS, kill_when_stopped, logs_dir, next_trainer_pushes, serves_again
 from scenarios import FLOOR_BOUND
-from test_nccl_nodes import (
-    ANSWER_MARGIN_SECONDS,
-    STOP_SECONDS,
-    logs_dir,
-    next_trainer_pushes,
-    serves_again,
-    wait_until_stopped,
-)
 
 from lightning_vllm import HTTPEngine
 from lightning_vllm.weights.layer_sums import HeldSums, SentSums
@@ -57,17 +46,7 @@ def test_a_trainer_killed_in_a_push_leaves_the_server_holding_the_landed_version
     url = lightning_nccl_server.url
     assert HTTPEngine(url).transfer_backend() == "lightning_nccl"  # its /server_info says so
     record = tmp_path / "killed-trainer.json"
-    log = logs_dir(tmp_path) / f"killed-trainer-lightning-nccl-{point}.log"
-    with open(log, "w") as output:
-        env = {**os.environ, **host_env(f"killed-trainer-{point}")}
-        command = [sys.executable, str(killed_trainer_run.__file__), url, str(record), point]
-        trainer = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
-    try:
-        state = wait_until_stopped(trainer, STOP_SECONDS)
-        assert state == "stopped", f"the trainer {state} instead of stopping at {point}:\n" + log.read_text()[-4000:]
-    finally:
-        trainer.kill()
-        trainer.wait(timeout=30)
+    kill_when_stopped(url, record, logs_dir(tmp_path) / f"killed-trainer-lightning-nccl-{point}.log", point)
     killed_at = time.monotonic()
     landed = json.loads(record.read_text())["landed_version"]
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import killed_trainer_run
-import psutil
 import pytest
 import two_nodes_run
 from gpu_helpers import FIGURES, gpu_trainer, hf_prompt_logprobs, what_it_serves
@@ -28,28 +27,18 @@ from helpers import (
     max_abs_diff,
     tiny_qwen2,
     token_batches,
-    wait_for_health,
 )
+from killed_trainers import ANSWER_MARGIN_SECONDS, kill_when_stopped, logs_dir, next_trainer_pushes, serves_again
 from nccl_hosts import host_env
 from scenarios import FLOOR_BOUND
 
-from lightning_vllm import HTTPEngine, VLLMUpdater, VLLMWeightSync
-from lightning_vllm._waits import call_with_timeout
+from lightning_vllm import HTTPEngine, VLLMWeightSync
 from lightning_vllm.engines.base import version_number
 
 pytestmark = pytest.mark.gpu
 
 NODES_SECONDS = 300.0
 """The longest the two nodes may run: a fit of a few steps, then pushes each bounded by ``TrainerRanks``."""
-STOP_SECONDS = 180.0
-"""The longest the killed trainer may take to start, land its first push and stop itself in its second."""
-ANSWER_MARGIN_SECONDS = 10.0
-"""How long past the killed trainer's ``timeout_seconds`` the server may take to serve again."""
-
-
-def logs_dir(tmp_path: Path) -> Path:
-    """Where the subprocesses' logs go: ``$OUT`` on the GPU host, so that they come back from it."""
-    return Path(os.environ["OUT"]) if os.environ.get("OUT") else tmp_path
 
 
 def test_fit_in_this_process_lands_in_the_server_within_the_engines_own_float32_floor(nccl_server, tmp_path):
@@ -141,76 +130,11 @@ def test_a_two_node_run_keeps_the_server_in_sync_and_outlives_a_rank_failing_mid
     assert served["gap_to_pushed"] <= FLOOR_BOUND, served
 
 
-def wait_until_stopped(process: subprocess.Popen, timeout: float) -> str:
-    """Poll until ``process`` has stopped itself (SIGSTOP) or exited, at most ``timeout`` seconds; what it did."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return f"exited with {process.returncode}"
-        if psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
-            return "stopped"
-        time.sleep(0.2)
-    return f"still running after {timeout:g} s"
-
-
-def serves_again(url: str, since: float, within: float) -> dict[str, Any]:
-    """How many seconds after ``since`` the server answered a health probe and then a completion, asking again
-    until ``within`` seconds after ``since``; the last error if it never did."""
-    engine = HTTPEngine(url, timeout_seconds=5.0, generate_timeout_seconds=within)
-    deadline = since + within
-    try:
-        wait_for_health(url, timeout=max(1.0, deadline - time.monotonic()))
-    except (TimeoutError, RuntimeError) as error:
-        return {"error": f"{type(error).__name__}: {error}"}
-    last_error = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            what = "a completion from the server after the kill"
-            call_with_timeout(engine_prompt_logprobs, engine, timeout=max(0.1, deadline - time.monotonic()), what=what)
-            return {"seconds": round(time.monotonic() - since, 2)}
-        except Exception as error:  # noqa: BLE001  # paused (503) or blocked: asked again until the deadline
-            last_error = f"{type(error).__name__}: {error}"[:400]
-            time.sleep(0.5)
-    return {"error": f"no completion within {within:g} s of the kill; the last answer: {last_error}"}
-
-
-def next_trainer_pushes(url: str, model: Any) -> dict[str, Any]:
-    """A new updater in this process pushes ``model`` into the same server (no restart): its version, or its error
-    and then the outcome of one more push (the record says whether a second was needed, and why)."""
-    updater = VLLMUpdater(engine=HTTPEngine(url), timeout_seconds=30)
-    outcome: dict[str, Any] = {}
-    try:
-        for attempt in ("first", "second"):
-            started = time.monotonic()
-            try:
-                landed = updater.push_weights(model).weight_version
-            except Exception as error:  # noqa: BLE001  # recorded, and asserted on by the test
-                outcome[attempt] = {"error": f"{type(error).__name__}: {error}"[:400]}
-            else:
-                outcome[attempt] = {"landed": landed}
-            outcome[attempt]["seconds"] = round(time.monotonic() - started, 2)
-            if "landed" in outcome[attempt]:
-                break
-    finally:
-        updater.close()
-    return outcome
-
-
 @pytest.mark.ends_engine  # a server left blocked in its NCCL receive would fail the tests after this one
 def test_a_trainer_killed_mid_push_leaves_the_server_serving_and_the_next_trainer_lands(nccl_server, tmp_path):
     url = nccl_server.url
     record = tmp_path / "killed-trainer.json"
-    log = logs_dir(tmp_path) / "killed-trainer.log"
-    with open(log, "w") as output:
-        env = {**os.environ, **host_env("killed-trainer")}
-        command = [sys.executable, str(killed_trainer_run.__file__), url, str(record)]
-        trainer = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
-    try:
-        state = wait_until_stopped(trainer, STOP_SECONDS)
-        assert state == "stopped", f"the trainer {state} instead of stopping half way:\n" + log.read_text()[-4000:]
-    finally:
-        trainer.kill()
-        trainer.wait(timeout=30)
+    kill_when_stopped(url, record, logs_dir(tmp_path) / "killed-trainer.log", "half-way")
     killed_at = time.monotonic()
     landed = json.loads(record.read_text())["landed_version"]
 
