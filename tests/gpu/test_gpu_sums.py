@@ -5,6 +5,8 @@ import torch
 
 from lightning_vllm.weights.layer_sums import _sums_kernel, sums_of_many
 
+pytestmark = pytest.mark.gpu  # (without it `make test-gpu`, which selects -m gpu, deselects these)
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_one_launch_sums_every_tensor_as_the_per_tensor_kernel_does(dtype):
