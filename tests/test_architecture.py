@@ -44,9 +44,9 @@ LAYERS: dict[str, list[str]] = {
     "fronts": [
         "fronts", "fronts.lightning", "fronts.lightning.ranks", "fronts.lightning.every_rank",
         "fronts.lightning.background", "fronts.lightning.rollouts", "fronts.lightning.push_points",
-        "fronts.lightning.callback", "fronts.torchrl", "fronts.torchrl.updater",
+        "fronts.lightning.callback", "fronts.torchrl", "fronts.torchrl.updater", "fronts.torchrl.scheme",
     ],
-    "the package": [""],
+    "the package": ["", "torchrl"],
 }  # fmt: skip
 
 MAX_FLOORS = 8

@@ -8,8 +8,6 @@ collector's new policy version.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from helpers import (
@@ -21,84 +19,14 @@ from helpers import (
     served_version,
     tiny_qwen2,
     token_batches,
-    word_tokenizer,
 )
+from torchrl_collectors import hf_response_log_probs, llm_collector, rollout_of, train_on
 
 from lightning_vllm import EngineConfigError, VLLMWeightSync, WeightsMismatchError, vLLMUpdater
 
 pytestmark = pytest.mark.engine
 
 torchrl = pytest.importorskip("torchrl", reason="the torchrl extra (make test installs it)")
-
-PROMPT = "t5 t9 t33 t7 t100"
-
-
-class Prompts:
-    """An endless dataloader of one query per batch, as ``ChatEnv.from_dataloader`` reads it."""
-
-    def __iter__(self):
-        while True:
-            yield {"query": [PROMPT]}
-
-
-def chat_tokenizer():
-    tokenizer = word_tokenizer()
-    tokenizer.pad_token = "t511"
-    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-    return tokenizer
-
-
-def rollout_of(batch) -> tuple[list[int], list[int], torch.Tensor, int]:
-    """Prompt tokens, response tokens, vLLM's log-probs of the response, policy version."""
-    batch = batch.reshape(-1)  # (envs, dialog turns) -> one rollout here
-    assert batch.numel() == 1
-    prompt = batch.get(("tokens", "prompt"), as_list=True)[0].tolist()
-    response = batch.get(("tokens", "response"), as_list=True)[0].tolist()
-    log_probs = batch.get(("log_probs", "response"), as_list=True)[0]
-    versions = {int(batch.get("policy_version")[0]), int(batch.get(("next", "policy_version"))[0])}
-    assert len(versions) == 1, f"a single-turn rollout saw two policy versions: {versions}"
-    return prompt, response, log_probs, versions.pop()
-
-
-def hf_response_log_probs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    tokens = torch.tensor([prompt + response])
-    log_probs = torch.log_softmax(model(tokens).logits[0, :-1].float(), dim=-1)
-    return log_probs.gather(1, tokens[0, 1:, None])[-len(response) :, 0]
-
-
-def train_on(model, prompt: list[int], response: list[int]):
-    """One REINFORCE-like step that makes the collected response more likely: new weights."""
-    trained = copy.deepcopy(model).train()
-    optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
-    with torch.enable_grad():
-        (-hf_response_log_probs(trained, prompt, response).sum()).backward()
-    optimizer.step()
-    return trained.eval()
-
-
-def llm_collector(llm, updater):
-    """TorchRL's LLM stack on ``llm``: a ChatEnv of one prompt, a vLLMWrapper policy, ``updater``."""
-    from torchrl.collectors.llm import LLMCollector
-    from torchrl.envs.llm import ChatEnv
-    from torchrl.modules.llm import vLLMWrapper
-
-    tokenizer = chat_tokenizer()
-    env = ChatEnv.from_dataloader(dataloader=Prompts(), tokenizer=tokenizer, batch_size=(1,), input_mode="history")
-    policy = vLLMWrapper(
-        llm,
-        tokenizer=tokenizer,
-        input_mode="history",
-        generate_kwargs={"max_tokens": 6, "temperature": 0.0},
-        return_log_probs=True,
-    )
-    return LLMCollector(
-        env=env,
-        policy=policy,
-        dialog_turns_per_batch=1,
-        reset_at_each_iter=True,  # one turn per prompt, as in GRPO: a batch is tagged with one version
-        weight_updater=updater,
-        track_policy_version=True,
-    )
 
 
 @pytest.fixture

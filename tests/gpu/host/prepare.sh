@@ -23,8 +23,9 @@ tar czf "$out/vllm-py.tgz" -C "$tmp/src" vllm "vllm-$version.dist-info"
 # (the GPU tier's server test): uvicorn, prometheus-fastapi-instrumentator, watchfiles, and
 # model-hosting-container-standards with jmespath and supervisor (its SageMaker routes import them at start).
 # Name more packages after the version if a script needs what the host's image lacks.
+# torchrl and the tensordict it pins: the TorchRL weight-sync scheme tests (tests/gpu/test_gpu_torchrl_scheme.py).
 for p in pyzmq pydantic pydantic-core typing-inspection annotated-types cbor2 httpx2 httpcore2 truststore \
-         openai openai-harmony sniffio pybase64 tensordict \
+         openai openai-harmony sniffio pybase64 tensordict==0.14.3 torchrl==0.14.1 \
          msgspec cachetools orjson blake3 setproctitle dill email-validator dnspython fastapi starlette jsonschema \
          jsonschema-specifications referencing rpds-py more-itertools partial-json-parser pydantic-extra-types \
          python-multipart opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \

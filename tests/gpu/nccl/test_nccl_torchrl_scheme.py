@@ -1,0 +1,18 @@
+"""TorchRL's documented weight-sync-scheme usage, with ``lightning_vllm.torchrl`` imported in place of TorchRL's, into
+vLLM's own engine over vLLM's ``nccl`` on the one GPU (the engine core an NCCL host of its own), an ``LLMCollector``
+sampling from it (``torchrl_scheme_checks.py``): what TorchRL 0.14.1's own scheme no longer does on this vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torchrl_scheme_checks import assert_the_scheme_keeps_vllm_and_the_collector_in_step
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("torchrl", reason="the torchrl extra (make test installs it)")
+
+
+def test_torchrls_documented_scheme_usage_over_nccl(nccl_llm: Any) -> None:
+    assert_the_scheme_keeps_vllm_and_the_collector_in_step(nccl_llm, "nccl")

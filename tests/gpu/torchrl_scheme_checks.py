@@ -1,0 +1,34 @@
+"""What the GPU tier asserts of TorchRL's documented weight-sync-scheme usage on one engine
+(``torchrl_collectors.documented_scheme_usage``), over whichever backend the engine was built with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gpu_helpers import FIGURES, digests_equal, engine_digest, model_digest
+from helpers import tiny_qwen2
+from scenarios import FLOOR_BOUND
+from torchrl_collectors import documented_scheme_usage
+
+
+def assert_the_scheme_keeps_vllm_and_the_collector_in_step(llm: Any, label: str) -> None:
+    """Two pushes of a model trained in between: each moved the collector's policy version by one, tagged the next
+    rollout with it, landed digest-equal, and vLLM's response log-probs are the model's within the engine's float32
+    floor on the H200 (``FLOOR_BOUND``; the CPU tier holds them to 1e-4)."""
+    from lightning_vllm.torchrl import VLLMWeightSyncScheme
+
+    model = tiny_qwen2(seed=72).cuda().eval()
+    scheme = VLLMWeightSyncScheme(gpus_per_replica=1, num_replicas=1)
+    records = documented_scheme_usage(llm, model, scheme)
+    landed = digests_equal(engine_digest(llm), model_digest(model))
+    FIGURES[f"torchrl_scheme_{label}"] = {"pushes": records, "landed_digest_equal": landed}
+    print(f"torchrl scheme over {label}: {records}; landed digest-equal: {landed}")
+    for record in records:
+        assert record["policy_version"] == record["policy_version_before"] + 1, records
+        assert record["rollout_version"] == record["policy_version"], records
+        assert record["engine_version"] == str(record["sender_version"]), records
+        assert record["gap"] <= FLOOR_BOUND, records
+    assert records[0]["moved"] > 100 * FLOOR_BOUND, records  # serving the weights before would have failed
+    assert landed
+    torch.cuda.synchronize()
