@@ -11,6 +11,7 @@ import inspect
 from pathlib import Path
 
 import lightning_vllm
+import lightning_vllm.torchrl  # TorchRL's weight-sync scheme (the torchrl extra, which make install installs)
 
 API_FILE = Path(__file__).with_name("api.md")
 
@@ -26,6 +27,28 @@ def _doc(obj: object) -> str:
     return inspect.cleandoc(inspect.getdoc(obj) or "").strip()
 
 
+def _entry(module: object, prefix: str, name: str) -> list[str]:
+    """The lines of ``module``'s public ``name``: its signature and docstring, and its documented members."""
+    obj = getattr(module, name)
+    if name != obj.__name__:  # an alias such as vLLMUpdater
+        return [f"## `{prefix}{name}`", "", f"Another name for `{obj.__name__}`.", ""]
+    kind = "class" if inspect.isclass(obj) else "function"
+    lines = [f"## `{prefix}{name}{_signature(obj)}`", "", f"*{kind}* in `{obj.__module__}`", "", _doc(obj), ""]
+    if not inspect.isclass(obj):
+        return lines
+    # Members defined by the class or by a base of ours (VLLMUpdater's WeightSync),
+    # not those inherited from Lightning, TorchRL or Python.
+    ours = {key for base in obj.__mro__ if base.__module__.startswith("lightning_vllm") for key in vars(base)}
+    for member_name, member in inspect.getmembers(obj):
+        if member_name.startswith("_") or member_name not in ours or not _doc(member):
+            continue
+        if isinstance(inspect.getattr_static(obj, member_name), property):
+            lines += [f"### `{name}.{member_name}` (property)", "", _doc(member), ""]
+        elif callable(member):
+            lines += [f"### `{name}.{member_name}{_signature(member)}`", "", _doc(member), ""]
+    return lines
+
+
 def render() -> str:
     lines = [
         "# API reference",
@@ -33,25 +56,10 @@ def render() -> str:
         "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand.",
         "",
     ]
-    for name in sorted(set(lightning_vllm.__all__), key=lambda name: (name.lower(), name)):
-        obj = getattr(lightning_vllm, name)
-        if name != obj.__name__:  # an alias such as vLLMUpdater
-            lines += [f"## `{name}`", "", f"Another name for `{obj.__name__}`.", ""]
-            continue
-        kind = "class" if inspect.isclass(obj) else "function"
-        lines += [f"## `{name}{_signature(obj)}`", "", f"*{kind}* in `{obj.__module__}`", "", _doc(obj), ""]
-        if not inspect.isclass(obj):
-            continue
-        # Members defined by the class or by a base of ours (VLLMUpdater's WeightSync),
-        # not those inherited from Lightning or Python.
-        ours = {key for base in obj.__mro__ if base.__module__.startswith("lightning_vllm") for key in vars(base)}
-        for member_name, member in inspect.getmembers(obj):
-            if member_name.startswith("_") or member_name not in ours or not _doc(member):
-                continue
-            if isinstance(inspect.getattr_static(obj, member_name), property):
-                lines += [f"### `{name}.{member_name}` (property)", "", _doc(member), ""]
-            elif callable(member):
-                lines += [f"### `{name}.{member_name}{_signature(member)}`", "", _doc(member), ""]
+    # The package's names, then TorchRL's weight-sync scheme, whose module imports torchrl (docs/torchrl.md).
+    for module, prefix in ((lightning_vllm, ""), (lightning_vllm.torchrl, "lightning_vllm.torchrl.")):
+        for name in sorted(set(module.__all__), key=lambda name: (name.lower(), name)):
+            lines += _entry(module, prefix, name)
     return "\n".join(lines).rstrip() + "\n"
 
 
