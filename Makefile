@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes gpu-carry lint demo demo-lora demo-tiny bench bench-multihost soak clean
+.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes gpu-carry lint demo demo-lora demo-tiny bench bench-multihost soak clean
 
 install: $(STAMP)
 
@@ -111,6 +111,11 @@ demo-lora: $(STAMP)
 # The tiny demo (a random character-level model learning to echo a letter, about a minute).
 demo-tiny: $(STAMP)
 	$(PY) examples/grpo_tiny.py
+
+# TorchRL's documented weight-sync-scheme usage with one import changed (docs/torchrl.md): SmolLM2 trains while an
+# LLMCollector samples from vLLM, about a minute on 2 cores.
+demo-torchrl: $(STAMP)
+	$(PY) examples/torchrl_scheme.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
