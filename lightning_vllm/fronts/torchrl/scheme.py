@@ -109,9 +109,13 @@ class VLLMWeightSyncScheme(WeightSyncScheme):
         return VLLMWeightReceiver(self, vllm_engine)
 
     def create_transport(self, **kwargs: Any) -> Any:
-        """Not used: the sender's updater makes the group with each engine's workers (TorchRL's own scheme makes
-        its transport in the sender too)."""
-        raise NotImplementedError(
+        """Refused: there is no transport apart from the sender, whose updater makes the group with each engine's
+        workers (TorchRL's own scheme makes its transport in the sender too).
+
+        Raises:
+            RuntimeError: always, naming the calls to make instead.
+        """
+        raise RuntimeError(
             "lightning_vllm's VLLMWeightSyncScheme has no separate transport: use create_sender() and its "
             "init_all_workers_group(metadata, vllm_engine=...), which joins the engine's workers."
         )

@@ -106,6 +106,8 @@ def test_a_sender_not_initialized_says_what_to_call():
         sender.update_weights()
     with pytest.raises(RuntimeError, match="create_sender"):
         VLLMWeightSyncScheme().send()
+    with pytest.raises(RuntimeError, match="no separate transport: use create_sender"):
+        VLLMWeightSyncScheme().create_transport()
 
 
 def test_the_receiver_names_an_engine_it_cannot_serve():

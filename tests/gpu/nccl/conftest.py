@@ -64,19 +64,24 @@ def nccl_async_engine(gpu_model_dir: Path) -> Iterator[Any]:
     engine.async_llm.shutdown(timeout=2.0)
 
 
+def nccl_serve(model_dir: Path, factory: pytest.TempPathFactory, backend: str, host: str, *extra: str) -> Any:
+    """``vllm serve`` over ``backend``, the NCCL host ``host``, with ``PauseLease`` (as docs/engines.md asks: a trainer
+    killed while generation is paused would otherwise leave the server paused for good) and ``extra`` arguments; its
+    log in ``$OUT`` (or a temporary folder); healthy when returned."""
+    logs = Path(os.environ["OUT"]) if os.environ.get("OUT") else factory.mktemp(f"{backend}-server")
+    return gpu_server(
+        model_dir,
+        logs / f"{backend.replace('_', '-')}-server.log",
+        backend=backend,
+        env=host_env(host),
+        extra_args=["--middleware", "lightning_vllm.server.PauseLease", *extra],
+    )
+
+
 @pytest.fixture(scope="session")
 def nccl_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """``vllm serve`` over ``nccl``, an NCCL host of its own, started and healthy before the fixture returns."""
-    logs = Path(os.environ["OUT"]) if os.environ.get("OUT") else tmp_path_factory.mktemp("nccl-server")
-    # PauseLease, as docs/engines.md asks: nccl pauses generation for a whole push, and a trainer killed inside it
-    # would leave the server paused for good.
-    server = gpu_server(
-        gpu_model_dir,
-        logs / "nccl-server.log",
-        backend="nccl",
-        env=host_env("engine-serve"),
-        extra_args=["--middleware", "lightning_vllm.server.PauseLease"],
-    )
+    server = nccl_serve(gpu_model_dir, tmp_path_factory, "nccl", "engine-serve")
     yield server
     server.stop()
 
@@ -87,13 +92,13 @@ def lightning_nccl_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPath
     per-layer sums are asked for, exact, after each push and by the tests), started and healthy before it returns."""
     from lightning_vllm.engines.worker_check import WORKER_EXTENSION
 
-    logs = Path(os.environ["OUT"]) if os.environ.get("OUT") else tmp_path_factory.mktemp("lightning-nccl-server")
-    server = gpu_server(
+    server = nccl_serve(
         gpu_model_dir,
-        logs / "lightning-nccl-server.log",
-        backend="lightning_nccl",
-        env=host_env("engine-serve-staged"),
-        extra_args=["--middleware", "lightning_vllm.server.PauseLease", "--worker-extension-cls", WORKER_EXTENSION],
+        tmp_path_factory,
+        "lightning_nccl",
+        "engine-serve-staged",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
     )
     yield server
     server.stop()
