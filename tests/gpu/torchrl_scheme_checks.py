@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from gpu_helpers import FIGURES, digests_equal, engine_digest, model_digest
 from helpers import tiny_qwen2
 from scenarios import FLOOR_BOUND
@@ -31,4 +30,3 @@ def assert_the_scheme_keeps_vllm_and_the_collector_in_step(llm: Any, label: str)
         assert record["gap"] <= FLOOR_BOUND, records
     assert records[0]["moved"] > 100 * FLOOR_BOUND, records  # serving the weights before would have failed
     assert landed
-    torch.cuda.synchronize()

@@ -17,11 +17,10 @@ from typing import Any, Literal
 
 import torch
 from torchrl.weight_update import WeightSyncScheme
-from torchrl.weight_update.weight_sync_schemes import WeightStrategy
 
 from lightning_vllm.core.push import SyncStats
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.fronts.torchrl.updater import VLLMUpdater
+from lightning_vllm.fronts.torchrl.updater import VLLMUpdater, policy_engine
 from lightning_vllm.weights.model import ModelMetadata
 
 log = logging.getLogger(__name__)
@@ -46,9 +45,9 @@ class VLLMWeightSyncScheme(WeightSyncScheme):
         gpus_per_replica: the workers of each engine (tensor x pipeline x data parallel), checked against each engine
             before any byte moves.
         num_replicas: how many engines are named, checked likewise.
-        strategy: how TorchRL's ``WeightStrategy`` reads weights you hand to it (``"tensordict"`` or
-            ``"state_dict"``); a registered model is pushed as itself (its Hugging Face names, LoRA and tied weights
-            handled by the updater).
+        strategy: TorchRL's ``"tensordict"`` or ``"state_dict"``, kept (``strategy_name``) so that TorchRL's configs
+            build this class unchanged. Unused: weights are pushed as given, a model as itself (its Hugging Face
+            names, LoRA and tied weights handled by the updater), a dict or a TensorDict by its keys.
         device: TorchRL's CUDA device index for its NCCL group. Unused: the updater sends from where the weights
             are. Kept so that TorchRL's configs build this class unchanged.
         **updater_options: any keyword of :class:`~lightning_vllm.VLLMUpdater` after ``vllm_tp_size``
@@ -141,7 +140,6 @@ class VLLMWeightSender:
 
     def __init__(self, scheme: VLLMWeightSyncScheme) -> None:
         self._scheme = scheme
-        self._strategy = WeightStrategy(extract_as=scheme.strategy_name)
         self._model_ref: weakref.ref[Any] | None = None
         self._collectors: list[Any] = []
         self._post_hooks: list[Callable[[], Any]] = []
@@ -200,7 +198,7 @@ class VLLMWeightSender:
             updater = VLLMUpdater(
                 master_address=scheme.master_address,
                 master_port=scheme.master_port,
-                model_metadata=model_metadata,
+                model_metadata=model_metadata,  # (checked against the engines by init below)
                 engine=engine,
                 **scheme.updater_options,
             )
@@ -208,7 +206,7 @@ class VLLMWeightSender:
             raise EngineConfigError(f"The scheme's vllm_engine ({type(engine).__name__}): {error}") from error
         try:
             self._check_layout(updater)
-            updater.init(model_metadata)
+            updater.init()
         except BaseException:
             updater.close()
             raise
@@ -218,7 +216,7 @@ class VLLMWeightSender:
 
     def _collector_engine(self) -> Any:
         for collector in self._collectors:
-            engine = getattr(getattr(collector, "policy", None), "model", None)
+            engine = policy_engine(collector)
             if engine is not None:
                 return engine
         raise EngineConfigError(
@@ -291,7 +289,6 @@ class VLLMWeightReceiver:
 
     def __init__(self, scheme: VLLMWeightSyncScheme, vllm_engine: Any) -> None:
         self._scheme = scheme
-        self._strategy = WeightStrategy(extract_as=scheme.strategy_name)
         self._vllm_engine = vllm_engine
 
     def init_all_workers_group(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:

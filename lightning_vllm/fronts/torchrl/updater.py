@@ -69,6 +69,12 @@ def register_with_torchrl(updater_class: type) -> None:
         cast(Any, base).register(updater_class)
 
 
+def policy_engine(collector: Any) -> Any:
+    """The engine ``collector``'s policy generates with (a TorchRL ``vLLMWrapper`` keeps it as ``policy.model``), or
+    ``None``."""
+    return getattr(getattr(collector, "policy", None), "model", None)
+
+
 class CollectorVersion:
     """Moves a registered collector's policy version by exactly one per successful push.
 
@@ -294,7 +300,7 @@ class VLLMUpdater(WeightSync):
     def find_engines(self) -> list[EngineTarget]:
         """The engine of the registered collector's policy (a TorchRL ``vLLMWrapper`` keeps it as
         ``policy.model``), as TorchRL's own vLLMUpdater finds it; none without a collector."""
-        engine = getattr(getattr(self.collector, "policy", None), "model", None)
+        engine = policy_engine(self.collector)
         if engine is None:
             return []
         try:
