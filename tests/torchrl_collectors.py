@@ -46,10 +46,10 @@ def hf_response_log_probs(model, prompt: list[int], response: list[int]) -> torc
     return log_probs.gather(1, tokens[0, 1:, None])[-len(response) :, 0].cpu()
 
 
-def train_on(model, prompt: list[int], response: list[int]):
+def train_on(model, prompt: list[int], response: list[int], lr: float = 0.5):
     """One REINFORCE-like step that makes the collected response more likely: new weights."""
     trained = copy.deepcopy(model).train()
-    optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=lr)
     with torch.enable_grad():
         (-hf_response_log_probs(trained, prompt, response).sum()).backward()
     optimizer.step()
@@ -82,13 +82,13 @@ def llm_collector(llm, updater=None):
     )
 
 
-def documented_scheme_usage(llm, model: torch.nn.Module, scheme, pushes: int = 2) -> list[dict]:
+def documented_scheme_usage(llm, model: torch.nn.Module, scheme, pushes: int = 2, lr: float = 0.5) -> list[dict]:
     """TorchRL's documented weight-sync-scheme usage on ``llm``: ``create_sender``, ``register_model``,
     ``register_collector`` (an ``LLMCollector`` of :func:`llm_collector` with ``track_policy_version=True``),
     ``init_all_workers_group(metadata, vllm_engine=llm)``, then ``pushes`` times ``update_weights()``, a rollout and a
-    training step of the registered model (in place). What each push gave: the collector's policy version before and
-    after, the engine's version, the rollout's version and the largest gap between vLLM's response log-probs and the
-    model's, and how far the training step after it moved them (asserted on by the caller)."""
+    training step of the registered model (in place, at ``lr``). What each push gave: the collector's policy version
+    before and after, the engine's version, the rollout's version and the largest gap between vLLM's response log-probs
+    and the model's, and how far the training step after it moved them (asserted on by the caller)."""
     from lightning_vllm.torchrl import get_model_metadata
 
     collector = llm_collector(llm)
@@ -115,7 +115,7 @@ def documented_scheme_usage(llm, model: torch.nn.Module, scheme, pushes: int = 2
                 }
             )
             if step + 1 < pushes:
-                trained = train_on(model, prompt, response)
+                trained = train_on(model, prompt, response, lr=lr)
                 records[-1]["moved"] = float((hf_response_log_probs(trained, prompt, response) - served).abs().max())
                 model.load_state_dict(trained.state_dict())  # the registered model trains in place
     finally:
