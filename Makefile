@@ -68,6 +68,7 @@ test-fast: $(STAMP)
 # `make test-gpu-nccl-nodes` (nccl into `vllm serve` from trainers in processes of their own, two-node runs). The MoE
 # tests have a call of their own because with them `make test-gpu` took 515 s of its 540 (2026-12-03), and
 # lightning_nccl's because with it `make test-gpu-nccl` took 513 s (2026-12-03): a slower host would cut them short.
+# With TorchRL's scheme tests `make test-gpu` took 494 s and `make test-gpu-nccl` 298 s (2026-12-05, H100).
 # Here: `make gpu-carry` builds .gpu-carry/ (vLLM 0.33's Python sources, the wheels its Python imports, torch-native
 # stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the six
 # targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/gpu.md. A test still running after
