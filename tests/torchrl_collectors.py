@@ -6,6 +6,7 @@ model's log-probs of it (on the model's device) and a training step that moves t
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from helpers import word_tokenizer
@@ -82,13 +83,22 @@ def llm_collector(llm, updater=None):
     )
 
 
-def documented_scheme_usage(llm, model: torch.nn.Module, scheme, pushes: int = 2, lr: float = 0.5) -> list[dict]:
+def documented_scheme_usage(
+    llm,
+    model: torch.nn.Module,
+    scheme,
+    pushes: int = 2,
+    lr: float = 0.5,
+    after_push: Callable[[int], None] | None = None,
+) -> list[dict]:
     """TorchRL's documented weight-sync-scheme usage on ``llm``: ``create_sender``, ``register_model``,
     ``register_collector`` (an ``LLMCollector`` of :func:`llm_collector` with ``track_policy_version=True``),
-    ``init_all_workers_group(metadata, vllm_engine=llm)``, then ``pushes`` times ``update_weights()``, a rollout and a
-    training step of the registered model (in place, at ``lr``). What each push gave: the collector's policy version
-    before and after, the engine's version, the rollout's version and the largest gap between vLLM's response log-probs
-    and the model's, and how far the training step after it moved them (asserted on by the caller)."""
+    ``init_all_workers_group(metadata, vllm_engine=llm)``, then ``pushes`` times ``update_weights()``,
+    ``after_push(step)`` if given (the CPU tier checks what the engine serves there), a rollout and a training step of
+    the registered model (in place, at ``lr``). What each push gave: the collector's policy version and the sender's
+    weight version before and after, the engine's version, the rollout's version and the largest gap between vLLM's
+    response log-probs and the model's, and how far the training step after it moved them (asserted on by the
+    caller)."""
     from lightning_vllm.torchrl import get_model_metadata
 
     collector = llm_collector(llm)
@@ -100,14 +110,17 @@ def documented_scheme_usage(llm, model: torch.nn.Module, scheme, pushes: int = 2
     try:
         batches = iter(collector)
         for step in range(pushes):
-            before = collector.policy_version
+            before, sender_before = collector.policy_version, sender.weight_version
             sender.update_weights()
+            if after_push is not None:
+                after_push(step)
             prompt, response, vllm_log_probs, version = rollout_of(next(batches))
-            served = hf_response_log_probs(model, prompt, response)
+            served = hf_response_log_probs(model, prompt, response).detach()
             records.append(
                 {
                     "policy_version_before": before,
                     "policy_version": collector.policy_version,
+                    "sender_version_before": sender_before,
                     "sender_version": sender.weight_version,
                     "engine_version": llm.get_weight_version(),
                     "rollout_version": version,
@@ -116,7 +129,8 @@ def documented_scheme_usage(llm, model: torch.nn.Module, scheme, pushes: int = 2
             )
             if step + 1 < pushes:
                 trained = train_on(model, prompt, response, lr=lr)
-                records[-1]["moved"] = float((hf_response_log_probs(trained, prompt, response) - served).abs().max())
+                moved = hf_response_log_probs(trained, prompt, response).detach() - served
+                records[-1]["moved"] = float(moved.abs().max())
                 model.load_state_dict(trained.state_dict())  # the registered model trains in place
     finally:
         sender.shutdown()

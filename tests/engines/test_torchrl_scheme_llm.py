@@ -6,7 +6,6 @@ and the collector's policy version moved by one (``track_policy_version=True``).
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers import TOLERANCE, assert_serves, free_port, tiny_qwen2
 
 from lightning_vllm import EngineConfigError
@@ -15,41 +14,47 @@ pytestmark = pytest.mark.engine
 
 torchrl = pytest.importorskip("torchrl", reason="the torchrl extra (make test installs it)")
 
-from torchrl_collectors import hf_response_log_probs, llm_collector, rollout_of, train_on  # noqa: E402
+from torchrl_collectors import documented_scheme_usage, llm_collector  # noqa: E402
 
 from lightning_vllm.torchrl import VLLMWeightSyncScheme, get_model_metadata  # noqa: E402
 
 
 def test_torchrls_documented_scheme_usage_keeps_vllm_and_the_collector_in_step(llm):
     model = tiny_qwen2(seed=1).eval()
-    collector = llm_collector(llm)
     scheme = VLLMWeightSyncScheme(master_port=free_port(), gpus_per_replica=1, num_replicas=1)
+
+    def serves_the_model(step: int) -> None:
+        # Greedy tokens and prompt logprobs. (After a second step at lr 0.5 this tiny model's prompt logprobs reach
+        # vLLM's CPU kernels' floor, 1.8e-3 measured: the third push is checked on its rollout's logprobs.)
+        if step < 2:
+            assert_serves(llm, model)
+
+    records = documented_scheme_usage(llm, model, scheme, pushes=3, after_push=serves_the_model)
+    for record in records:
+        assert record["policy_version"] == record["policy_version_before"] + 1, records
+        assert record["sender_version"] == record["sender_version_before"] + 1, records
+        assert record["engine_version"] == str(record["sender_version"]), records
+        assert record["rollout_version"] == record["policy_version"], records
+        assert record["gap"] <= TOLERANCE, records
+    # Each step moved the weights enough that serving the ones before would fail the checks above.
+    assert all(record["moved"] > 100 * TOLERANCE for record in records[:-1]), records
+
+
+def test_torchrls_generic_scheme_call_pushes_the_registered_model(llm):
+    """``scheme.send()``, what TorchRL's collectors call with ``weight_sync_schemes``, pushes through the sender."""
+    model = tiny_qwen2(seed=4).eval()
+    collector = llm_collector(llm)
+    scheme = VLLMWeightSyncScheme(master_port=free_port())
     sender = scheme.create_sender()
     sender.register_model(model)
     sender.register_collector(collector)
     sender.init_all_workers_group(get_model_metadata(model), vllm_engine=llm)
     try:
-        batches = iter(collector)
-        # Two pushes as TorchRL documents them, then one through TorchRL's generic scheme call (``scheme.send``).
-        for step, push in enumerate((sender.update_weights, sender.update_weights, scheme.send)):
-            before, version = collector.policy_version, sender.weight_version
-            push()
-            assert (collector.policy_version, sender.weight_version) == (before + 1, version + 1)
-            assert llm.get_weight_version() == str(sender.weight_version)
-            if step < 2:
-                # Greedy tokens and prompt logprobs. (After a second step at lr 0.5 this tiny model's prompt
-                # logprobs reach vLLM's CPU kernels' floor, 1.8e-3 measured: the rollouts below are checked then.)
-                assert_serves(llm, model)
-            prompt, response, vllm_log_probs, version = rollout_of(next(batches))
-            assert version == collector.policy_version
-            served = hf_response_log_probs(model, prompt, response)
-            assert torch.allclose(vllm_log_probs, served, atol=TOLERANCE), (vllm_log_probs, served)
-            if step == 2:
-                break
-            trained = train_on(model, prompt, response)
-            # The step moved the weights enough that serving the old ones would fail the checks above.
-            assert (hf_response_log_probs(trained, prompt, response) - served).abs().max() > 100 * TOLERANCE
-            model.load_state_dict(trained.state_dict())  # the registered model trains in place
+        before, version = collector.policy_version, sender.weight_version
+        scheme.send()
+        assert (collector.policy_version, sender.weight_version) == (before + 1, version + 1)
+        assert llm.get_weight_version() == str(sender.weight_version)
+        assert_serves(llm, model)
     finally:
         sender.shutdown()
         collector.shutdown()
