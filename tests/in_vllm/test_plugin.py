@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -64,21 +62,23 @@ what it applies, each backend's worker side, and the errors, settings and bounde
 Not the trainer's side of any backend, nor the core, the weights, the engines or the front ends; not Lightning."""
 
 
-def test_vllms_processes_load_the_plugin_and_the_workers_sides_and_nothing_of_the_trainers():
-    # In a fresh interpreter, as vLLM loads plugins in its front end, engine core and every worker, then builds each
-    # of our worker engines as a worker does: none of them trains, and a plugin that fails to import is only logged.
-    code = (
-        "import json, sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
-        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as W, "
-        "WeightTransferTrainerFactory as T; "
-        "print(json.dumps({'registered': 'gloo' in W._registry and 'gloo' in T._registry, "
-        "'workers': [W._registry[name]().__module__ for name in ('gloo', 'lightning_ipc', 'nccl', 'lightning_nccl')], "
-        "'loaded': sorted(name for name in sys.modules if name.split('.')[0] in "
-        "('lightning', 'pytorch_lightning', 'lightning_fabric', 'lightning_vllm'))}))"
-    )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    found = json.loads(completed.stdout.strip().splitlines()[-1])
+# In a fresh interpreter, as vLLM loads plugins in its front end, engine core and every worker, then builds each of our
+# worker engines as a worker does: none of them trains, and a plugin that fails to import is only logged.
+LOAD_AS_VLLM_DOES = (
+    "import json, sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as W, "
+    "WeightTransferTrainerFactory as T; "
+    "print(json.dumps({'registered': 'gloo' in W._registry and 'gloo' in T._registry, "
+    "'workers': [W._registry[name]().__module__ for name in ('gloo', 'lightning_ipc', 'nccl', 'lightning_nccl')], "
+    "'loaded': sorted(name for name in sys.modules if name.split('.')[0] in "
+    "('lightning', 'pytorch_lightning', 'lightning_fabric', 'lightning_vllm'))}))"
+)
+
+
+@pytest.mark.fresh_interpreter(LOAD_AS_VLLM_DOES)
+def test_vllms_processes_load_the_plugin_and_the_workers_sides_and_nothing_of_the_trainers(fresh_interpreter):
+    assert fresh_interpreter.returncode == 0, fresh_interpreter.stderr[-2000:]
+    found = json.loads(fresh_interpreter.stdout.strip().splitlines()[-1])
     assert found["registered"]
     backends = ("gloo", "lightning_ipc", "nccl", "lightning_nccl")
     assert found["workers"] == [f"lightning_vllm.backends.{name}.worker" for name in backends]
