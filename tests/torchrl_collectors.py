@@ -136,3 +136,17 @@ def documented_scheme_usage(
         sender.shutdown()
         collector.shutdown()
     return records
+
+
+def assert_in_step(records: list[dict], bound: float) -> None:
+    """What :func:`documented_scheme_usage` gave holds: each push moved the collector's policy version and the
+    sender's weight version by one, the engine reports the sender's, the next rollout is tagged with the policy
+    version, vLLM's response log-probs are the model's within ``bound``, and each training step moved them enough
+    (over 100 ``bound``) that serving the weights before it would have failed."""
+    for record in records:
+        assert record["policy_version"] == record["policy_version_before"] + 1, records
+        assert record["sender_version"] == record["sender_version_before"] + 1, records
+        assert record["engine_version"] == str(record["sender_version"]), records
+        assert record["rollout_version"] == record["policy_version"], records
+        assert record["gap"] <= bound, records
+    assert all(record["moved"] > 100 * bound for record in records[:-1]), records
