@@ -12,11 +12,12 @@ PACKAGE = Path(__file__).parents[1] / "lightning_vllm"
 # Lowest first; a module may import from its own layer or from those below. docs/index.md draws them.
 LAYERS: dict[str, list[str]] = {
     "base": ["settings", "errors", "options", "_waits", "engine_client", "prompts"],
-    "in vLLM": ["in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_adapters", "in_vllm.lora_ops"],
+    "in vLLM": ["in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_adapters", "in_vllm.lora_ops",
+               "in_vllm.worker_methods"],
     "what is sent": [
         "weights", "weights.base", "weights.model", "weights.lora_merge", "weights.fsdp",
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
-        "weights.layer_sums", "weights.cpu_sums",
+        "weights.layer_sums", "weights.cpu_sums", "weights.packed_sums", "weights.held_sums",
         "weights.gpu_sums", "weights.survey", "weights.hf_conversion", "weights.checkpoint_layout",
         "lora", "lora.adapter", "lora.serving",
     ],

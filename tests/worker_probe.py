@@ -35,3 +35,36 @@ class WorkerProbe(WeightCheckExtension):
         with torch.no_grad():
             parameter.view(-1)[0] += amount
         return float(parameter.view(-1)[0])
+
+    def flip_at_next_load(self, module_name: str) -> None:
+        """At the next load that processes vLLM's layer ``module_name``, once: negate one value the loader has just
+        copied into it, then process it as usual (vLLM's CPU build packs it for oneDNN there)."""
+        layer = self.get_model().get_submodule(module_name)  # type: ignore[attr-defined]
+        layer = getattr(layer, "base_layer", layer)  # (an engine serving LoRA wraps its linear layers)
+        method = layer.quant_method
+        process = method.process_weights_after_loading
+
+        def flipped_then_processed(module: torch.nn.Module) -> None:
+            if module is layer:
+                del method.process_weights_after_loading  # (once: the class's own again)
+                with torch.no_grad():
+                    module.weight.view(-1)[0].neg_()
+            return process(module)
+
+        method.process_weights_after_loading = flipped_then_processed
+
+    def leave_tied_packs_stale_once(self) -> None:
+        """At the next update, load as vLLM 0.32's own reload does: the output embedding tied to the input
+        embedding keeps the oneDNN pack of its old values (``backends/gloo/tied_embedding_fix.py`` is skipped)."""
+        from contextlib import contextmanager
+
+        from lightning_vllm.backends.gloo import worker
+
+        refresh = worker.tied_embeddings_refreshed
+
+        @contextmanager
+        def left_stale(model: torch.nn.Module) -> Any:
+            worker.tied_embeddings_refreshed = refresh  # (once)
+            yield
+
+        worker.tied_embeddings_refreshed = left_stale

@@ -2,10 +2,11 @@
 
 While a push is on the wire, each tensor is summed on the trainer's device as the engine gets it
 (``weights/layer_sums.SentSums``: exact integer fingerprints); once the push has committed, the
-engine's workers sum what they hold (``engines/worker_check.py``) and the two are compared layer by
-layer. A layer whose fingerprint differs is named in ``LandedWeightsMismatchError``. What cannot be
-checked (an engine built without the worker extension, layers vLLM stores in another form, a
-push from every rank) is said once, in a warning, never as a false alarm.
+engine's workers sum what they hold (``weights/held_sums.py``, asked by the name our plugin gives every
+worker: ``engines/worker_check.py``) and the two are compared layer by layer. A layer whose fingerprint differs, or
+whose pack was built from other values than it holds, is named in ``LandedWeightsMismatchError``. What cannot be
+checked (workers without our plugin, quantized layers, a push from every rank) is said once, in a warning, never as
+a false alarm.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_vllm._waits import BackgroundCall
+from lightning_vllm._waits import BackgroundCall, call_with_timeout
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ReportsLayerSums
 from lightning_vllm.errors import WeightSyncError
@@ -51,13 +52,19 @@ class LandingCheck:
     @classmethod
     def for_engine(cls, engine: EngineTarget, enabled: bool, timeout_seconds: float) -> LandingCheck | None:
         """The check of ``engine``'s pushes, or ``None``: turned off (``verify_pushes=False``), or the engine
-        cannot report its sums (said once, in a warning). A push that is not checked never enters this module."""
+        cannot report its sums (said once, in a warning). A push that is not checked never enters this module.
+
+        Asks the engine's workers once, at most ``timeout_seconds``."""
         if not enabled:
             return None
         if not isinstance(engine, ReportsLayerSums):
             problem: str | None = f"the {engine.description} engine target does not declare ReportsLayerSums"
         else:
-            problem = engine.layer_sums_problem()
+            problem = call_with_timeout(
+                engine.layer_sums_problem,
+                timeout=timeout_seconds,
+                what=f"{engine.description} to say whether its workers report their sums",
+            )
         if problem is not None:
             log.warning("Pushes to %s are not checked: %s.", engine.description, problem)
             return None
@@ -118,14 +125,16 @@ class LandingCheck:
             log.warning("The push to %s could not be checked: %s", self.engine.description, error)
             return []
         held = HeldSums.combine(reports)
-        self._unverifiable = set(held.unverifiable)
         expected = self.sent.by_layer()
-        if held.unverifiable:
+        # (Only what was sent is compared: a layer never pushed, such as one vLLM packed at start, is not a gap.)
+        unverifiable = {layer: why for layer, why in held.unverifiable.items() if layer in expected}
+        self._unverifiable = set(unverifiable)
+        if unverifiable:
             self._say_once(
                 "unverifiable",
-                f"{len(held.unverifiable)} layer(s) of {self.engine.description} cannot be verified, "
-                + "; ".join(f"{layer}: {why}" for layer, why in sorted(held.unverifiable.items())[:_LISTED])
-                + (" ..." if len(held.unverifiable) > _LISTED else "")
+                f"{len(unverifiable)} layer(s) of {self.engine.description} cannot be verified, "
+                + "; ".join(f"{layer}: {why}" for layer, why in sorted(unverifiable.items())[:_LISTED])
+                + (" ..." if len(unverifiable) > _LISTED else "")
                 + f". The other {len(held.layers)} layer(s) are checked after every push.",
             )
         not_finite = sorted(layer for layer, sums in expected.items() if not sums.finite)

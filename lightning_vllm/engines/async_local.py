@@ -59,7 +59,6 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, Upda
     def __init__(self, async_llm: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.async_llm = async_llm
         self._config = async_llm.vllm_config
-        self._engine_core = async_llm.engine_core
         if loop is None:
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="lightning-vllm: AsyncLLM loop", daemon=True).start()
@@ -83,9 +82,8 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, Upda
     def ipc_handles_problem(self) -> str | None:
         return ipc_handles_problem(self.async_llm.engine_core, self.description)
 
-    def layer_sums(self) -> list[dict[str, Any]]:
-        assert self._sums_rpc is not None, "layer_sums is asked only where layer_sums_problem() is None"
-        return list(self.run(self.async_llm.collective_rpc(self._sums_rpc)))
+    def _ask_workers(self, method: str) -> list[Any]:
+        return list(self.run(self.async_llm.collective_rpc(method)))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import cached_property
+from abc import abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_vllm.engines.base import ServesAdapter
-from lightning_vllm.engines.worker_check import missing_extension, rpc_for
+from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, layer_sums_problem
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
@@ -15,24 +15,23 @@ from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
 
 class EngineConfigFacts(ServesAdapter):
     """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``), and
-    how its workers are asked for their per-layer sums (through its engine-core client, ``_engine_core``)."""
+    its workers' per-layer sums, asked by name through the engine's ``collective_rpc`` (:meth:`_ask_workers`)."""
 
     _config: Any
-    _engine_core: Any
 
     @property
     def description(self) -> str:
         return "in-process engine"  # (each engine class names itself)
 
-    @cached_property
-    def _sums_rpc(self) -> str | Callable[[Any], Any] | None:
-        """What the workers are asked through ``collective_rpc`` for their sums (``None``: they cannot be). Chosen once,
-        when the connection asks :meth:`layer_sums_problem`: the engine's config and where its core runs do not change,
-        and every push is checked."""
-        return rpc_for(self._config, self._engine_core)
+    @abstractmethod
+    def _ask_workers(self, method: str) -> Sequence[Any]:
+        """Every worker's answer to the worker method ``method`` (``collective_rpc`` by name)."""
 
     def layer_sums_problem(self) -> str | None:
-        return None if self._sums_rpc is not None else missing_extension(self.description)
+        return layer_sums_problem(self._ask_workers, self.description)
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        return list(self._ask_workers(LAYER_SUMS_METHOD))
 
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config

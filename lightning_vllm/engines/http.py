@@ -38,7 +38,7 @@ from lightning_vllm.engines.base import (
 from lightning_vllm.engines.completions import completion_fields
 from lightning_vllm.engines.routes import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
 from lightning_vllm.engines.serialization import server_ipc_handles_problem
-from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, has_extension, missing_extension
+from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, layer_sums_problem
 from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
@@ -179,16 +179,16 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, Reports
         environment = self._server_info.get("vllm_env")
         return server_ipc_handles_problem(environment if isinstance(environment, dict) else None, self.description)
 
+    def _ask_workers(self, method: str) -> list[Any]:
+        # vLLM's dev-mode /collective_rpc calls a worker method by name; nothing is pickled.
+        return list(self._request("POST", "collective_rpc", json={"method": method})["results"])
+
     def layer_sums_problem(self) -> str | None:
-        """Whether the server's workers have the layer-sums method (its ``/server_info`` names their extension)."""
-        if has_extension(self._config.get("parallel_config", {}).get("worker_extension_cls")):
-            return None
-        return missing_extension(self.description)
+        """Whether the server's workers answer the layer-sums methods our plugin gives them."""
+        return layer_sums_problem(self._ask_workers, self.description)
 
     def layer_sums(self) -> list[dict[str, Any]]:
-        # vLLM's dev-mode /collective_rpc calls a worker method by name; nothing is pickled.
-        answer = self._request("POST", "collective_rpc", json={"method": LAYER_SUMS_METHOD})
-        return list(answer["results"])
+        return self._ask_workers(LAYER_SUMS_METHOD)
 
     def transfer_backend(self) -> str | None:
         config = self._config.get("weight_transfer_config")

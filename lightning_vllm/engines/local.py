@@ -53,7 +53,6 @@ class LocalLLMEngine(
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._config = llm.llm_engine.vllm_config
-        self._engine_core = llm.llm_engine.engine_core
         self._generating = threading.RLock()
         self._thread_safe = _guard_request_socket(llm.llm_engine.engine_core)
 
@@ -76,9 +75,8 @@ class LocalLLMEngine(
     def ipc_handles_problem(self) -> str | None:
         return ipc_handles_problem(self.llm.llm_engine.engine_core, self.description)
 
-    def layer_sums(self) -> list[dict[str, Any]]:
-        assert self._sums_rpc is not None, "layer_sums is asked only where layer_sums_problem() is None"
-        return list(self.llm.collective_rpc(self._sums_rpc))
+    def _ask_workers(self, method: str) -> list[Any]:
+        return list(self.llm.collective_rpc(method))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

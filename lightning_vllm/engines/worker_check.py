@@ -1,77 +1,59 @@
-"""The engine's half of the check after every push: each vLLM worker sums what it holds, per layer.
+"""How the trainer reaches the engine's half of the check after every push: each worker's per-layer sums.
 
-Pushes are checked unless the updater is built with ``verify_pushes=False``. The trainer reaches the
-workers through ``collective_rpc``. By name, the method must be on the
-worker, which vLLM's ``worker_extension_cls`` arranges (no pickle crosses the wire)::
+Pushes are checked unless the updater is built with ``verify_pushes=False``. Each engine target asks its workers
+through ``collective_rpc``, by the names our vLLM plugin gives every worker (``in_vllm/worker_methods.py``): nothing
+is pickled, and no flag is needed. At connect it asks once which report format the workers speak
+(:func:`layer_sums_problem`): workers that did not load the plugin (``lightning_vllm`` not installed where vLLM
+runs, or left out of ``VLLM_PLUGINS``) cannot answer, and pushes to that engine are not checked, said once with
+the fix.
 
-    LLM(model=..., weight_transfer_config={"backend": "gloo"}, worker_extension_cls=WORKER_EXTENSION)
-
-(``--worker-extension-cls`` for ``vllm serve``). Without it, an engine whose RPCs may carry a
-function (an engine core in the trainer's process, or ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
-which the ``ipc`` backend needs anyway) is sent :func:`layer_sums_of_worker` itself.
+``worker_extension_cls`` is no longer needed; :data:`WORKER_EXTENSION` stays so that engines built with it, and
+extension classes of users that subclass :class:`WeightCheckExtension`, keep working.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_vllm.engines.serialization import INSECURE_SERIALIZATION, flag_set, started_without_pickle
-from lightning_vllm.weights.layer_sums import held_layer_sums
+from lightning_vllm.in_vllm.worker_methods import LAYER_SUMS_FORMAT, LAYER_SUMS_METHOD, REPORTS_METHOD
 
-LAYER_SUMS_METHOD = "lightning_vllm_layer_sums"
-"""The worker method :class:`WeightCheckExtension` adds, called by name through ``collective_rpc``."""
+__all__ = ["LAYER_SUMS_METHOD", "WORKER_EXTENSION", "WeightCheckExtension", "layer_sums_problem"]
 
 WORKER_EXTENSION = "lightning_vllm.engines.worker_check.WeightCheckExtension"
-"""What to pass as ``worker_extension_cls`` so that every push can be checked."""
+"""A ``worker_extension_cls`` that engines built before the plugin gave workers the check's methods pass; it adds
+nothing now. A class of yours may still subclass it."""
 
 
 class WeightCheckExtension:
-    """vLLM mixes this class into its worker (``worker_extension_cls``): the trainer asks each worker
-    for the per-layer sums of the weights it holds (``weights/layer_sums.py``). Subclass it to add
-    worker methods of your own; vLLM takes one extension class."""
-
-    def lightning_vllm_layer_sums(self) -> dict[str, dict[str, Any]]:
-        """Per-layer fingerprints of this worker's model (its shard under tensor parallelism)."""
-        return held_layer_sums(self.get_model())  # type: ignore[attr-defined]  # vLLM's worker has it
+    """A base for worker extensions (``worker_extension_cls``). The check after every push needs none: the plugin
+    gives every worker its methods (``in_vllm/worker_methods.py``). Kept so that engines and extensions built with
+    it keep working; vLLM takes one extension class, and a class of yours may subclass this one."""
 
 
-def layer_sums_of_worker(worker: Any) -> dict[str, dict[str, Any]]:
-    """:meth:`WeightCheckExtension.lightning_vllm_layer_sums` for a worker without the extension
-    (sent as a function, where the engine's RPCs may carry one)."""
-    return held_layer_sums(worker.get_model())
+def layer_sums_problem(ask: Callable[[str], Sequence[Any]], description: str) -> str | None:
+    """Why the workers of the engine ``description`` cannot be asked for their sums, with the fix (``None``: they
+    can). ``ask(method)`` runs ``collective_rpc`` by name on every worker and returns their answers.
 
+    Example::
 
-def has_extension(extension_qualname: str | None) -> bool:
-    """Whether ``worker_extension_cls`` names a class that has the layer-sums method."""
-    if not extension_qualname:
-        return False
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
+        >>> layer_sums_problem(lambda method: [LAYER_SUMS_FORMAT, LAYER_SUMS_FORMAT], "in-process vllm.LLM") is None
+        True
+    """
     try:
-        return hasattr(resolve_obj_by_qualname(extension_qualname), LAYER_SUMS_METHOD)
-    except (ImportError, AttributeError, ValueError):
-        return False
-
-
-def rpc_for(vllm_config: Any, engine_core: Any) -> str | Callable[[Any], Any] | None:
-    """What an in-process ``vllm.LLM``/``AsyncLLM`` is asked through ``collective_rpc`` for the sums: the
-    extension's method name, else the function itself where its RPCs may carry one, else ``None``."""
-    if has_extension(getattr(vllm_config.parallel_config, "worker_extension_cls", None)):
-        return LAYER_SUMS_METHOD
-    in_process = getattr(engine_core, "_send_input", None) is None
-    # A function crosses a multiprocess core's RPC pickled: this process must encode it, and the core must have
-    # started able to decode it, or its input thread stops (seen on an H200: the engine then answered nothing).
-    if in_process or (flag_set(os.environ.get(INSECURE_SERIALIZATION)) and started_without_pickle(engine_core) is None):
-        return layer_sums_of_worker
+        formats = list(ask(REPORTS_METHOD))
+    except Exception as error:  # noqa: BLE001  # (vLLM's NotImplementedError, or an HTTP error, or ...: said)
+        return (
+            f"the {description} engine's workers did not answer {REPORTS_METHOD!r} ({error}): they did not load "
+            "lightning_vllm's vLLM plugin, so what they hold after a push cannot be checked. Install lightning_vllm "
+            "in the environment vLLM runs in (and, if VLLM_PLUGINS is set there, add 'lightning_vllm_gloo' to it), "
+            "or pass verify_pushes=False"
+        )
+    other = sorted({str(found) for found in formats} - {str(LAYER_SUMS_FORMAT)})
+    if other:
+        return (
+            f"the {description} engine's workers report their sums in format {', '.join(other)}, and this trainer "
+            f"reads format {LAYER_SUMS_FORMAT}: install the same lightning_vllm on both sides, or pass "
+            "verify_pushes=False"
+        )
     return None
-
-
-def missing_extension(description: str) -> str:
-    """Why an engine's workers cannot be asked for their sums, and the fix."""
-    return (
-        f"the {description} engine's workers were built without lightning_vllm's worker extension, so what they "
-        f"hold after a push cannot be checked. Build the engine with worker_extension_cls={WORKER_EXTENSION!r} "
-        "(vllm serve: --worker-extension-cls; a class of yours may subclass it), or pass verify_pushes=False"
-    )

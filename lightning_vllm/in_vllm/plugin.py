@@ -17,6 +17,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from lightning_vllm.in_vllm.busy_wait import limit_busy_wait
 from lightning_vllm.in_vllm.lora_ops import install_grouped_cpu_lora_ops
+from lightning_vllm.in_vllm.worker_methods import install_worker_methods
 
 GLOO = "gloo"
 _GLOO_WORKER = "lightning_vllm.backends.gloo.worker"
@@ -41,8 +42,8 @@ def _watched_nccl_engine() -> type:
 def register_backends() -> None:
     """Register the ``gloo``, ``lightning_ipc`` and ``lightning_nccl`` worker and trainer engines with vLLM's
     factories (``lightning_nccl``'s trainer engine is vLLM's NCCL one), put the watched NCCL worker engine in place of
-    vLLM's under ``nccl``; apply the busy-wait cap and the CPU LoRA ops that the
-    environment asks for.
+    vLLM's under ``nccl``; give vLLM's workers the check's methods (``worker_methods.py``); apply the busy-wait cap
+    and the CPU LoRA ops that the environment asks for.
 
     Safe to call more than once: vLLM may load plugins repeatedly in one process.
     """
@@ -58,5 +59,6 @@ def register_backends() -> None:
             factory.register_engine(name, module, class_name)
     # vLLM's factory refuses a second engine under a name; its registry maps names to loaders, as register_engine does.
     WeightTransferEngineFactory._registry[NCCL] = _watched_nccl_engine
+    install_worker_methods()
     limit_busy_wait()
     install_grouped_cpu_lora_ops()

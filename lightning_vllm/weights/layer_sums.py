@@ -18,17 +18,16 @@ What they cost: on a CPU about a nanosecond a value (chunks summed from the core
 ``weights/cpu_sums.py``: 0.057 s for 57M bfloat16 values, against 0.126 s for numpy's int64 sums before); on a
 GPU one fused kernel reads each tensor once (``torch.compile``).
 
-The engine's side (:func:`held_layer_sums`) runs inside vLLM's worker; the trainer asks for
-it through ``collective_rpc`` (``engines/worker_check.py``). Layers an engine stores in
-another form (vLLM's CPU build repacks linear layers for oneDNN and leaves ``weight``
-empty; quantized layers) cannot be verified, and are reported as such instead of summed.
+The engine's side (``held_sums.held_layer_sums``) runs inside vLLM's worker; the trainer asks for it through
+``collective_rpc``, by a name our plugin gives every worker (``in_vllm/worker_methods.py``). Layers vLLM's CPU build
+packs for oneDNN are fingerprinted where the loader wrote them, as they are packed (``packed_sums.py``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -227,7 +226,7 @@ class SentSums:
         for (name, _), sums in zip(later, sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later])):
             self._pending[name] = sums
         names = list(self._pending)
-        for name, (total, squares, not_finite) in zip(names, _to_ints([self._pending[name] for name in names])):
+        for name, (total, squares, not_finite) in zip(names, sums_as_ints([self._pending[name] for name in names])):
             self._held[name] = (total, squares, not_finite)
         self._pending, self._later = {}, {}
 
@@ -239,7 +238,7 @@ class SentSums:
         """What the engine should hold, per layer (:func:`layer_of`)."""
         layers: dict[str, list[int]] = {}
         for name, values in self._held.items():
-            _add(layers, layer_of(name), values)
+            add_sums(layers, layer_of(name), values)
         return {
             layer: LayerSums(total, squares, finite=not not_finite)
             for layer, (total, squares, not_finite) in layers.items()
@@ -254,14 +253,17 @@ class HeldSums:
         layers: ``{layer: (bits, squares)}`` (:func:`tensor_sums`): tensor-parallel shards added up, tensors
             every rank holds whole counted once.
         unverifiable: ``{layer: why}`` for layers held in a form the trainer's sums cannot be held against.
+        stale: ``{layer: why}`` for layers that compute with other values than they hold (a pack built from
+            earlier values: ``packed_sums.py``), whatever was sent.
     """
 
     layers: dict[str, tuple[int, int]]
     unverifiable: dict[str, str]
+    stale: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def combine(cls, reports: Iterable[Mapping[str, Any]]) -> HeldSums:
-        """Combine the reports of :func:`held_layer_sums`, one per worker (tensor- and pipeline-parallel ranks).
+        """Combine the reports of ``held_sums.held_layer_sums``, one per worker (tensor- and pipeline-parallel ranks).
 
         Example::
 
@@ -272,33 +274,38 @@ class HeldSums:
         layers: dict[str, list[int]] = {}
         replicated: dict[str, tuple[int, int]] = {}
         unverifiable: dict[str, str] = {}
+        stale: dict[str, str] = {}
         for report in reports:
             for layer, values in report.get("sharded", {}).items():
-                _add(layers, layer, values)
+                add_sums(layers, layer, values)
             for layer, (total, squares) in report.get("replicated", {}).items():
                 replicated.setdefault(layer, (total, squares))  # every rank of a stage holds the same
             unverifiable.update(report.get("unverifiable", {}))
+            stale.update(report.get("stale", {}))
         for layer, values in replicated.items():
-            _add(layers, layer, values)
-        return cls({layer: (s, q) for layer, (s, q) in layers.items() if layer not in unverifiable}, unverifiable)
+            add_sums(layers, layer, values)
+        kept = {layer: (total, squares) for layer, (total, squares) in layers.items() if layer not in unverifiable}
+        return cls(kept, unverifiable, stale)
 
     def differing(self, expected: Mapping[str, LayerSums]) -> list[str]:
-        """The layers of ``expected`` this engine holds otherwise (layers it did not report are left out)."""
-        return sorted(
+        """The layers of ``expected`` this engine holds otherwise (layers it did not report are left out), and its
+        stale layers."""
+        differ = {
             layer
             for layer, sums in expected.items()
             if layer in self.layers and sums.finite and not sums.matches(*self.layers[layer])
-        )
+        }
+        return sorted(differ | self.stale.keys())
 
 
-def _add(sums: dict[str, list[int]], layer: str, values: Sequence[int]) -> None:
+def add_sums(sums: dict[str, list[int]], layer: str, values: Sequence[int]) -> None:
     """Add ``values`` (bits, squares, ...) to ``layer``'s in ``sums``."""
     totals = sums.setdefault(layer, [0] * len(values))
     for position, value in enumerate(values):
         totals[position] += value
 
 
-def _to_ints(sums: list[torch.Tensor]) -> list[list[int]]:
+def sums_as_ints(sums: list[torch.Tensor]) -> list[list[int]]:
     """Sums that may sit on several devices (a model split over GPUs), read with one copy per device."""
     by_device: dict[torch.device, list[int]] = {}
     for position, values in enumerate(sums):
@@ -308,54 +315,3 @@ def _to_ints(sums: list[torch.Tensor]) -> list[list[int]]:
         for position, values in zip(positions, torch.stack([sums[p] for p in positions]).tolist()):
             ints[position] = values
     return ints
-
-
-def _fused_experts(module: torch.nn.Module, parameter: torch.Tensor) -> int:
-    """How many routed experts ``parameter`` holds as rows (vLLM's fused MoE ``w13_weight``, ``w2_weight``), else 0."""
-    experts = getattr(module, "global_num_experts", None)
-    return experts if isinstance(experts, int) and parameter.dim() >= 2 and parameter.shape[0] == experts else 0
-
-
-def _moe_tp_size(module: torch.nn.Module) -> int:
-    config = getattr(module, "moe_config", None)
-    return int(getattr(config, "tp_size", 1) or 1)
-
-
-REPACKED = "held in another form than loaded (vLLM's CPU build repacks linear layers for oneDNN)"
-
-
-@torch.no_grad()
-def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Per-layer fingerprints of what ``model`` (vLLM's, in its worker) holds, on its device (on a GPU in one
-    kernel launch per dtype); one sync at the end.
-
-    Returns ``{"sharded": {layer: [bits, squares]}, "replicated": {...}, "unverifiable": {layer: why}}``
-    (:func:`tensor_sums`):
-    a parameter of a tensor-parallel layer (``tp_size > 1``) is this rank's shard, the others are
-    whole on every rank. Plain lists and strings, so any of vLLM's RPC paths carries it.
-    """
-    entries: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, values)
-    unverifiable: dict[str, str] = {}
-    for name, parameter in model.named_parameters():
-        layer = layer_of(name)
-        module = model.get_submodule(name.rpartition(".")[0])
-        if parameter.numel() == 0:
-            unverifiable[layer] = REPACKED
-        elif not parameter.dtype.is_floating_point or parameter.dtype.itemsize == 1:
-            unverifiable[layer] = f"stored as {parameter.dtype} (quantized)"
-        elif getattr(module, "num_kv_head_replicas", 1) > 1:
-            unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
-        if layer in unverifiable:
-            continue
-        experts = _fused_experts(module, parameter)
-        if experts and getattr(module, "use_ep", False):
-            unverifiable[layer] = "its experts are spread over expert-parallel ranks"
-            continue
-        kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
-        rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else [(layer, parameter)]
-        entries.extend((kind, row_layer, values) for row_layer, values in rows)
-    report: dict[str, dict[str, Any]] = {"sharded": {}, "replicated": {}, "unverifiable": unverifiable}
-    values = [values for _, _, values in entries]
-    for (kind, layer, _), (bits, squares, _) in zip(entries, _to_ints(sums_of_many(values, [None] * len(values)))):
-        _add(report[kind], layer, [bits, squares])
-    return report

@@ -1,31 +1,32 @@
-"""How the workers of an in-process engine are asked for their sums after a push: by the extension's method name,
-else by a function, but only where the engine core can decode one (a real process stands in for the core)."""
+"""Whether an engine's workers can be asked for their sums, asked once at connect: workers without our plugin, or
+with another report format, are named with the fix; the answers of ``vllm serve`` (strings) count as well."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import pytest
 
-from test_serialization import engine_core_client, waiting_process
-
-from lightning_vllm.engines.serialization import INSECURE_SERIALIZATION
-from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, WORKER_EXTENSION, layer_sums_of_worker, rpc_for
+from lightning_vllm.engines.worker_check import layer_sums_problem
+from lightning_vllm.in_vllm.worker_methods import LAYER_SUMS_FORMAT, REPORTS_METHOD
 
 
-def _config(extension: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=extension))
+def test_workers_that_answer_the_format_can_be_asked_in_process_or_over_http():
+    asked: list[str] = []
+    assert layer_sums_problem(lambda method: asked.append(method) or [LAYER_SUMS_FORMAT] * 2, "engine") is None
+    assert asked == [REPORTS_METHOD]
+    assert layer_sums_problem(lambda method: [str(LAYER_SUMS_FORMAT)], "vllm serve") is None  # (JSON: a string)
 
 
-def test_the_extension_is_asked_by_name_and_an_in_process_core_is_sent_the_function(monkeypatch):
-    monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
-    assert rpc_for(_config(WORKER_EXTENSION), engine_core_client()) == LAYER_SUMS_METHOD
-    assert rpc_for(_config(), SimpleNamespace(resources=None)) is layer_sums_of_worker  # vLLM's InprocClient
-    assert rpc_for(_config(), engine_core_client()) is None  # nothing pickled without the variable
+def test_workers_without_the_plugin_are_named_with_the_fix():
+    def without_plugin(method: str) -> list[int]:
+        raise NotImplementedError(f"Method {method!r} is not implemented.")  # (vLLM's run_method says so)
+
+    problem = layer_sums_problem(without_plugin, "in-process vllm.LLM")
+    assert problem is not None
+    assert "did not load lightning_vllm's vLLM plugin" in problem and "is not implemented" in problem
+    assert "Install lightning_vllm in the environment vLLM runs in" in problem and "VLLM_PLUGINS" in problem
 
 
-def test_an_engine_core_started_without_the_variable_is_not_sent_a_function_though_this_process_has_it(monkeypatch):
-    # Seen on an H200: the core's input thread stopped at the pickled function, and the engine answered nothing.
-    with waiting_process(**{INSECURE_SERIALIZATION: None}) as started_without:
-        monkeypatch.setenv(INSECURE_SERIALIZATION, "1")
-        assert rpc_for(_config(), engine_core_client(started_without)) is None
-    with waiting_process(**{INSECURE_SERIALIZATION: "1"}) as started_with:
-        assert rpc_for(_config(), engine_core_client(started_with)) is layer_sums_of_worker
+@pytest.mark.parametrize("formats", [[1], [LAYER_SUMS_FORMAT, LAYER_SUMS_FORMAT + 1]])
+def test_workers_of_another_format_are_named(formats):
+    problem = layer_sums_problem(lambda method: formats, "vllm serve")
+    assert problem is not None and "install the same lightning_vllm on both sides" in problem

@@ -50,6 +50,7 @@ def test_lightning_ipc_loads_in_place_only_where_vllm_uses_weights_as_loaded():
 IN_VLLM = {
     "", "errors", "settings", "_waits",
     "in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_ops", "in_vllm.lora_adapters",
+    "in_vllm.worker_methods",
     "backends", "backends.gloo", "backends.gloo.worker", "backends.gloo.receiver", "backends.gloo.group",
     "backends.gloo.messages", "backends.gloo.rendezvous", "backends.gloo.tied_embedding_fix",
     "backends.gloo.moe_prepack_fix",

@@ -8,13 +8,12 @@ import struct
 import pytest
 import torch
 
+from lightning_vllm.weights.held_sums import NOT_PACKED_HERE, held_layer_sums
 from lightning_vllm.weights.layer_sums import (
-    REPACKED,
     SQUARES_MODULUS,
     HeldSums,
     LayerSums,
     SentSums,
-    held_layer_sums,
     layer_of,
     tensor_sums,
 )
@@ -190,12 +189,12 @@ def test_a_nan_on_the_engine_is_named_and_a_nan_in_the_trainers_weights_is_not_c
     assert HeldSums.combine([held_layer_sums(engine)]).differing(expected) == []
 
 
-def test_an_emptied_parameter_makes_its_layer_unverifiable_not_different():
+def test_an_emptied_parameter_packed_before_any_load_makes_its_layer_unverifiable_not_different():
     hf = _hf_layer(torch.Generator().manual_seed(4))
     engine = _vllm_layout(hf)
     engine.model.layers[0].self_attn.qkv_proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     held = HeldSums.combine([held_layer_sums(engine)])
-    assert held.unverifiable == {"model.layers.0.self_attn": REPACKED}
+    assert held.unverifiable == {"model.layers.0.self_attn": NOT_PACKED_HERE}
     assert held.differing(_sent(hf).by_layer()) == []
     assert "model.layers.0.input_layernorm" in held.layers
 

@@ -91,6 +91,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        # (Imported at the first update, as the check's worker method is at its first call: a worker that is never
+        # updated loads nothing of lightning_vllm.weights.)
+        from lightning_vllm.weights.packed_sums import packing_fingerprinted
+
         if not self.pending:  # none, or one that received nothing
             self._drop_pending()
             return
@@ -102,7 +106,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             adapter = ReceivedAdapter(self.model, self.vllm_config, pending.adapter, adapter_tensors)
             received = [[(name, t) for name, t in batch if not name.startswith(ADAPTER_PREFIX)] for batch in received]
         if any(received):
-            with tied_embeddings_refreshed(self.model), cpu_experts_repacked(self.model):
+            # (What vLLM's CPU build packs is fingerprinted as it packs it: the check after every push reads it.)
+            with packing_fingerprinted(), tied_embeddings_refreshed(self.model), cpu_experts_repacked(self.model):
                 initialize_layerwise_reload(self.model)
                 with disable_mtp_completeness_check():
                     for tensors in received:

@@ -1,0 +1,115 @@
+"""The engine's half of the check after every push: what one vLLM worker holds, fingerprinted per layer.
+
+Runs inside vLLM's worker. The trainer asks each worker by the name ``in_vllm/worker_methods.py`` gives it
+(:func:`worker_layer_sums`), and holds the reports, combined (``layer_sums.HeldSums``), against what it sent.
+The fingerprints are those of ``layer_sums.py``, taken from the live parameters by destination layer, so a value
+written to the wrong place changes the layer it landed in. A layer vLLM's CPU build packed for oneDNN has an empty
+``weight``; its fingerprint is the one taken where the loader wrote its values, as they were packed
+(``packed_sums.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_vllm.weights.layer_sums import (
+    SQUARES_MODULUS,
+    add_sums,
+    layer_of,
+    sums_as_ints,
+    sums_of_many,
+    tensor_sums,
+)
+from lightning_vllm.weights.packed_sums import packed_from
+
+NOT_PACKED_HERE = (
+    "packed for oneDNN when the engine started, before lightning_vllm loaded it (vLLM's CPU build): checked from the "
+    "first push that sends it"
+)
+STALE_PACK = "computes with a packed copy of other values than it holds (its pack was not rebuilt after the load)"
+
+
+def worker_layer_sums(worker: Any) -> dict[str, dict[str, Any]]:
+    """The worker method ``lightning_vllm_layer_sums`` (``in_vllm/worker_methods.py``): :func:`held_layer_sums` of
+    the worker's model."""
+    return held_layer_sums(worker.get_model())
+
+
+def _fused_experts(module: torch.nn.Module, parameter: torch.Tensor) -> int:
+    """How many routed experts ``parameter`` holds as rows (vLLM's fused MoE ``w13_weight``, ``w2_weight``), else 0."""
+    experts = getattr(module, "global_num_experts", None)
+    return experts if isinstance(experts, int) and parameter.dim() >= 2 and parameter.shape[0] == experts else 0
+
+
+def _moe_tp_size(module: torch.nn.Module) -> int:
+    config = getattr(module, "moe_config", None)
+    return int(getattr(config, "tp_size", 1) or 1)
+
+
+@torch.no_grad()
+def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Per-layer fingerprints of what ``model`` (vLLM's, in its worker) holds, on its device (on a GPU in one
+    kernel launch per dtype); one sync at the end.
+
+    Returns ``{"sharded": {layer: [bits, squares]}, "replicated": {...}, "unverifiable": {layer: why},
+    "stale": {layer: why}}`` (``layer_sums.tensor_sums``): a parameter of a tensor-parallel layer (``tp_size > 1``)
+    is this rank's shard, the others are whole on every rank. A layer is stale when its pack was built from other
+    values than its live weight holds (``packed_sums.py``). Plain lists and strings, so any of vLLM's RPC paths
+    carries it.
+    """
+    entries: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, values)
+    packed: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, fingerprint taken as vLLM packed it)
+    unverifiable: dict[str, str] = {}
+    for name, parameter in model.named_parameters():
+        layer = layer_of(name)
+        module = model.get_submodule(name.rpartition(".")[0])
+        kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
+        if parameter.numel() == 0 and (fingerprint := packed_from(module)) is not None:
+            packed.append((kind, layer, fingerprint))
+            continue
+        if parameter.numel() == 0:
+            unverifiable[layer] = NOT_PACKED_HERE
+        elif not parameter.dtype.is_floating_point or parameter.dtype.itemsize == 1:
+            unverifiable[layer] = f"stored as {parameter.dtype} (quantized)"
+        elif getattr(module, "num_kv_head_replicas", 1) > 1:
+            unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
+        if layer in unverifiable:
+            continue
+        experts = _fused_experts(module, parameter)
+        if experts and getattr(module, "use_ep", False):
+            unverifiable[layer] = "its experts are spread over expert-parallel ranks"
+            continue
+        rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else [(layer, parameter)]
+        entries.extend((kind, row_layer, values) for row_layer, values in rows)
+    live = [values for _, _, values in entries]
+    live_sums = sums_of_many(live, [None] * len(live))
+    report: dict[str, dict[str, Any]] = {
+        "sharded": {},
+        "replicated": {},
+        "unverifiable": unverifiable,
+        "stale": _stale_packs(model, {id(values): sums for values, sums in zip(live, live_sums)}),
+    }
+    kinds_layers = [(kind, layer) for kind, layer, _ in entries + packed]
+    all_sums = live_sums + [fingerprint for _, _, fingerprint in packed]
+    for (kind, layer), (bits, squares, _) in zip(kinds_layers, sums_as_ints(all_sums)):
+        add_sums(report[kind], layer, [bits, squares])
+    return report
+
+
+def _stale_packs(model: torch.nn.Module, live_sums: dict[int, torch.Tensor]) -> dict[str, str]:
+    """The layers whose pack was built from other values than their live weight holds: an embedding or the output
+    embedding tied to it (their weight stays live beside the pack), or a linear layer loaded and left unprocessed."""
+    stale: dict[str, str] = {}
+    for name, module in model.named_modules():
+        fingerprint = packed_from(module)
+        weight = getattr(module, "weight", None)
+        if fingerprint is None or not isinstance(weight, torch.Tensor) or weight.numel() == 0:
+            continue
+        held = live_sums.get(id(weight))
+        held = tensor_sums(weight) if held is None else held
+        (bits, squares, _), (packed_bits, packed_squares, _) = sums_as_ints([held, fingerprint])
+        if bits != packed_bits or (squares - packed_squares) % SQUARES_MODULUS:
+            stale[layer_of(f"{name}.weight")] = STALE_PACK
+    return stale

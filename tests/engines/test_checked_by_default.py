@@ -1,0 +1,101 @@
+"""The check after every push is on where users run, with no flag: the README's engine exactly as the README builds
+it (its engine core in a process of its own, no ``worker_extension_cls``), and faults in vLLM's real worker are named
+by layer at the push that made them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import (
+    TinyCausalLM,
+    assert_serves,
+    build_llm,
+    cpu_trainer,
+    save_model,
+    save_tokenizer,
+    served_version,
+    shutdown,
+    tiny_qwen2,
+    token_batches,
+)
+
+from lightning_vllm import VLLMUpdater, VLLMWeightSync
+from lightning_vllm.errors import LandedWeightsMismatchError
+
+pytestmark = pytest.mark.engine
+
+UNCHECKED = ("not checked", "cannot be verified", "could not be checked")
+
+
+def _said_unchecked(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.name.startswith("lightning_vllm") and any(words in record.getMessage() for words in UNCHECKED)
+    ]
+
+
+def test_the_readmes_engine_is_checked_after_every_push_with_no_flag(tmp_path, caplog, monkeypatch):
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    checkpoint_dir = save_tokenizer(save_model(tiny_qwen2(seed=0), tmp_path / "model"))
+    llm = LLM(model=str(checkpoint_dir), dtype="float32", weight_transfer_config={"backend": "gloo"})  # (the README)
+    try:
+        module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-2)
+        sync = VLLMWeightSync(engine=llm, every_n_train_steps=4)
+        trainer = cpu_trainer(tmp_path, [sync], max_steps=8)
+        with caplog.at_level(logging.INFO, logger="lightning_vllm"):
+            trainer.fit(module, token_batches(num_batches=8))
+        assert _said_unchecked(caplog) == []
+        # Fit start, steps 4 and 8: each checked (the engine's workers summed every layer, packed ones included).
+        assert sync.weight_version == 3
+        assert sync.updater.last_sync is not None and sync.updater.last_sync.timing.check_seconds > 0
+        module.hf.eval()
+        assert_serves(llm, module.hf)
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def tied_llm(tmp_path_factory):
+    """An engine on a model whose output embedding is tied to its input embedding (vLLM's CPU build packs the
+    head apart from the embedding), with the test's worker probe."""
+    model_dir = save_model(tiny_qwen2(seed=0, tie_word_embeddings=True), tmp_path_factory.mktemp("tied"))
+    engine = build_llm(model_dir, worker_extension_cls="worker_probe.WorkerProbe")
+    yield engine
+    shutdown(engine)
+
+
+@pytest.mark.parametrize(
+    ("fault", "layer"),
+    [
+        # one value of a linear layer negated after the loader copied it, before vLLM packed it
+        (("flip_at_next_load", "model.layers.1.mlp.down_proj"), "model.layers.1.mlp"),
+        # the tied head left computing with the pack of its old values, as vLLM 0.32's own reload leaves it
+        (("leave_tied_packs_stale_once",), "lm_head"),
+    ],
+)
+def test_a_fault_in_vllms_worker_is_named_by_layer_at_that_push(tied_llm, fault, layer, caplog):
+    model = tiny_qwen2(seed=41, tie_word_embeddings=True)
+    updater = VLLMUpdater(engine=tied_llm, timeout_seconds=60)  # (checked: the default)
+    with caplog.at_level(logging.INFO, logger="lightning_vllm"):
+        updater.push_weights(model)  # every tensor: the engine's packs are fingerprinted as vLLM builds them
+        assert_serves(tied_llm, model)
+        version = served_version(tied_llm)
+        with torch.no_grad():  # (a training step: every weight moves a little)
+            for parameter in model.parameters():
+                parameter.mul_(1.01)
+        tied_llm.collective_rpc(fault[0], args=fault[1:])
+        with pytest.raises(LandedWeightsMismatchError) as caught:
+            updater.push_weights(model)
+        assert caught.value.layers == {0: [layer]}
+        assert layer in str(caught.value)
+        assert served_version(tied_llm) == version + 1  # (the version committed: the engine holds it, wrongly)
+        # The next push sends every tensor again, and the engine serves the model.
+        updater.push_weights(model)
+        assert_serves(tied_llm, model)
+    assert _said_unchecked(caplog) == []
+    updater.close()
