@@ -70,6 +70,7 @@ class SyncMethods:
         self._connected: VLLMUpdater | None = None
         self.floor_client = FloorClient(llm)
         self.bytes_sent: dict[str, int] = {}  # per method of ours, the bytes of its last push
+        self.checked_layers: list[tuple[int, int]] = []  # per checked push: layers compared, of the layers sent
         self.streaming_client = StreamingClient(llm)
 
     def run(self, method: str) -> float:
@@ -110,7 +111,10 @@ class SyncMethods:
 
     def _push_and_count(self, method: str) -> None:
         updater = self.checked if method == "checked" else self.updater
-        self.bytes_sent[method] = updater.push_weights(self.model).num_bytes
+        stats = updater.push_weights(self.model)
+        self.bytes_sent[method] = stats.num_bytes
+        if method == "checked":
+            self.checked_layers.append(stats.checked_layers)
 
     # -- connecting (not timed) -------------------------------------------------------
     # The engine's worker has one weight-transfer engine, so one group at a time.

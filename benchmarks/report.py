@@ -30,6 +30,7 @@ class ModelResult:
     transport_seconds: list[float] = field(default_factory=list)
     load_seconds: list[float] = field(default_factory=list)
     bytes_sent: dict[str, int] = field(default_factory=dict)  # per method of ours, bytes of one push
+    checked_layers: list[tuple[int, int]] = field(default_factory=list)  # per checked push: compared, of sent
 
     def median(self, method: str) -> float:
         return statistics.median(self.seconds[method])
@@ -86,6 +87,7 @@ def ratios_line(
     """The suite's last line, read by scripts (figures at the largest size; per-tensor on the many-tensor model;
     the sharded push's worst rank; the training loop's stall per push point, background over blocking)."""
     memory = largest.peak_mem_over_bucket
+    compared, layers = min(largest.checked_layers, default=(0, 0))
     return (
         f"ratios: floor_over_ours={largest.median('floor') / largest.median('ours'):.3f} "
         f"disk_over_ours={largest.ratio('disk'):.3f} "
@@ -94,7 +96,8 @@ def ratios_line(
         f"sharded_peak_over_group_plus_bucket={sharded_over_bound:.3f} "
         f"ours_over_overlap_floor={largest.ours_over_overlap_floor:.3f} "
         f"async_stall_over_blocking={async_stall_over_blocking:.3f} "
-        f"checked_over_ours={largest.median('checked') / largest.median('ours'):.3f}"
+        f"checked_over_ours={largest.median('checked') / largest.median('ours'):.3f} "
+        f"checked_layers={compared}/{layers}"
     )
 
 

@@ -134,6 +134,7 @@ def measure_model(
         result.transport_seconds = [part["transport_seconds"] for part in parts]
         result.load_seconds = [part["load_seconds"] for part in parts]
         result.bytes_sent = dict(methods.bytes_sent)
+        result.checked_layers = list(methods.checked_layers)
         print(
             f"   floor parts (median): transport {sorted(result.transport_seconds)[len(parts) // 2]:.3f}s, "
             f"load {sorted(result.load_seconds)[len(parts) // 2]:.3f}s; ours over the overlap floor "
@@ -190,8 +191,21 @@ def memory_figures(llm: object, model: torch.nn.Module, bucket_size_bytes: int) 
 
 
 def check_cost_text(results: list[ModelResult]) -> str:
-    """What the check after every push costs, per size: the medians of checked over ours."""
-    return ", ".join(f"{result.name} {result.median('checked') / result.median('ours'):.3f}" for result in results)
+    """What the check after every push costs, per size: the medians of checked over ours, and the layers each
+    checked push compared, of the layers the engine should hold (the fewest over its pushes)."""
+    return ", ".join(
+        f"{result.name} {result.median('checked') / result.median('ours'):.3f} ({coverage_text(result)})"
+        for result in results
+    )
+
+
+def coverage_text(result: ModelResult) -> str:
+    """``"every layer: 171 of 171"``, or the fewest layers a checked push compared, of how many."""
+    if not result.checked_layers:
+        return "no checked push"
+    compared, layers = min(result.checked_layers)
+    every = all(compared == layers for compared, layers in result.checked_layers)
+    return f"{'every layer: ' if every else 'layers compared: '}{compared} of {layers}"
 
 
 def results_markdown(

@@ -22,7 +22,6 @@ from torchrl.modules.llm import vLLMWrapper
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import LLM
 
-from lightning_vllm.engines.worker_check import WORKER_EXTENSION
 
 # from torchrl.weight_update.llm import VLLMWeightSyncScheme, get_model_metadata
 from lightning_vllm.torchrl import VLLMWeightSyncScheme, get_model_metadata
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(
         model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-        weight_transfer_config={"backend": "gloo"}, worker_extension_cls=WORKER_EXTENSION,  # (pushes checked)
+        weight_transfer_config={"backend": "gloo"},
     )  # fmt: skip
     env = ChatEnv.from_dataloader(dataloader=Questions(), tokenizer=tokenizer, batch_size=(1,), input_mode="history")
     policy = vLLMWrapper(

@@ -104,6 +104,21 @@ def save_model(model: Qwen2ForCausalLM, directory: Path) -> Path:
     return directory
 
 
+def fake_hub_cache(cache: Path, repo_id: str, model=None, config=None) -> Path:
+    """A Hugging Face cache holding ``repo_id`` as vLLM's download leaves it (``refs/main`` naming a snapshot
+    folder), with ``model``'s checkpoint or only ``config``'s config.json; returns the cache folder."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    if model is not None:
+        save_model(model, snapshot)
+    else:
+        config.save_pretrained(snapshot)
+    return cache
+
+
 FAST_TIER_VARIABLE = "LIGHTNING_VLLM_FAST_TIER"
 
 

@@ -22,7 +22,8 @@ from report import RESULTS_END, RESULTS_START, ModelResult, linear_fit, ratios_l
 RATIOS = re.compile(
     r"^ratios: floor_over_ours=\d+\.\d+ disk_over_ours=\d+\.\d+ per_tensor_over_ours=\d+\.\d+ "
     r"peak_mem_over_bucket=\d+\.\d+ sharded_peak_over_group_plus_bucket=\d+\.\d+ "
-    r"ours_over_overlap_floor=\d+\.\d+ async_stall_over_blocking=\d+\.\d+ checked_over_ours=\d+\.\d+$"
+    r"ours_over_overlap_floor=\d+\.\d+ async_stall_over_blocking=\d+\.\d+ checked_over_ours=\d+\.\d+ "
+    r"checked_layers=(\d+)/\1$"
 )
 
 
@@ -69,12 +70,13 @@ def test_the_fit_recovers_a_line_and_the_ratios_are_medians():
     assert fit.r_squared == pytest.approx(1.0)
     largest = result("L", 100, ours=[1.0, 2.0, 9.0], checked=[2.5], floor=[1.5], disk=[4.0])
     largest.transport_seconds, largest.load_seconds = [0.5, 0.6, 0.7], [1.5, 1.6, 1.7]
+    largest.checked_layers = [(171, 171), (170, 171)]  # (the fewest a checked push compared, of how many)
     many = result("M", 10, ours=[0.5], per_tensor=[5.0])
     assert largest.overlap_floor == 1.6  # the slower of the two parts alone, not their sum
     assert ratios_line(largest, many, 1.25, 0.1) == (
         "ratios: floor_over_ours=0.750 disk_over_ours=2.000 per_tensor_over_ours=10.000 peak_mem_over_bucket=0.500 "
         "sharded_peak_over_group_plus_bucket=1.250 ours_over_overlap_floor=1.250 async_stall_over_blocking=0.100 "
-        "checked_over_ours=1.250"
+        "checked_over_ours=1.250 checked_layers=170/171"
     )
 
 

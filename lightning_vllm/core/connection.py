@@ -296,8 +296,8 @@ class EngineConnection:
         check; the client that commits ``version`` inside the commit window; the adapter's message."""
         adapter = self.adapter if payload.adapter_config is not None else None
         pause = not self.backend.traits.loads_while_receiving
-        landing, every_rank = self.landing, payload.every_rank is not None
-        tally = landing.tally_for(payload.view != "adapter", every_rank) if landing else None
+        landing = self.landing
+        tally = landing.tally_for(payload.view != "adapter", payload.every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
         sent = EngineWeights(payload.weights, names, device=self.device, tally=tally)
         sent.tally_held()  # (the model's own tensors: summed after the commit, on a GPU in one launch)
@@ -324,6 +324,12 @@ class EngineConnection:
             self.landing.landed(committed=True)
         self.last_num_bytes = self._all_bytes if names is self.engine_metadata else metadata_bytes(names)
         return self.last_num_bytes
+
+    @property
+    def checked_layers(self) -> tuple[int, int]:
+        """The last check after a push: the layers compared, of the layers the engine should hold (``(0, 0)``: not
+        checked)."""
+        return self.landing.covered if self.landing else (0, 0)
 
     def differing_layers(self) -> list[str]:
         """After a push that committed: the layers the engine holds otherwise than sent (``[]``: none, or not

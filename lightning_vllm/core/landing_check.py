@@ -5,7 +5,7 @@ While a push is on the wire, each tensor is summed on the trainer's device as th
 engine's workers sum what they hold (``weights/held_sums.py``, asked by the name our plugin gives every
 worker: ``engines/worker_check.py``) and the two are compared layer by layer. A layer whose fingerprint differs, or
 whose pack was built from other values than it holds, is named in ``LandedWeightsMismatchError``. What cannot be
-checked (workers without our plugin, quantized layers, a push from every rank) is said once, in a warning, never as
+checked (workers without our plugin, quantized layers) is said once, in a warning, never as
 a false alarm.
 """
 
@@ -24,6 +24,7 @@ from lightning_vllm.engines.base import ReportsLayerSums
 from lightning_vllm.errors import WeightSyncError
 from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 from lightning_vllm.weights.layer_sums import HeldSums, SentSums, layer_of
+from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class LandingCheck:
         self._pending = False
         self._report: BackgroundCall[list[dict[str, Any]]] | None = None  # the engine's sums, asked at the commit
         self._unverifiable: set[str] = set()  # the engine's layers it cannot verify: not summed after the first push
+        self._every_rank: EveryRankSend | None = None  # the push's other ranks' fingerprints, if every rank sends
+        self.covered = (0, 0)  # the last check's layers compared, of the layers the engine should hold
 
     @classmethod
     def for_engine(cls, engine: EngineTarget, enabled: bool, timeout_seconds: float) -> LandingCheck | None:
@@ -71,17 +74,14 @@ class LandingCheck:
         return cls(engine, timeout_seconds)
 
     def tally_for(
-        self, carries_base: bool, every_rank: bool
+        self, carries_base: bool, every_rank: EveryRankSend | None
     ) -> Callable[[str, torch.Tensor, torch.dtype, bool], None] | None:
         """What the push's tensors are to be given to as they go on the wire (``None``: the push is not
-        checked: a LoRA adapter alone, or shares the other ranks send too)."""
-        self._pending, self._report = False, None
+        checked: a LoRA adapter alone). In a push every rank sends a share of (``every_rank``), they are rank 0's
+        shares, and the other ranks' fingerprints are added at the commit (``EveryRankSend.share_sums``): a
+        tensor's fingerprint is the sum of its shares'."""
+        self._pending, self._report, self._every_rank = False, None, every_rank
         if not carries_base:
-            return None
-        if every_rank:
-            self._say_once(
-                "every_rank", "Pushes from every rank (push_from='every_rank') are not checked: each sends a share."
-            )
             return None
         self._pending = True
         return self._tally
@@ -104,7 +104,7 @@ class LandingCheck:
                     what=f"{self.engine.description} to sum the weights it holds",
                     waited_until=time.monotonic() + self.timeout_seconds,
                 )
-            self.sent.landed()
+            self.sent.landed(others=self._every_rank.share_sums if self._every_rank is not None else None)
         else:
             self.sent.dropped()
             self._pending = False
@@ -126,6 +126,7 @@ class LandingCheck:
             return []
         held = HeldSums.combine(reports)
         expected = self.sent.by_layer()
+        self.covered = (sum(layer in held.layers for layer in expected), len(expected))
         # (Only what was sent is compared: a layer never pushed, such as one vLLM packed at start, is not a gap.)
         unverifiable = {layer: why for layer, why in held.unverifiable.items() if layer in expected}
         self._unverifiable = set(unverifiable)

@@ -142,6 +142,8 @@ class SyncStats:
         failed_engine_indices: the engines it failed on (they keep their previous weights; see
             :class:`~lightning_vllm.errors.PartialPushError`).
         timing: where the seconds went, summed over the engines that took it (:class:`PushTiming`).
+        checked_layers: the check after the push (``verify_pushes``): the layers whose fingerprints were compared,
+            of the layers the engines should hold, summed over the engines (``(0, 0)``: not checked).
     """
 
     weight_version: int
@@ -150,6 +152,7 @@ class SyncStats:
     engine_indices: tuple[int, ...] = ()
     failed_engine_indices: tuple[int, ...] = ()
     timing: PushTiming = PushTiming()
+    checked_layers: tuple[int, int] = (0, 0)
 
     @property
     def gb_per_second(self) -> float:
@@ -226,8 +229,12 @@ class Push:
         found = {index: connections[index].differing_layers() for index in committed if index in connections}
         mismatched = {index: layers for index, layers in found.items() if layers}
         timing = replace(timing, check_seconds=time.perf_counter() - checked_at)
+        checked = [connections[index].checked_layers for index in found]
+        checked_layers = (sum(compared for compared, _ in checked), sum(layers for _, layers in checked))
         elapsed = time.perf_counter() - start
-        stats = SyncStats(version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing)
+        stats = SyncStats(
+            version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing, checked_layers
+        )
         if mismatched:  # committed (the engines hold this version), but not as sent: the post hooks do not run
             raise _mismatch_error(self.engines, stats, mismatched)
         self.landed(stats)

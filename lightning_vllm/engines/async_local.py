@@ -33,6 +33,7 @@ from lightning_vllm.engines.base import (
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
+from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD
 
 _T = TypeVar("_T")
 
@@ -84,6 +85,9 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, Upda
 
     def _ask_workers(self, method: str) -> list[Any]:
         return list(self.run(self.async_llm.collective_rpc(method)))
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        return self._ask_workers(LAYER_SUMS_METHOD)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

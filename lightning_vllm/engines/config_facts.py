@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_vllm.engines.base import ServesAdapter
-from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, layer_sums_problem
+from lightning_vllm.engines.worker_check import layer_sums_problem
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
-from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
+from lightning_vllm.weights.checks import ExpectedWeights, engine_weights
 
 
 class EngineConfigFacts(ServesAdapter):
@@ -30,9 +30,6 @@ class EngineConfigFacts(ServesAdapter):
     def layer_sums_problem(self) -> str | None:
         return layer_sums_problem(self._ask_workers, self.description)
 
-    def layer_sums(self) -> list[dict[str, Any]]:
-        return list(self._ask_workers(LAYER_SUMS_METHOD))
-
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config
         return None if config is None else str(config.backend)
@@ -50,7 +47,14 @@ class EngineConfigFacts(ServesAdapter):
     def expected_weights(self) -> ExpectedWeights | None:
         model_config = self._config.model_config
         ties = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
-        return checkpoint_weights(model_config.model, serving_dtype=model_config.dtype, ties_word_embeddings=ties)
+        return engine_weights(
+            str(model_config.model),
+            serving_dtype=model_config.dtype,
+            ties_word_embeddings=ties,
+            hf_config=model_config.hf_config,
+            revision=model_config.revision,
+            download_dir=self._config.load_config.download_dir,
+        )
 
     def lora_limits(self) -> LoraLimits | None:
         return lora_limits_from(self._config.lora_config)

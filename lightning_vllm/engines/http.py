@@ -14,12 +14,10 @@ point: install lightning-vllm in the server's environment, nothing else.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +41,7 @@ from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSync
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.settings import DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_timeout
-from lightning_vllm.weights.checks import ExpectedWeights, checkpoint_weights
+from lightning_vllm.weights.checks import ExpectedWeights, engine_weights
 
 PAUSE_LEASE_MARGIN_SECONDS = 5.0
 SERVER_COMMAND = 'VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config \'{"backend": "gloo"}\''
@@ -205,19 +203,31 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, Reports
         return int(self._request("GET", "get_world_size", params={"include_dp": True})["world_size"])
 
     @cached_property
-    def _model_dir_config(self) -> dict[str, Any] | None:
-        """The served model's ``config.json``, readable when the server runs on this machine
-        (or shares its file system); ``None`` otherwise."""
-        config_file = Path(str(self._config["model_config"]["model"])) / "config.json"
-        return dict(json.loads(config_file.read_text())) if config_file.is_file() else None
+    def _model_config(self) -> Any:
+        """The served model's transformers config, readable when the server runs on this machine (or shares its file
+        system or Hugging Face cache: nothing is downloaded); ``None`` otherwise."""
+        from transformers import AutoConfig
+
+        model_config = self._config["model_config"]
+        try:
+            return AutoConfig.from_pretrained(
+                str(model_config["model"]), revision=model_config.get("revision"), local_files_only=True
+            )
+        except (OSError, ValueError):
+            return None
 
     def expected_weights(self) -> ExpectedWeights | None:
-        model_config, hf_config = self._config["model_config"], self._model_dir_config
+        model_config, hf_config = self._config["model_config"], self._model_config
         if hf_config is None:
             return None
-        ties = bool(hf_config.get("tie_word_embeddings", False))
         dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
-        return checkpoint_weights(model_config["model"], serving_dtype=dtype, ties_word_embeddings=ties)
+        return engine_weights(
+            str(model_config["model"]),
+            serving_dtype=dtype,
+            ties_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            hf_config=hf_config,
+            revision=model_config.get("revision"),
+        )
 
     def is_dead(self) -> bool:
         """A server that is gone refuses connections, which each request reports at once."""
@@ -241,8 +251,8 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, Reports
         self.adapter = adapter
 
     def prompt_limits(self) -> PromptLimits:
-        model_config, hf_config = self._config["model_config"], self._model_dir_config
-        vocab_size = (hf_config or {}).get("vocab_size")
+        model_config, hf_config = self._config["model_config"], self._model_config
+        vocab_size = getattr(hf_config, "vocab_size", None)
         return PromptLimits(
             vocab_size=int(vocab_size) if vocab_size is not None else None,
             max_model_len=int(model_config["max_model_len"]),

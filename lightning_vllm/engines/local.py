@@ -22,6 +22,7 @@ from lightning_vllm.engines.base import (
 )
 from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
 from lightning_vllm.engines.serialization import ipc_handles_problem
+from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD
 
 
 class LocalLLMEngine(
@@ -77,6 +78,9 @@ class LocalLLMEngine(
 
     def _ask_workers(self, method: str) -> list[Any]:
         return list(self.llm.collective_rpc(method))
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        return self._ask_workers(LAYER_SUMS_METHOD)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

@@ -3,7 +3,11 @@
 vLLM 0.32 has no route that lists the tensors a model loads (``/weight_info`` only
 reports the version). The engine's checkpoint does: it holds exactly the tensors,
 names and shapes the engine loaded at start. Its safetensors headers are read
-without reading the data.
+without reading the data (:func:`checkpoint_weights`), from a local folder or, for an engine started from a hub id,
+from the Hugging Face cache vLLM downloaded it into (offline: nothing is fetched). An engine with no checkpoint to
+read (``load_format="dummy"`` from a folder or hub id holding only its config, as RL stacks start engines that the
+first push fills) is checked against its config: transformers builds the model on the ``meta`` device (no memory),
+and its tensors are named as the trainer names a model it sends (:func:`config_weights`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,67 @@ class ExpectedWeights:
 
     weights: ModelMetadata
     ties_word_embeddings: bool
+
+
+def engine_weights(
+    model: str,
+    *,
+    serving_dtype: torch.dtype,
+    ties_word_embeddings: bool,
+    hf_config: Any = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> ExpectedWeights | None:
+    """What an engine started from ``model`` (a folder or a hub id) loads: its checkpoint's tensors, from the folder
+    or the local Hugging Face cache, else those of ``hf_config``'s model (see the module docstring); ``None`` if
+    none can be read.
+
+    Example::
+
+        >>> engine_weights("/no/such/folder", serving_dtype=torch.float32, ties_word_embeddings=False) is None
+        True
+    """
+    folder = Path(model) if Path(model).is_dir() else _cached_snapshot(model, revision, download_dir)
+    found = (
+        checkpoint_weights(folder, serving_dtype=serving_dtype, ties_word_embeddings=ties_word_embeddings)
+        if folder is not None
+        else None
+    )
+    if found is None and hf_config is not None:
+        found = config_weights(hf_config, serving_dtype=serving_dtype, ties_word_embeddings=ties_word_embeddings)
+    return found
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache (where vLLM downloads), or ``None``."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def config_weights(hf_config: Any, *, serving_dtype: torch.dtype, ties_word_embeddings: bool) -> ExpectedWeights | None:
+    """The tensors of the model ``hf_config`` describes, built by transformers on the ``meta`` device, named as the
+    trainer sends them (``weights_from``), floating ones in ``serving_dtype``; ``None`` if transformers cannot
+    build it."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_vllm.weights.sources import source_metadata, weights_from
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        metadata = source_metadata(weights_from(model))
+    except Exception as error:  # noqa: BLE001  # (an architecture transformers does not build: not checked, said)
+        log.debug("transformers could not build the engine's model from its config: %s", error)
+        return None
+    wire = {
+        name: (serving_dtype if dtype.is_floating_point else dtype, shape) for name, (dtype, shape) in metadata.items()
+    }
+    return ExpectedWeights(loaded_by_engine(wire, ties_word_embeddings), ties_word_embeddings)
 
 
 def checkpoint_weights(
@@ -159,7 +224,8 @@ def metadata_for_engine(
     """
     if expected is None:
         log.warning(
-            "Cannot read which weights %s loads (no local safetensors checkpoint); sending the metadata as given "
+            "Cannot read which weights %s loads (no safetensors checkpoint in its folder or the local Hugging Face "
+            "cache, and transformers cannot build its model from its config); sending the metadata as given "
             "without checking it against the engine.",
             engine,
         )

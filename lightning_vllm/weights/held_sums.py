@@ -59,12 +59,16 @@ def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     values than its live weight holds (``packed_sums.py``). Plain lists and strings, so any of vLLM's RPC paths
     carries it.
     """
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
     entries: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, values)
     packed: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, fingerprint taken as vLLM packed it)
     unverifiable: dict[str, str] = {}
     for name, parameter in model.named_parameters():
         layer = layer_of(name)
         module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, AttentionLayerBase):
+            continue  # (an attention layer loads no weight: MLA's W_UV and W_UK_T are computed from kv_b_proj, checked)
         kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
         if parameter.numel() == 0 and (fingerprint := packed_from(module)) is not None:
             packed.append((kind, layer, fingerprint))

@@ -219,15 +219,17 @@ class SentSums:
             self._later.pop(name, None)
             self._pending[name] = tensor_sums(tensor, dtype)
 
-    def landed(self) -> None:
+    def landed(self, others: Mapping[str, Sequence[int]] | None = None) -> None:
         """The push committed: the engine now holds what was tallied (the held tensors summed: on a GPU in one
-        launch; then one device sync)."""
+        launch; then one device sync). ``others``: the other trainer ranks' sums of their shares of the tensors
+        tallied here (a push every rank sends a share of), added to this rank's."""
         later = list(self._later.items())
         for (name, _), sums in zip(later, sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later])):
             self._pending[name] = sums
         names = list(self._pending)
         for name, (total, squares, not_finite) in zip(names, sums_as_ints([self._pending[name] for name in names])):
-            self._held[name] = (total, squares, not_finite)
+            more = (others or {}).get(name, (0, 0, 0))
+            self._held[name] = (total + more[0], squares + more[1], not_finite + more[2])
         self._pending, self._later = {}, {}
 
     def dropped(self) -> None:

@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.checkpoint_layout import CheckpointWeights
+from lightning_vllm.weights.layer_sums import tensor_sums
 from lightning_vllm.weights.sources import ModuleWeights
 
 
@@ -154,6 +155,17 @@ class RankShares(Weights):
     def groups(self) -> list[list[str]]:
         return self.source.groups()
 
+    def sums(self, sent: Sequence[tuple[str, torch.dtype]]) -> dict[str, list[int]]:
+        """The fingerprints (``layer_sums.tensor_sums``) of this rank's shares of the tensors ``sent`` names, each in
+        the dtype it went on the wire in: a tensor's fingerprint is the sum of its shares', so rank 0 adds the other
+        ranks' to its own for the check after the push (``EveryRankSend.share_sums``)."""
+        dtypes = dict(sent)
+        return {
+            name: [int(value) for value in tensor_sums(share, dtypes[name]).tolist()]
+            for name, share in self.iter_full()
+            if name in dtypes
+        }
+
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, this rank's flat share)``; not the full tensors despite the name (see the class)."""
         for name, (tensor, held, (start, stop)) in self._runs.items():
@@ -226,6 +238,9 @@ class EveryRankSend(ABC):
     shares: RankShares
     senders: list[dict[str, Any]]
     """Where the workers reach trainer ranks 1, 2, ...: ``{"address", "port"}`` each."""
+    share_sums: dict[str, list[int]]
+    """The other ranks' shares' fingerprints, added up per tensor (``RankShares.sums``), as :meth:`end_pass` heard
+    them when the push is checked: the check after the push adds them to rank 0's."""
 
     @abstractmethod
     def begin_pass(self, announced: dict[str, Any]) -> None:
@@ -259,6 +274,10 @@ class ShareSender(ABC):
             WeightSyncError: a worker's connection broke.
             ValueError: this rank has no share of a tensor the pass names (its policy differs from rank 0's).
         """
+
+    @abstractmethod
+    def tensors_of(self, announced: dict[str, Any]) -> list[tuple[str, torch.dtype]]:
+        """The tensors the pass rank 0 ``announced`` carries, each with the dtype it goes on the wire in."""
 
     @abstractmethod
     def close(self) -> None:

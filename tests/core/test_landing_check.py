@@ -22,11 +22,8 @@ def test_a_layer_corrupted_in_the_engine_is_named_by_the_next_push_and_mended_by
         updater.push_weights(model)
         updater.push_weights(model)
     assert updater.last_sync is not None and updater.last_sync.timing.check_seconds > 0
-    # vLLM's CPU build repacks the linear layers: said once, and the rest is checked.
-    said = [record.getMessage() for record in caplog.records if "cannot be verified" in record.getMessage()]
-    assert len(said) == 1
-    assert "model.layers.0.self_attn: held in another form" in said[0] and "model.layers.1.mlp" in said[0]
-    assert NORM not in said[0]
+    # vLLM's CPU build packs the linear layers for oneDNN: fingerprinted as it packs them, every layer is checked.
+    assert [record.getMessage() for record in caplog.records] == []
     version = updater.weight_version
 
     # A faulty load behind the trainer's back, then a changed-only push of another layer.
@@ -83,7 +80,7 @@ class ReportingEngine:
 
 
 def _pushed(check, tensors: dict, held: bool = False) -> None:
-    tally = check.tally_for(carries_base=True, every_rank=False)
+    tally = check.tally_for(carries_base=True, every_rank=None)
     for name, tensor in tensors.items():
         tally(name, tensor, tensor.dtype, held)
     check.landed(committed=True)
@@ -99,7 +96,7 @@ def test_a_check_that_is_off_or_cannot_ask_sums_nothing(caplog):
         bare = object.__new__(type("Bare", (), {"description": "bare"}))
         assert LandingCheck.for_engine(bare, True, 5) is None  # type: ignore[arg-type]
     check = LandingCheck.for_engine(ReportingEngine(), enabled=True, timeout_seconds=5)
-    assert check is not None and check.tally_for(carries_base=False, every_rank=False) is None
+    assert check is not None and check.tally_for(carries_base=False, every_rank=None) is None
     assert "Pushes to test engine are not checked: built without the extension." in caplog.text
     assert "does not declare ReportsLayerSums" in caplog.text
 
@@ -160,7 +157,7 @@ def test_the_trainers_sums_of_held_tensors_run_while_the_engine_sums_its_own(mon
     norm = "model.layers.0.input_layernorm.weight"
     engine = AskedEngine([{"replicated": {"model.layers.0.input_layernorm": tensor_sums(torch.ones(3)).tolist()[:2]}}])
     check = LandingCheck.for_engine(engine, enabled=True, timeout_seconds=5)
-    tally = check.tally_for(carries_base=True, every_rank=False)
+    tally = check.tally_for(carries_base=True, every_rank=None)
     tally(norm, torch.ones(3), torch.float32, True)
     assert summed_after_asked == [] and not asked.is_set()  # held: not summed on the wire
     check.landed(committed=True)

@@ -122,10 +122,8 @@ def async_ipc_engine(gpu_model_dir: Path, insecure_serialization):
 
 @pytest.fixture(scope="session")
 def lightning_ipc_llm(gpu_model_dir: Path, insecure_serialization):
-    """A ``vllm.LLM`` on the GPU whose workers load with one copy (``lightning_ipc``) and have the worker
-    extension of the check after every push (asked by method name, not with a pickled function)."""
-    from lightning_vllm.engines.worker_check import WORKER_EXTENSION
-
-    llm = gpu_llm(gpu_model_dir, backend="lightning_ipc", worker_extension_cls=WORKER_EXTENSION)
+    """A ``vllm.LLM`` on the GPU whose workers load with one copy (``lightning_ipc``), built with no worker
+    extension: the check after every push asks the methods our plugin gives its workers, by name."""
+    llm = gpu_llm(gpu_model_dir, backend="lightning_ipc")
     yield llm
     stop_llm(llm)

@@ -64,7 +64,7 @@ def test_a_layer_corrupted_in_the_engine_is_named_and_the_next_push_mends_it(lig
     updater.close()
 
 
-def test_vllms_own_ipc_engine_is_checked_through_a_function_without_the_extension(ipc_llm):
+def test_vllms_own_ipc_engine_is_checked_with_no_worker_extension(ipc_llm):
     model = tiny_qwen2(seed=53).cuda()
     updater = VLLMUpdater(engine=ipc_llm, timeout_seconds=120, verify_pushes=True)
     updater.push_weights(model)

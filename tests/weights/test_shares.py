@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_vllm.weights.layer_sums import SQUARES_MODULUS, tensor_sums
 from lightning_vllm.weights.shares import RankShares, chunk_counts, local_share, share_counts
 from lightning_vllm.weights.sources import MappingWeights, ModuleWeights
 
@@ -37,6 +38,21 @@ def test_every_rank_reads_its_own_shares_in_the_sources_order():
     for name, tensor in source.iter_full():
         assert torch.equal(torch.cat([per_rank[0][name], per_rank[1][name]]), tensor.reshape(-1))
     assert RankShares(source, 0, 2).metadata == source.metadata  # the engine checks the full tensors
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_the_ranks_shares_fingerprints_add_up_to_the_tensors(wire):
+    # The check after a push every rank sends a share of: rank 0 adds the other ranks' fingerprints to its own.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    source = ModuleWeights(model)
+    sent = [(meta.name, wire) for meta in source.metadata][1:]  # (a pass may carry some of the tensors)
+    per_rank = [RankShares(source, rank, 2).sums(sent) for rank in (0, 1)]
+    full = {name: tensor_sums(tensor, wire).tolist() for name, tensor in source.iter_full()}
+    assert set(per_rank[0]) == set(per_rank[1]) == {name for name, _ in sent}
+    for name, _ in sent:
+        bits, squares, not_finite = (sum(sums[name][position] for sums in per_rank) for position in range(3))
+        assert bits == full[name][0] and not_finite == full[name][2] == 0
+        assert (squares - full[name][1]) % SQUARES_MODULUS == 0
 
 
 def test_only_a_plain_or_fsdp2_model_is_sent_in_shares():

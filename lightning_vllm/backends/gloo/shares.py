@@ -146,8 +146,11 @@ class GlooShareSender(ShareSender):
         address, port = self.listener.getsockname()[:2]
         return {"address": address, "port": port}
 
+    def tensors_of(self, announced: dict[str, Any]) -> list[tuple[str, torch.dtype]]:
+        return [(name, dtype_from_name(dtype)) for name, dtype in announced["tensors"]]
+
     def send_pass(self, announced: dict[str, Any], shares: RankShares, bucket_size_bytes: int, timeout: float) -> int:
-        pieces = _pieces(shares, [(name, dtype_from_name(dtype)) for name, dtype in announced["tensors"]])
+        pieces = _pieces(shares, self.tensors_of(announced))
         workers = int(announced["workers"])
         return send_share(self.listener, announced["group"], workers, pieces, bucket_size_bytes, timeout)
 

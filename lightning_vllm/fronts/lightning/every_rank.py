@@ -120,7 +120,7 @@ def push_in_shares(
 def _lead(
     updater: WeightSync, payload: Payload, shares: RankShares, ranks: TrainerRanks, point: PushPointVersions
 ) -> SyncStats:
-    every = _StatusGroupSend(ranks, shares, _senders(ranks))
+    every = _StatusGroupSend(ranks, shares, _senders(ranks), updater.options.verify_pushes)
     try:
         stats = updater.push(replace(payload, weights=shares, every_rank=every), point=point)
     except PartialPushError as error:
@@ -176,6 +176,8 @@ def _follow(updater: WeightSync, shares: RankShares, ranks: TrainerRanks) -> int
         ranks.check_in(error=error)  # every rank says whether it sent its shares (PushAborted if another did not)
         if error is not None:
             raise error
+        if updater.options.verify_pushes:  # (the check after the push: this rank's shares' fingerprints, to rank 0)
+            ranks.gather_to_rank_zero(json.dumps(shares.sums(sender.tensors_of(word))).encode())
 
 
 def _share_sender(updater: WeightSync, ranks: TrainerRanks) -> ShareSender:
@@ -192,10 +194,14 @@ def _share_sender(updater: WeightSync, ranks: TrainerRanks) -> ShareSender:
 class _StatusGroupSend(EveryRankSend):
     """Rank 0's side of the exchange above, for the gloo transport."""
 
-    def __init__(self, ranks: TrainerRanks, shares: RankShares, senders: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, ranks: TrainerRanks, shares: RankShares, senders: list[dict[str, Any]], verify_pushes: bool
+    ) -> None:
         self.ranks = ranks
         self.shares = shares
         self.senders = senders
+        self.verify_pushes = verify_pushes
+        self.share_sums: dict[str, list[int]] = {}
         self.aborted = False  # a pass failed: the other ranks have left the exchange
 
     def begin_pass(self, announced: dict[str, Any]) -> None:
@@ -211,3 +217,10 @@ class _StatusGroupSend(EveryRankSend):
             raise
         if error is not None:
             self.aborted = True
+        elif self.verify_pushes:  # every rank sent its shares: their fingerprints (each tensor's the same every pass)
+            self.share_sums = {}
+            for gathered in self.ranks.gather_to_rank_zero(b"")[1:]:
+                for name, sums in json.loads(gathered).items():
+                    totals = self.share_sums.setdefault(name, [0] * len(sums))
+                    for position, value in enumerate(sums):
+                        totals[position] += value

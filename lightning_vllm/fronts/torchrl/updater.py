@@ -171,9 +171,9 @@ class VLLMUpdater(WeightSync):
             holds against those of what was sent (exact integer sums, ``weights/layer_sums.py``), and
             raise ``LandedWeightsMismatchError`` naming the layers that differ. On by default; ``False``
             saves its cost (``docs/concepts.md`` gives it) and gives up noticing a push that committed
-            wrong weights. The workers are asked through ``collective_rpc``: build the engine with
-            ``worker_extension_cls=WORKER_EXTENSION`` (``engines/worker_check.py``) unless its RPCs may
-            carry a function; otherwise pushes are not checked and a warning says so once.
+            wrong weights. The workers are asked through ``collective_rpc``, by the methods our vLLM plugin
+            gives every worker (``in_vllm/worker_methods.py``): no flag is needed. Workers that did not load
+            the plugin are named once, at connect, with the fix, and their pushes are not checked.
 
     Example::
 

@@ -33,6 +33,7 @@ from helpers import (  # noqa: E402
 )
 from sharded_run import ZERO3_CONFIG, ShardedCausalLM, by_hand_run, full_model, trainer_for  # noqa: E402
 
+import lightning_vllm.core.landing_check as landing_check  # noqa: E402
 import lightning_vllm.fronts.lightning.every_rank as every_rank  # noqa: E402
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
 from lightning_vllm.backends.gloo.shares import GlooShareSender  # noqa: E402
@@ -49,18 +50,21 @@ def tiny_qwen3_moe(seed: int = 0) -> torch.nn.Module:
 
 
 class Heard(logging.Handler):
-    """The warnings of the every-rank roles (it says when a push is gathered instead), while in a ``with``."""
+    """The warnings of the every-rank roles (it says when a push is gathered instead) and of the check after every
+    push (it says what it cannot check), while in a ``with``."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
 
     def __enter__(self) -> Heard:
-        logging.getLogger(every_rank.__name__).addHandler(self)
+        for name in (every_rank.__name__, landing_check.__name__):
+            logging.getLogger(name).addHandler(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        logging.getLogger(every_rank.__name__).removeHandler(self)
+        for name in (every_rank.__name__, landing_check.__name__):
+            logging.getLogger(name).removeHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
@@ -91,6 +95,7 @@ def fsdp2_run(out_dir: Path, llm, rank: int, push_from: str, seed: int) -> dict:
         result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(trained))
         result["engine_version"] = llm.get_weight_version()
         result["num_bytes"] = sync.updater.last_sync.num_bytes
+        result["check_seconds"] = sync.updater.last_sync.timing.check_seconds  # (the check after the push ran)
         result["full_bytes"] = sum(param.numel() * 4 for param in trained.parameters())
         # What each rank sends of expert 1 and expert 2 of the first layer: the rank holding it sends it whole.
         shares = RankShares.of(weights_from(module.model), rank, 2)

@@ -131,8 +131,10 @@ def test_fsdp2_moe_lands_gathered_and_with_every_rank_sending_the_experts_it_hol
         assert run0["num_bytes"] == run0["full_bytes"], run  # every expert one by one: the checkpoint's bytes
     every0, every1 = (seen["every_rank"] for seen in moe_ranks_seen)
     # Sent in shares, not gathered: no rank warned it gathered, and rank 1 sent half of the bytes at each push
-    # (every tensor splits evenly here: 4 experts, an even number of rows).
+    # (every tensor splits evenly here: 4 experts, an even number of rows). Each push was checked, rank 1's shares'
+    # fingerprints added to rank 0's, with nothing said unchecked: a mismatch would have failed the fit.
     assert every0["warnings"] == every1["warnings"] == []
+    assert every0["check_seconds"] > 0
     assert every1["sent"] == [every0["full_bytes"] // 2] * 3
     # FSDP2 shards the fused experts by expert: experts 0 and 1 on rank 0, 2 and 3 on rank 1; the rank holding an
     # expert sends it whole, the other nothing of it.

@@ -88,17 +88,9 @@ def nccl_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="session")
 def lightning_nccl_server(gpu_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """``vllm serve`` over ``lightning_nccl``, an NCCL host of its own, with lightning-vllm's worker extension (its
-    per-layer sums are asked for, exact, after each push and by the tests), started and healthy before it returns."""
-    from lightning_vllm.engines.worker_check import WORKER_EXTENSION
-
-    server = nccl_serve(
-        gpu_model_dir,
-        tmp_path_factory,
-        "lightning_nccl",
-        "engine-serve-staged",
-        "--worker-extension-cls",
-        WORKER_EXTENSION,
-    )
+    """``vllm serve`` over ``lightning_nccl``, an NCCL host of its own, with no worker extension (the per-layer sums
+    are asked for, exact, after each push and by the tests, through the methods our plugin gives every worker),
+    started and healthy before it returns."""
+    server = nccl_serve(gpu_model_dir, tmp_path_factory, "lightning_nccl", "engine-serve-staged")
     yield server
     server.stop()
