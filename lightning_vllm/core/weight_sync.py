@@ -26,7 +26,7 @@ from lightning_vllm.core.push import EngineSelection, EngineSet, Push, SyncStats
 from lightning_vllm.core.versions import PushPointVersions, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters
-from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.errors import EngineConfigError, WeightsMismatchError
 from lightning_vllm.options import UpdaterOptions, check_updater_options
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
@@ -294,9 +294,15 @@ class WeightSync:
         surveys = Surveys()
         payload = self.choose_payload(weights, targets, surveys=surveys)
         offered = source_metadata(payload.weights)
-        if self.model_metadata is None:  # (an adapter view set it from the merged weights)
+        derived = self.model_metadata is None
+        if derived:  # (an adapter view set it from the merged weights)
             self.model_metadata = offered
-        connections, unreachable = reached or self._engine_set.connected(targets)
+        try:
+            connections, unreachable = reached or self._engine_set.connected(targets)
+        except WeightsMismatchError:
+            if derived:  # a model the engines refused is not what the next push's groups are formed for
+                self.model_metadata = None
+            raise
         for connection in connections.values():  # every check before the first byte moves
             connection.check(payload, offered)
         self._kept = KeptChoice.of(weights, surveys.made(weights), payload, connections, unreachable)

@@ -11,7 +11,6 @@ import torch
 from helpers import (
     TinyCausalLM,
     assert_serves,
-    build_llm,
     cpu_trainer,
     save_model,
     save_tokenizer,
@@ -27,6 +26,9 @@ from lightning_vllm.errors import LandedWeightsMismatchError
 pytestmark = pytest.mark.engine
 
 UNCHECKED = ("not checked", "cannot be verified", "could not be checked")
+# The tiny model's layers, as the check names them: per decoder layer its attention, MLP and two norms; the embedding,
+# the final norm and the head.
+LAYERS = 2 * 4 + 3
 
 
 def _said_unchecked(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -53,20 +55,23 @@ def test_the_readmes_engine_is_checked_after_every_push_with_no_flag(tmp_path, c
         # Fit start, steps 4 and 8: each checked (the engine's workers summed every layer, packed ones included).
         assert sync.weight_version == 3
         assert sync.updater.last_sync is not None and sync.updater.last_sync.timing.check_seconds > 0
+        assert sync.updater.last_sync.checked_layers == (LAYERS, LAYERS)  # every layer, the packed ones included
         module.hf.eval()
         assert_serves(llm, module.hf)
     finally:
         shutdown(llm)
 
 
-@pytest.fixture(scope="module")
-def tied_llm(tmp_path_factory):
-    """An engine on a model whose output embedding is tied to its input embedding (vLLM's CPU build packs the
-    head apart from the embedding), with the test's worker probe."""
-    model_dir = save_model(tiny_qwen2(seed=0, tie_word_embeddings=True), tmp_path_factory.mktemp("tied"))
-    engine = build_llm(model_dir, worker_extension_cls="worker_probe.WorkerProbe")
-    yield engine
-    shutdown(engine)
+@pytest.mark.parametrize("kind", ["async_engine", "server", "actor"])
+def test_every_engine_kind_is_checked_over_every_layer_with_no_flag(kind, request, caplog):
+    engine = request.getfixturevalue(kind)  # (the shared engines: built with no worker extension)
+    updater = VLLMUpdater(engine=engine.url if kind == "server" else engine, timeout_seconds=60)
+    with caplog.at_level(logging.INFO, logger="lightning_vllm"):
+        for _ in range(2):
+            stats = updater.push_weights(tiny_qwen2(seed=0))  # (what the shared engines started from)
+            assert stats.checked_layers == (LAYERS, LAYERS)
+    assert _said_unchecked(caplog) == []
+    updater.close()
 
 
 @pytest.mark.parametrize(
@@ -78,24 +83,24 @@ def tied_llm(tmp_path_factory):
         (("leave_tied_packs_stale_once",), "lm_head"),
     ],
 )
-def test_a_fault_in_vllms_worker_is_named_by_layer_at_that_push(tied_llm, fault, layer, caplog):
+def test_a_fault_in_vllms_worker_is_named_by_layer_at_that_push(hub_llm, fault, layer, caplog):
     model = tiny_qwen2(seed=41, tie_word_embeddings=True)
-    updater = VLLMUpdater(engine=tied_llm, timeout_seconds=60)  # (checked: the default)
+    updater = VLLMUpdater(engine=hub_llm, timeout_seconds=60)  # (checked: the default)
     with caplog.at_level(logging.INFO, logger="lightning_vllm"):
         updater.push_weights(model)  # every tensor: the engine's packs are fingerprinted as vLLM builds them
-        assert_serves(tied_llm, model)
-        version = served_version(tied_llm)
+        assert_serves(hub_llm, model)
+        version = served_version(hub_llm)
         with torch.no_grad():  # (a training step: every weight moves a little)
             for parameter in model.parameters():
                 parameter.mul_(1.01)
-        tied_llm.collective_rpc(fault[0], args=fault[1:])
+        hub_llm.collective_rpc(fault[0], args=fault[1:])
         with pytest.raises(LandedWeightsMismatchError) as caught:
             updater.push_weights(model)
         assert caught.value.layers == {0: [layer]}
         assert layer in str(caught.value)
-        assert served_version(tied_llm) == version + 1  # (the version committed: the engine holds it, wrongly)
+        assert served_version(hub_llm) == version + 1  # (the version committed: the engine holds it, wrongly)
         # The next push sends every tensor again, and the engine serves the model.
         updater.push_weights(model)
-        assert_serves(tied_llm, model)
+        assert_serves(hub_llm, model)
     assert _said_unchecked(caplog) == []
     updater.close()
