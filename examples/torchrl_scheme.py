@@ -22,7 +22,6 @@ from torchrl.modules.llm import vLLMWrapper
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import LLM
 
-
 # from torchrl.weight_update.llm import VLLMWeightSyncScheme, get_model_metadata
 from lightning_vllm.torchrl import VLLMWeightSyncScheme, get_model_metadata
 
