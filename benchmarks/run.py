@@ -245,8 +245,8 @@ Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
 
 The check after every push (`verify_pushes`, on by default; `ours` leaves it off, `checked` is ours with it):
 checked / ours {check_cost_text([*results, many])}.
-On this CPU build vLLM repacks the linear layers, so after the first push only the embeddings, the
-head and the norms are summed (on both sides); the rest is named once as not verifiable.
+Every layer is checked: the linear layers this CPU build packs for oneDNN are fingerprinted on the engine's
+side as vLLM packs them, where the loader has just written them (`weights/packed_sums.py`).
 
 Atomic updates (the workers receive the whole update, then load it in one call) against
 `streaming` (each segment loaded as it lands, the design before): ours / streaming

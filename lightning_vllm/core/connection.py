@@ -71,8 +71,7 @@ class PushTiming:
             loads everything there; vLLM's backends loaded while receiving).
         pause_seconds: how long the engine's generation was paused (around the whole transfer when the backend loads
             while receiving, around the commit otherwise).
-        check_seconds: the check after the push (``verify_pushes``): the engine's per-layer sums, asked and held
-            against the trainer's (summed during the transfer).
+        check_seconds: the check after the push (``verify_pushes``): the engine's per-layer sums against the trainer's.
     """
 
     transfer_seconds: float = 0.0
@@ -89,12 +88,10 @@ class EngineConnection:
 
     ``committed_version`` is the last version the engine committed: the one it served when the group formed (0 if
     none was pushed), so that an updater that connects to an engine another trainer pushed to continues after it,
-    then each push's that landed (a failed streaming push's mix names it).
-    ``has_policy_base`` says whether this connection gave the engine the policy's base weights (with an adapter),
-    after which an adapter push sends the adapter alone.
-
-    Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`.
-    Every call to the engine is bounded by the options' ``timeout_seconds``.
+    then each push's that landed (a failed streaming push's mix names it). ``has_policy_base`` says whether this
+    connection gave the engine the policy's base weights (with an adapter), after which an adapter push sends the
+    adapter alone. Build it with :meth:`open`; push with :meth:`push`; release it with :meth:`close`. Every call to
+    the engine is bounded by the options' ``timeout_seconds``.
     """
 
     def __init__(
@@ -300,7 +297,8 @@ class EngineConnection:
         tally = landing.tally_for(payload.view != "adapter", payload.every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
         sent = EngineWeights(payload.weights, names, device=self.device, tally=tally)
-        sent.tally_held()  # (the model's own tensors: summed after the commit, on a GPU in one launch)
+        if sent.tally_held() and landing:  # (the model's own tensors, summed apart: SentSums says how)
+            landing.sent.sum_held_meanwhile()
         client = self.client.committing(str(version), lambda: self._commit_window(pause=pause, adapter=adapter))
         adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
         return Outgoing(
@@ -324,12 +322,6 @@ class EngineConnection:
             self.landing.landed(committed=True)
         self.last_num_bytes = self._all_bytes if names is self.engine_metadata else metadata_bytes(names)
         return self.last_num_bytes
-
-    @property
-    def checked_layers(self) -> tuple[int, int]:
-        """The last check after a push: the layers compared, of the layers the engine should hold (``(0, 0)``: not
-        checked)."""
-        return self.landing.covered if self.landing else (0, 0)
 
     def differing_layers(self) -> list[str]:
         """After a push that committed: the layers the engine holds otherwise than sent (``[]``: none, or not

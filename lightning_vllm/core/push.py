@@ -229,7 +229,7 @@ class Push:
         found = {index: connections[index].differing_layers() for index in committed if index in connections}
         mismatched = {index: layers for index, layers in found.items() if layers}
         timing = replace(timing, check_seconds=time.perf_counter() - checked_at)
-        checked = [connections[index].checked_layers for index in found]
+        checked = [landing.covered for index in found if (landing := connections[index].landing) is not None]
         checked_layers = (sum(compared for compared, _ in checked), sum(layers for _, layers in checked))
         elapsed = time.perf_counter() - start
         stats = SyncStats(
