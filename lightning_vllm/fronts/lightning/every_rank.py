@@ -17,7 +17,9 @@ The exchange, on the trainer's status group (``ranks.TrainerRanks``):
   (``Backend.share_sender``, kept from its first push) accepts the workers, sends its
   shares and closes their connections;
   then every rank says whether it managed, before the engine commits: a lockstep check-in
-  (``TrainerRanks.check_in``), as a sharded push makes before each layer group;
+  (``TrainerRanks.check_in``), as a sharded push makes before each layer group; when pushes are checked
+  (``verify_pushes``), each other rank then gives rank 0 its shares' fingerprints (``RankShares.sums``), which
+  rank 0 adds to its own for the check after the push (a tensor's fingerprint is the sum of its shares');
 * rank 0 ends with the version it committed, or its error.
 
 A rank that fails fails the push on every rank, with its message (``PushAborted`` on the
