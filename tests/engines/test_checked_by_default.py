@@ -1,6 +1,8 @@
-"""The check after every push is on where users run, with no flag: the README's engine exactly as the README builds
-it (its engine core in a process of its own, no ``worker_extension_cls``), and faults in vLLM's real worker are named
-by layer at the push that made them."""
+"""The checks on engines as users and RL stacks start them, with no flag: the README's engine exactly as the README
+builds it (its engine core in a process of its own, no ``worker_extension_cls``) checked after every push over every
+layer, as AsyncLLM, vllm serve and Ray are; an engine started from a hub id with ``load_format="dummy"`` (how verl and
+SkyRL start theirs: the first push fills it) refuses a mismatched model before a byte moves; faults in vLLM's real
+worker are named by layer at the push that made them."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import torch
 from helpers import (
     TinyCausalLM,
     assert_serves,
+    build_llm,
     cpu_trainer,
+    fake_hub_cache,
     save_model,
     save_tokenizer,
     served_version,
@@ -19,9 +23,10 @@ from helpers import (
     tiny_qwen2,
     token_batches,
 )
+from transformers import Qwen2ForCausalLM
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync
-from lightning_vllm.errors import LandedWeightsMismatchError
+from lightning_vllm.errors import LandedWeightsMismatchError, WeightsMismatchError
 
 pytestmark = pytest.mark.engine
 
@@ -60,6 +65,45 @@ def test_the_readmes_engine_is_checked_after_every_push_with_no_flag(tmp_path, c
         assert_serves(llm, module.hf)
     finally:
         shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def hub_llm(tmp_path_factory):
+    """A ``vllm.LLM`` started from a hub id, ``org/tiny-qwen2``, with ``load_format="dummy"``: the Hugging Face cache
+    made here holds its config alone (offline: nothing is fetched). Its model ties the output embedding to the input
+    embedding (vLLM's CPU build packs the head apart); its workers have the tests' probe."""
+    config = tiny_qwen2(tie_word_embeddings=True).config
+    cache = fake_hub_cache(tmp_path_factory.mktemp("hub"), "org/tiny-qwen2", config=config)
+    with pytest.MonkeyPatch.context() as patch:
+        import huggingface_hub.constants
+
+        patch.setenv("HF_HUB_CACHE", str(cache))  # (vLLM's engine process reads it as it starts)
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        # (this process read both at import: vLLM's front end and the check resolve the hub id here too)
+        patch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        engine = build_llm("org/tiny-qwen2", load_format="dummy", worker_extension_cls="worker_probe.WorkerProbe")
+        yield engine
+    shutdown(engine)
+
+
+def _wider_mlp() -> Qwen2ForCausalLM:
+    """The tiny model with twice its MLP's width: names alike, six shapes not."""
+    config = tiny_qwen2(tie_word_embeddings=True).config
+    config.intermediate_size *= 2
+    return Qwen2ForCausalLM(config).float().eval()
+
+
+def test_a_dummy_engine_from_a_hub_id_refuses_a_mismatched_model_and_the_first_push_fills_it(hub_llm):
+    version = hub_llm.get_weight_version()
+    updater = VLLMUpdater(engine=hub_llm, timeout_seconds=60)
+    with pytest.raises(WeightsMismatchError, match=r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has shape"):
+        updater.push_weights(_wider_mlp())  # (checked against the config's model on the meta device)
+    assert hub_llm.get_weight_version() == version  # (nothing sent, nothing committed)
+    model = tiny_qwen2(seed=5, tie_word_embeddings=True)
+    updater.push_weights(model)  # (the same updater: the refused model's metadata is not kept)
+    assert_serves(hub_llm, model)
+    updater.close()
 
 
 @pytest.mark.parametrize("kind", ["async_engine", "server", "actor"])
