@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lightning_vllm.weights.layer_sums import (
-    SQUARES_MODULUS,
+    LayerSums,
     add_sums,
     layer_of,
     sums_as_ints,
@@ -114,6 +114,6 @@ def _stale_packs(model: torch.nn.Module, live_sums: dict[int, torch.Tensor]) -> 
         held = live_sums.get(id(weight))
         held = tensor_sums(weight) if held is None else held
         (bits, squares, _), (packed_bits, packed_squares, _) = sums_as_ints([held, fingerprint])
-        if bits != packed_bits or (squares - packed_squares) % SQUARES_MODULUS:
+        if not LayerSums(packed_bits, packed_squares).matches(bits, squares):
             stale[layer_of(f"{name}.weight")] = STALE_PACK
     return stale
