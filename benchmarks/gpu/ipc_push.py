@@ -74,12 +74,21 @@ def timed(fn, rounds: int) -> list[float]:
     return seconds
 
 
-def copy_floor(tensors: list[torch.Tensor], rounds: int, batched: bool = False) -> list[float]:
+def copy_floor(tensors: list[torch.Tensor], rounds: int, batched: bool = False, summed: bool = False) -> list[float]:
     """Seconds of a ``copy_`` of every tensor into a buffer of its own, allocated once (warmed first); ``batched``:
-    one ``torch._foreach_copy_`` of them all instead (what a replay would be with no tensor copied alone)."""
+    one ``torch._foreach_copy_`` of them all instead (what a replay would be with no tensor copied alone); ``summed``:
+    the copies that sum what they write, as a ``lightning_ipc`` replay makes them (``weights/gpu_sums.SummedCopies``,
+    one owner per tensor)."""
     buffers = [torch.empty_like(tensor) for tensor in tensors]
+    if summed:
+        from lightning_vllm.weights.gpu_sums import SummedCopies
+
+        summing = SummedCopies([(b, t, i) for i, (b, t) in enumerate(zip(buffers, tensors))], len(tensors))
 
     def copy() -> None:
+        if summed:
+            summing.run()
+            return
         if batched:
             torch._foreach_copy_(buffers, tensors)
             return
@@ -301,15 +310,27 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     handles_sent = getattr(trainer_engine(updater), "handles_sent", None)
     updater.close()
 
-    def replayed(worker) -> int:  # runs in vLLM's worker: loads replayed from lightning_ipc's plan so far
-        plan = getattr(worker.weight_transfer_engine, "plan", None)
-        return -1 if plan is None else int(plan.replayed)
+    def replayed(worker) -> int:  # runs in vLLM's worker: loads replayed from lightning_ipc's records so far
+        loads = getattr(worker.weight_transfer_engine, "loads", None)
+        return -1 if loads is None else int(loads.replayed)
+
+    def written(worker) -> tuple[int, int]:  # runs in vLLM's worker: parameters its last load summed as it wrote
+        sums = getattr(worker.weight_transfer_engine, "written_sums", lambda: None)()
+        return len(sums or {}), sum(1 for _ in worker.get_model().parameters())
+
+    report_seconds = []
+    for _ in range(3):  # the check's question to the worker, alone
+        start = time.perf_counter()
+        llm.collective_rpc("lightning_vllm_layer_sums")
+        report_seconds.append(time.perf_counter() - start)
 
     return {
         "handles_sent": handles_sent,
         "worker_update_seconds": statistics.median(worker_seconds) if worker_seconds else None,
         "worker_device_seconds": statistics.median(device_seconds) if device_seconds else None,
         "loads_replayed": llm.collective_rpc(replayed)[0],
+        "parameters_summed_as_written": llm.collective_rpc(written)[0],
+        "worker_report_seconds": statistics.median(report_seconds),
         "seconds": seconds,
         "landed_exactly": landed,
         "transfer_seconds": middle.timing.transfer_seconds,
@@ -385,6 +406,7 @@ def main() -> None:
     num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
     copy_seconds = copy_floor(tensors, args.rounds)
     batched_copy_seconds = copy_floor(tensors, args.rounds, batched=True)
+    summed_copy_seconds = copy_floor(tensors, args.rounds, summed=True)
     results: dict[str, object] = {"parameters": sum(t.numel() for t in tensors), "bytes": num_bytes}
     results["sums"] = sums_figures(tensors, args.rounds)
     calls = time_control_calls()
@@ -418,6 +440,7 @@ def main() -> None:
     results["copy_seconds"] = copy_seconds
     figures: dict[str, float] = {"copy_seconds": copy_median, "copy_gb_per_second": num_bytes / copy_median / 1e9}
     figures["batched_copy_over_copy"] = statistics.median(batched_copy_seconds) / copy_median
+    figures["summed_copy_over_copy"] = statistics.median(summed_copy_seconds) / copy_median
     for backend in args.backends.split(","):
         verified = statistics.median(results[f"{backend}_push"]["seconds"])  # type: ignore[index]
         unverified = statistics.median(results[f"{backend}_unverified_push"]["seconds"])  # type: ignore[index]
@@ -448,6 +471,8 @@ def main() -> None:
             print(f"{label}_landed_exactly={result['landed_exactly']}")
             print(f"{label}_handles_sent={result['handles_sent']} {label}_loads_replayed={result['loads_replayed']}")
             print(f"{label}_worker_update_seconds={result['worker_update_seconds']}")
+            print(f"{label}_parameters_summed_as_written={result['parameters_summed_as_written']}")
+            print(f"{label}_worker_report_seconds={result['worker_report_seconds']}")
             print(f"{label}_worker_device_seconds={result['worker_device_seconds']}")
             for name, value in result["timeline"].items():
                 print(f"{label}_{name}={value:.4g}")

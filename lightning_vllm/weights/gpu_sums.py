@@ -14,6 +14,7 @@ integer atomics (exact, in any order).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ _BLOCK = 1024  # values a program reads at once
 _STEPS = 16  # blocks a program reads: a span of 16K values
 _USABLE = True  # False once building or running the kernel failed here: the per-tensor sums stand in
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Under Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is imported) the kernels run on a CPU's
+# tensors: how the engine-free tests run them.
+_KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
 @triton.jit  # type: ignore[misc]
@@ -44,15 +48,32 @@ def _sums_of_spans(addresses, numels, span_owner, span_start, out, BLOCK: tl.con
     not_finite = tl.zeros([BLOCK], dtype=tl.int32)
     for step in range(STEPS):
         offsets = start + step * BLOCK + tl.arange(0, BLOCK)
-        values = tl.load(base + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-        squared = values * values
-        bits += values.to(tl.int32, bitcast=True).to(tl.int64)
-        square_bits = squared.to(tl.int32, bitcast=True)
-        squares += square_bits.to(tl.int64)
-        not_finite += ((square_bits & 0x7F800000) == 0x7F800000).to(tl.int32)  # (a masked lane is 0.0)
-    tl.atomic_add(out + owner * 3, tl.sum(bits, axis=0))
-    tl.atomic_add(out + owner * 3 + 1, tl.sum(squares, axis=0))
-    tl.atomic_add(out + owner * 3 + 2, tl.sum(not_finite, axis=0).to(tl.int64))
+        values = tl.load(base + offsets, mask=offsets < numel, other=0.0)
+        bits, squares, not_finite = _summed(values, bits, squares, not_finite)
+    _add_into_row(out, owner, bits, squares, not_finite)
+
+
+@triton.jit  # type: ignore[misc]
+def _summed(values, bits, squares, not_finite):  # fmt: skip
+    """``bits``, ``squares`` and ``not_finite``, each lane's, with ``values`` (as float32) added (a masked lane holds
+    0.0, which adds nothing)."""
+    values = values.to(tl.float32)
+    squared = values * values
+    square_bits = squared.to(tl.int32, bitcast=True)
+    return (
+        bits + values.to(tl.int32, bitcast=True).to(tl.int64),
+        squares + square_bits.to(tl.int64),
+        not_finite + ((square_bits & 0x7F800000) == 0x7F800000).to(tl.int32),
+    )
+
+
+@triton.jit  # type: ignore[misc]
+def _add_into_row(out, row, bits, squares, not_finite):  # fmt: skip
+    """Add the lanes' sums into ``out[row]`` (``[bits, squares, not finite]``), with integer atomics: exact in any
+    order."""
+    tl.atomic_add(out + row * 3, tl.sum(bits, axis=0))
+    tl.atomic_add(out + row * 3 + 1, tl.sum(squares, axis=0))
+    tl.atomic_add(out + row * 3 + 2, tl.sum(not_finite, axis=0).to(tl.int64))
 
 
 class _Spans:
@@ -78,6 +99,94 @@ class _Spans:
 
 
 _tables: dict[tuple[torch.device, torch.dtype, int], _Spans] = {}
+
+
+@triton.jit  # type: ignore[misc]
+def _copy_and_sum_spans(sources, destinations, numels, owners, span_item, span_start, out, BLOCK: tl.constexpr,
+                        STEPS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """Program ``i`` copies span ``i`` (``STEPS`` blocks of ``BLOCK`` values of copy ``span_item[i]``, from
+    ``span_start[i]``) and adds the sums of the values it wrote into row ``owners[item]`` of ``out``: the sums
+    ``_sums_of_spans`` takes, of the same values, from the registers that store them."""
+    span = tl.program_id(0)
+    item = tl.load(span_item + span)
+    start = tl.load(span_start + span)
+    numel = tl.load(numels + item)
+    owner = tl.load(owners + item)
+    source = tl.load(sources + item).to(tl.pointer_type(DTYPE))
+    destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE))
+    bits = tl.zeros([BLOCK], dtype=tl.int64)
+    squares = tl.zeros([BLOCK], dtype=tl.int64)
+    not_finite = tl.zeros([BLOCK], dtype=tl.int32)
+    for step in range(STEPS):
+        offsets = start + step * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        values = tl.load(source + offsets, mask=mask, other=0.0)
+        tl.store(destination + offsets, values, mask=mask)
+        bits, squares, not_finite = _summed(values, bits, squares, not_finite)
+    _add_into_row(out, owner, bits, squares, not_finite)
+
+
+class SummedCopies:
+    """Copies that sum what they write: ``(destination, source, owner)``, both contiguous, of one dtype, on one CUDA
+    GPU; :meth:`run` makes every copy and adds the sums of the values each wrote (``[bits, squares, not finite]``,
+    as :func:`batched_sums` takes them) into row ``owner`` of its output, in one launch per dtype. The launch tables
+    are built here, once: the copies of a kept replay are the same at every push.
+
+    One pass reads and writes each value, as a copy does; its sums are those a second read of the destinations
+    would take, since every value summed is the one stored.
+
+    Raises:
+        ValueError: a copy this cannot make (not contiguous, dtypes or sizes that differ, not on one CUDA device,
+            a dtype not summed here).
+    """
+
+    def __init__(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor, int]], owners: int) -> None:
+        if not copies:
+            raise ValueError("no copies to make")
+        self.device = copies[0][0].device
+        self.owners = owners
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        for destination, source, owner in copies:
+            if (
+                destination.device != self.device
+                or source.device != self.device
+                or self.device.type != _KERNEL_DEVICE
+                or destination.dtype != source.dtype
+                or destination.dtype not in _DTYPES
+                or destination.numel() != source.numel()
+                or not (destination.is_contiguous() and source.is_contiguous())
+                or not 0 <= owner < owners
+            ):
+                raise ValueError(f"cannot copy and sum {tuple(source.shape)} into {tuple(destination.shape)} here")
+            by_dtype.setdefault(destination.dtype, []).append((destination, source, owner))
+        self._launches: list[tuple[torch.dtype, tuple[torch.Tensor, ...]]] = []
+        for dtype, group in by_dtype.items():
+            numels = torch.tensor([d.numel() for d, _, _ in group], dtype=torch.int64)
+            spans = (numels + _BLOCK * _STEPS - 1) // (_BLOCK * _STEPS)
+            item = torch.repeat_interleave(torch.arange(len(group), dtype=torch.int32), spans)
+            first = torch.cumsum(spans, 0) - spans
+            start = (torch.arange(int(spans.sum()), dtype=torch.int64) - first[item.long()]) * (_BLOCK * _STEPS)
+            table = (
+                torch.tensor([s.data_ptr() for _, s, _ in group], dtype=torch.int64),
+                torch.tensor([d.data_ptr() for d, _, _ in group], dtype=torch.int64),
+                numels,
+                torch.tensor([o for _, _, o in group], dtype=torch.int64),
+                item,
+                start,
+            )
+            self._launches.append((dtype, tuple(t.to(self.device) for t in table)))
+        self._held = [(d, s) for d, s, _ in copies]  # (the tables hold addresses: the tensors must stay alive)
+
+    def run(self) -> torch.Tensor:
+        """Make every copy on the current stream; the sums of what each owner's copies wrote, ``[owners, 3]`` int64
+        on the GPU (nothing synchronizes)."""
+        out = torch.zeros(self.owners, 3, dtype=torch.int64, device=self.device)
+        for dtype, (sources, destinations, numels, owners, item, start) in self._launches:
+            _copy_and_sum_spans[(item.numel(),)](
+                sources, destinations, numels, owners, item, start, out, BLOCK=_BLOCK, STEPS=_STEPS,
+                DTYPE=_triton_dtype(dtype),
+            )  # fmt: skip
+        return out
 
 
 def batched_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -10,7 +10,8 @@ written to the wrong place changes the layer it landed in. A layer vLLM's CPU bu
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -31,10 +32,35 @@ NOT_PACKED_HERE = (
 STALE_PACK = "computes with a packed copy of other values than it holds (its pack was not rebuilt after the load)"
 
 
+WrittenSums = Mapping[str, Sequence[torch.Tensor]]
+"""``{parameter name: [its sums, one per routed expert of a fused expert tensor, else one]}``, taken of the values
+the last load wrote as it wrote them (``[bits, squares, not finite]``, as :func:`layer_sums.tensor_sums`)."""
+
+
+@runtime_checkable
+class SumsWhatItWrites(Protocol):
+    """A weight transfer engine whose last load fingerprinted, as it wrote them, the parameters it wrote whole
+    (``backends/lightning_ipc``): those are not read again for the check."""
+
+    def written_sums(self) -> WrittenSums | None:
+        """The sums of the parameters the last load wrote whole, or ``None``."""
+
+
 def worker_layer_sums(worker: Any) -> dict[str, dict[str, Any]]:
     """The worker method ``lightning_vllm_layer_sums`` (``in_vllm/worker_methods.py``): :func:`held_layer_sums` of
-    the worker's model."""
-    return held_layer_sums(worker.get_model())
+    the worker's model, with the sums its weight transfer engine took as it wrote (:class:`SumsWhatItWrites`)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    written = engine.written_sums() if isinstance(engine, SumsWhatItWrites) else None
+    return held_layer_sums(worker.get_model(), written)
+
+
+def parameter_rows(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """``{name: (parameter, rows)}`` of ``model``'s parameters: ``rows`` the routed experts a fused expert tensor holds
+    (each is fingerprinted apart, as a layer ``<layer>.<expert>``), else 0."""
+    return {
+        name: (parameter, _fused_experts(model.get_submodule(name.rpartition(".")[0]), parameter))
+        for name, parameter in model.named_parameters()
+    }
 
 
 def _fused_experts(module: torch.nn.Module, parameter: torch.Tensor) -> int:
@@ -49,9 +75,10 @@ def _moe_tp_size(module: torch.nn.Module) -> int:
 
 
 @torch.no_grad()
-def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+def held_layer_sums(model: torch.nn.Module, written: WrittenSums | None = None) -> dict[str, dict[str, Any]]:
     """Per-layer fingerprints of what ``model`` (vLLM's, in its worker) holds, on its device (on a GPU in one
-    kernel launch per dtype); one sync at the end.
+    kernel launch per dtype); one sync at the end. The parameters in ``written`` are not read: their sums were taken
+    as the last load wrote them.
 
     Returns ``{"sharded": {layer: [bits, squares]}, "replicated": {...}, "unverifiable": {layer: why},
     "stale": {layer: why}}`` (``layer_sums.tensor_sums``): a parameter of a tensor-parallel layer (``tp_size > 1``)
@@ -62,6 +89,7 @@ def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     entries: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, values)
+    taken: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, sums of the values as written)
     packed: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, fingerprint taken as vLLM packed it)
     unverifiable: dict[str, str] = {}
     for name, parameter in model.named_parameters():
@@ -86,7 +114,11 @@ def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             unverifiable[layer] = "its experts are spread over expert-parallel ranks"
             continue
         rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else [(layer, parameter)]
-        entries.extend((kind, row_layer, values) for row_layer, values in rows)
+        sums = (written or {}).get(name)
+        if sums is not None and len(sums) == len(rows):
+            taken.extend((kind, row_layer, row_sums) for (row_layer, _), row_sums in zip(rows, sums))
+        else:
+            entries.extend((kind, row_layer, values) for row_layer, values in rows)
     live = [values for _, _, values in entries]
     live_sums = sums_of_many(live, [None] * len(live))
     report: dict[str, dict[str, Any]] = {
@@ -95,8 +127,8 @@ def held_layer_sums(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
         "unverifiable": unverifiable,
         "stale": _stale_packs(model, {id(values): sums for values, sums in zip(live, live_sums)}),
     }
-    kinds_layers = [(kind, layer) for kind, layer, _ in entries + packed]
-    all_sums = live_sums + [fingerprint for _, _, fingerprint in packed]
+    kinds_layers = [(kind, layer) for kind, layer, _ in entries + packed + taken]
+    all_sums = live_sums + [fingerprint for _, _, fingerprint in packed + taken]
     for (kind, layer), (bits, squares, _) in zip(kinds_layers, sums_as_ints(all_sums)):
         add_sums(report[kind], layer, [bits, squares])
     return report

@@ -192,11 +192,11 @@ class SentSums:
 
     :meth:`tally` is given each tensor as it goes on the wire (summed on its device, no sync);
     :meth:`landed` keeps the push's sums once it committed, :meth:`dropped` forgets them. A tensor that the
-    trainer's model holds and leaves as it is until the push returns (``held``) is summed apart: on a GPU in
-    :meth:`landed`, all in one launch, while the engine's workers sum theirs (``core/landing_check.py``); on a CPU
-    on a thread of its own from :meth:`sum_held_meanwhile` on, while the trainer otherwise waits for the engine to
-    receive and load the push (measured at 400M on 2 cores: the check's cost 1.80x an unchecked push when summed
-    after the commit).
+    trainer's model holds and leaves as it is until the push returns (``held``) is summed apart, from
+    :meth:`sum_held_meanwhile` on, before the push sends them: on a GPU queued in one launch ahead of the transfer,
+    so no step of the push waits for it until the commit; on a CPU on a thread of its own, while the trainer
+    otherwise waits for the engine to receive and load the push (measured at 400M on 2 cores: the check's cost 1.80x
+    an unchecked push when summed after the commit).
 
     Example::
 
@@ -211,7 +211,9 @@ class SentSums:
         self._pending: dict[str, torch.Tensor] = {}
         self._later: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # held tensors, summed in landed()
         self._held: dict[str, tuple[int, int, int]] = {}  # bits, squares, not finite
-        self._meanwhile: _HeldSumsThread | None = None  # the held tensors' sums, running beside the push
+        self._meanwhile: _HeldSumsThread | None = None  # the held CPU tensors' sums, running beside the push
+        # The held GPU tensors' sums, queued before the push: ((name, (tensor, dtype)) summed, their sums).
+        self._queued: tuple[list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]], list[torch.Tensor]] | None = None
 
     def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, held: bool = False) -> None:
         """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``;
@@ -224,19 +226,25 @@ class SentSums:
             self._pending[name] = tensor_sums(tensor, dtype)
 
     def sum_held_meanwhile(self) -> None:
-        """Start summing the held tensors now, on a thread, if they are all on a CPU (see the class docstring):
-        the push holds them unchanged until it returns."""
+        """Start summing the held tensors now, before the push sends them (see the class docstring): on a thread if
+        they are all on a CPU; on a GPU queued on its stream (nothing waits for them until :meth:`landed`). The push
+        holds them unchanged until it returns."""
         later = list(self._later.items())
         if later and all(tensor.device.type == "cpu" for _, (tensor, _) in later):
             self._meanwhile = _HeldSumsThread(later)
+        elif later and all(tensor.device.type == "cuda" for _, (tensor, _) in later):
+            self._queued = (later, sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later]))
 
     def landed(self, others: Mapping[str, Sequence[int]] | None = None) -> None:
         """The push committed: the engine now holds what was tallied (the held tensors summed: on a GPU in one
         launch; then one device sync). ``others``: the other trainer ranks' sums of their shares of the tensors
         tallied here (a push every rank sends a share of), added to this rank's."""
         meanwhile, self._meanwhile = self._meanwhile, None
+        queued, self._queued = self._queued, None
         later = list(self._later.items())
         summed = meanwhile.result() if meanwhile is not None else None
+        if queued is not None and [name for name, _ in queued[0]] == [name for name, _ in later]:
+            summed = queued[1]
         if summed is None:
             summed = sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later])
         for (name, _), sums in zip(later, summed):
@@ -249,7 +257,7 @@ class SentSums:
 
     def dropped(self) -> None:
         """The push did not commit: what was tallied is not what the engine holds."""
-        self._pending, self._later, self._meanwhile = {}, {}, None  # (a thread still summing ends on its own)
+        self._pending, self._later, self._meanwhile, self._queued = {}, {}, None, None  # (a thread ends on its own)
 
     def by_layer(self) -> dict[str, LayerSums]:
         """What the engine should hold, per layer (:func:`layer_of`)."""

@@ -406,3 +406,93 @@ def gpu_server(
         server.stop()
         raise
     return server
+
+
+def written_and_read(llm: Any) -> tuple[list[str], list[str], dict[str, Any], dict[str, Any]]:
+    """In the engine's worker, after a push: the parameters its last load summed as it wrote them, all of its
+    parameters, and the check's report from those sums beside the report from reading every weight again."""
+
+    def run(worker: Any) -> tuple[list[str], list[str], dict[str, Any], dict[str, Any]]:  # (in vLLM's worker)
+        from lightning_vllm.weights.held_sums import held_layer_sums
+
+        written = worker.weight_transfer_engine.written_sums() or {}
+        model = worker.get_model()
+        names = sorted(name for name, _ in model.named_parameters())
+        return sorted(written), names, held_layer_sums(model, written), held_layer_sums(model)
+
+    (result,) = llm.collective_rpc(run)
+    return result
+
+
+def records_forgotten(llm: Any) -> None:
+    """The engine's recorded loads dropped (and its own ``load_weights`` back, if a test replaced it): the next push
+    goes through vLLM's loaders, recorded again."""
+
+    def run(worker: Any) -> None:  # (in vLLM's worker)
+        from lightning_vllm.backends.lightning_ipc.recorded_loads import RecordedLoads
+
+        engine = worker.weight_transfer_engine
+        engine.model.__dict__.pop("load_weights", None)
+        engine.loads = RecordedLoads(engine.sums.summed if engine.sums else None)
+        engine._replay = None
+        if hasattr(engine, "_bound"):
+            engine._bound = {}
+
+    llm.collective_rpc(run)
+
+
+def replay_one_row_off(llm: Any, name: str) -> None:
+    """From the next push on, the engine's recorded copy of the trainer's tensor ``name`` writes one row further into
+    its parameter than the loader did (a replay gone wrong)."""
+
+    def run(worker: Any) -> None:  # (in vLLM's worker)
+        import dataclasses
+
+        engine = worker.weight_transfer_engine
+        record = engine.loads._records[name]
+        step = record.steps[0]
+        view = step.destination
+        shifted = view.as_strided(view.size(), view.stride(), view.storage_offset() + view.stride(0))
+        record.steps[0] = dataclasses.replace(step, destination=shifted)
+        engine._replay = None
+        if hasattr(engine, "_bound"):
+            engine._bound = {}
+
+    llm.collective_rpc(run)
+
+
+def changed_after_loading(llm: Any, parameter: str) -> None:
+    """From the next push on, the engine's model changes one value of vLLM's ``parameter`` right after its loaders
+    copied the push in (a load that leaves a value other than it was sent); its records dropped, so it loads so."""
+    records_forgotten(llm)
+
+    def run(worker: Any) -> None:  # (in vLLM's worker)
+        import torch
+
+        model = worker.weight_transfer_engine.model
+        load = type(model).load_weights
+
+        def load_weights(weights: Any) -> Any:
+            loaded = load(model, weights)
+            with torch.no_grad():
+                dict(model.named_parameters())[parameter].view(-1)[0] += 0.5
+            return loaded
+
+        model.load_weights = load_weights
+
+    llm.collective_rpc(run)
+
+
+def pushes_sum_what_they_write(llm: Any, model: torch.nn.Module, updater: Any, pushes: int = 2) -> None:
+    """``pushes`` pushes of ``model`` (a value of one layer changed before each), every tensor sent, into an engine
+    whose loads replay recorded copies: each replay sums every parameter as it writes it, those sums are what a
+    read of every weight gives, and the check compares every layer."""
+    for step in range(pushes):
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 0.01 * (step + 1)
+        stats = updater.push_weights(model)
+        written, parameters, from_sums, from_reading = written_and_read(llm)
+        assert written == parameters, sorted(set(parameters) - set(written))  # every parameter written whole
+        assert from_sums == from_reading  # the kernel's sums are those a read of every weight takes
+        assert stats.checked_layers[0] == stats.checked_layers[1] > 0
+    assert digests_equal(engine_digest(llm), model_digest(model))

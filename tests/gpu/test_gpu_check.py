@@ -7,7 +7,19 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_helpers import FIGURES, digests_equal, engine_digest, hf_greedy, hf_prompt_logprobs, model_digest
+from gpu_helpers import (
+    FIGURES,
+    changed_after_loading,
+    digests_equal,
+    engine_digest,
+    hf_greedy,
+    hf_prompt_logprobs,
+    model_digest,
+    pushes_sum_what_they_write,
+    records_forgotten,
+    replay_one_row_off,
+    written_and_read,
+)
 from helpers import max_abs_diff, tiny_qwen2, vllm_greedy, vllm_prompt_logprobs
 
 from lightning_vllm import VLLMUpdater
@@ -61,6 +73,46 @@ def test_a_layer_corrupted_in_the_engine_is_named_and_the_next_push_mends_it(lig
     assert caught.value.layers == {0: [MLP]}
     updater.push_weights(model)  # every tensor again
     assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
+    updater.close()
+
+
+def test_lightning_ipc_sums_what_its_copies_write_and_reads_no_weight_again(lightning_ipc_llm):
+    model = tiny_qwen2(seed=54).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120, changed_only=False)
+    records_forgotten(lightning_ipc_llm)
+    updater.push_weights(model)  # through vLLM's loaders, recorded (nothing summed: read after the commit)
+    assert written_and_read(lightning_ipc_llm)[0] == []
+    # The recorded copies bound to the trainer's tensors, then the kept replay run again.
+    pushes_sum_what_they_write(lightning_ipc_llm, model, updater)
+    updater.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "changed"),
+    [
+        # gate's rows one further into vLLM's fused gate_up_proj: into up's first row, gate's first left stale
+        (lambda llm: replay_one_row_off(llm, "model.layers.0.mlp.gate_proj.weight"), "model.layers.0.mlp.gate_proj"),
+        # a load that leaves a value other than sent, after the loaders' copy (no record: loaded through them)
+        (lambda llm: changed_after_loading(llm, f"{MLP}.down_proj.weight"), f"{MLP}.down_proj"),
+    ],
+    ids=["replay_one_row_off", "value_changed_after_the_copy"],
+)
+def test_lightning_ipc_a_fault_in_the_load_is_named_at_that_push_and_the_loaders_mend_it(
+    lightning_ipc_llm, fault, changed
+):
+    model = tiny_qwen2(seed=55).cuda()
+    updater = VLLMUpdater(engine=lightning_ipc_llm, timeout_seconds=120)
+    updater.push_weights(model)
+    fault(lightning_ipc_llm)
+    with torch.no_grad():
+        model.get_submodule(changed).weight.add_(0.01)
+    layer = changed.rpartition(".")[0]
+    with pytest.raises(LandedWeightsMismatchError, match=rf"1 layer\(s\), {layer}\b"):
+        updater.push_weights(model)
+    records_forgotten(lightning_ipc_llm)
+    updater.push_weights(model)
+    assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(model))
+    updater.push_weights(tiny_qwen2(seed=0).cuda())  # the shared engine serves what it started from again
     updater.close()
 
 

@@ -30,6 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_vllm.weights.held_sums import WrittenSums
+
 _aten = torch.ops.aten
 
 
@@ -159,6 +161,10 @@ class Replay:
         add_copies()
         flush()
 
+    def written_sums(self) -> WrittenSums | None:
+        """The sums of what the last run wrote (``summed_replay.SummedReplay``); a plain replay takes none."""
+        return None
+
     def run(self) -> None:
         """Queue every call on the current stream."""
         for kind, destination, source in self.calls:
@@ -200,7 +206,8 @@ class RecordedLoads:
         ([[3.0, 3.0], [3.0, 3.0]], 1)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, made: Callable[[Replay], Replay] | None = None) -> None:
+        self._made = made  # what a replay is made into before it first runs (``summed_replay.py``), if anything
         self._records: dict[str, _TensorRecord] = {}
         self._computed: set[str] = set()  # names whose load did more than copies and fills: not watched again
         self.replayed = 0  # loads replayed so far
@@ -243,6 +250,8 @@ class RecordedLoads:
             bound = [self.bind(name, tensor) for name, tensor in weights]
         if weights and all(load is not None for load in bound):
             replay = Replay(load for load in bound if load is not None)
+            if self._made is not None:
+                replay = self._made(replay)
             self.rerun(replay)
             return replay
         names = [name for name, _ in weights]

@@ -47,16 +47,20 @@ version the trainer had called not committed (issue 46).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 
 from lightning_vllm.backends.lightning_ipc.recorded_loads import BoundLoad, RecordedLoads, Replay
+from lightning_vllm.weights.held_sums import WrittenSums
+
+if TYPE_CHECKING:
+    from lightning_vllm.backends.lightning_ipc.summed_replay import LastReplaySums
 
 
 @dataclass
@@ -122,6 +126,16 @@ def update_in_one_call(worker: Any, update_info: dict[str, Any]) -> None:
     worker.finish_weight_update()
 
 
+def summing_replays(model: Callable[[], torch.nn.Module]) -> LastReplaySums | None:
+    """What makes a worker engine's replays sum what they write (``summed_replay.py``), or ``None`` where its kernel
+    cannot be imported (no Triton): the check then reads the live weights."""
+    try:
+        from lightning_vllm.backends.lightning_ipc.summed_replay import LastReplaySums
+    except ImportError:
+        return None
+    return LastReplaySums(model)
+
+
 def loads_as_held(vllm_config: Any) -> bool:
     """Whether vLLM uses this model's weights as its loaders store them (nothing is processed after
     loading), so that a push can be loaded straight into the parameters.
@@ -150,7 +164,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.in_place = loads_as_held(vllm_config)
-        self.loads = RecordedLoads()  # the in-place loads, recorded as copies
+        self.sums = summing_replays(lambda: self.model)
+        self.loads = RecordedLoads(self.sums.summed if self.sums else None)  # the in-place loads, recorded as copies
         self._slots: dict[int, torch.Tensor] = {}  # the trainer's tensors, opened once
         self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
         self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
@@ -165,6 +180,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         super().init_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
+        if self.sums:
+            self.sums.loaded(None)
         if not self._loads_in_place():
             super().start_weight_update()
 
@@ -205,6 +222,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         return self.in_place and self.model is self._default_model
 
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
+        if self.sums:
+            self.sums.loaded(None)  # (whatever this load writes, the sums of an earlier one no longer tell of it)
         if self.packed:
             super().receive_weights(update_info)
             return
@@ -216,6 +235,8 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             # The tensors opened and bound at an earlier push, holding new values: its copies, again.
             with torch.cuda.device(self.device):
                 self.loads.rerun(self._replay[1])
+            if self.sums:
+                self.sums.loaded(self._replay[1])
             return
         self._replay = None
         for slot in released:
@@ -240,8 +261,16 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             for number in numbers:  # bound to the plans this load replaced
                 if number is not None:
                     self._bound.pop(number, None)
-        elif slots is not None:
+            return
+        if self.sums:
+            self.sums.loaded(replay)
+        if slots is not None:
             self._replay = (tuple(slots), replay)
+
+    def written_sums(self) -> WrittenSums | None:
+        """The sums the last load took of the parameters it wrote whole (``held_sums.SumsWhatItWrites``): the check
+        after the push reads only the others."""
+        return self.sums.written_sums() if self.sums else None
 
     def _held(self) -> list[torch.Tensor]:
         """What a load may write: the model's parameters and buffers."""

@@ -33,8 +33,9 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdat
 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
 
 from lightning_vllm.backends.lightning_ipc.recorded_loads import RecordedLoads, Replay
-from lightning_vllm.backends.lightning_ipc.worker import loads_as_held
+from lightning_vllm.backends.lightning_ipc.worker import loads_as_held, summing_replays
 from lightning_vllm.backends.nccl.worker import GroupWatch, PeerFailedError, WatchedNCCLWeightTransferEngine
+from lightning_vllm.weights.held_sums import WrittenSums
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class StagedNCCLWeightTransferEngine(WatchedNCCLWeightTransferEngine):
         super().__init__(config, vllm_config, device, model)
         self.room = StagingRoom(device)
         self.in_place = loads_as_held(vllm_config)
-        self.loads = RecordedLoads()  # the in-place loads from the room, recorded as copies
+        self.sums = summing_replays(lambda: self.model)
+        self.loads = RecordedLoads(self.sums.summed if self.sums else None)  # the room's loads, recorded as copies
         self.staged: dict[str, torch.Tensor] = {}  # what this update received, in the room, by name
         self._expected: list[tuple[str, str, list[int]]] = []  # the last update's (name, dtype, shape): an empty
         # update names them again, as vLLM's trainer engine sends when nothing about them changed
@@ -186,6 +188,8 @@ class StagedNCCLWeightTransferEngine(WatchedNCCLWeightTransferEngine):
         staged, self.staged = self.staged, {}
         if not staged:
             return
+        if self.sums:
+            self.sums.loaded(None)  # (whatever this commit writes, the sums of an earlier one no longer tell of it)
         missing = [name for name, _, _ in self._expected if name not in staged]
         if missing:
             raise RuntimeError(
@@ -210,10 +214,18 @@ class StagedNCCLWeightTransferEngine(WatchedNCCLWeightTransferEngine):
         names = (tuple(name for name, _ in weights), self.room.allocations)
         if self._replay is not None and self._replay[0] == names:
             self.loads.rerun(self._replay[1])  # the room's tensors stay put: the last commit's copies, again
-            return
-        load_weights: Any = self.model.load_weights  # a vLLM model, not a bare Module
-        replay = self.loads.load(load_weights, weights, self._held)
-        self._replay = None if replay is None else (names, replay)
+            replay: Replay | None = self._replay[1]
+        else:
+            load_weights: Any = self.model.load_weights  # a vLLM model, not a bare Module
+            replay = self.loads.load(load_weights, weights, self._held)
+            self._replay = None if replay is None else (names, replay)
+        if self.sums:
+            self.sums.loaded(replay)
+
+    def written_sums(self) -> WrittenSums | None:
+        """The sums the last commit took of the parameters it wrote whole, as it copied them from the room
+        (``held_sums.SumsWhatItWrites``): the check after the push reads only the others."""
+        return self.sums.written_sums() if self.sums else None
 
     def _commit_through_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """vLLM's layer-wise reload, from the room: for weights vLLM processes after loading."""

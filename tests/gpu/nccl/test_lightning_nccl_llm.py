@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_helpers import FIGURES, digests_equal, engine_digest, model_digest
+from gpu_helpers import FIGURES, digests_equal, engine_digest, model_digest, pushes_sum_what_they_write
 from helpers import tiny_qwen2
 from scenarios import InProcessEngineScenarios
 
@@ -58,4 +58,12 @@ def test_the_staging_room_is_one_copy_of_the_weights_and_each_push_lands_digest_
     assert replayed - replayed_before == 3  # each commit replays the copies recorded from the room
     assert allocations == allocations_before  # the room is kept, not remade
     assert room_bytes <= weight_bytes * 1.01  # one copy of the weights (the HF layout: q/k/v apart, same bytes)
+    updater.close()
+
+
+def test_the_commit_sums_what_it_copies_from_the_room_and_reads_no_weight_again(lightning_nccl_llm):
+    model = tiny_qwen2(seed=72).cuda()
+    updater = VLLMUpdater(engine=lightning_nccl_llm, timeout_seconds=60, changed_only=False)
+    updater.push_weights(model)  # (the room's copies recorded, if an earlier test has not)
+    pushes_sum_what_they_write(lightning_nccl_llm, model, updater)
     updater.close()
