@@ -343,16 +343,17 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     }
 
 
-def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5) -> None:
-    """``rounds`` unchecked pushes under cProfile: where the trainer's Python goes (``ipc_push_profile.txt``,
-    by own time and by cumulative time)."""
+def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5, verify_pushes: bool = False) -> None:
+    """``rounds`` pushes under cProfile: where the trainer's Python goes (``ipc_push_profile.txt``, by own time and
+    by cumulative time). ``verify_pushes``: checked pushes, and where the check's question to the worker goes, in
+    the worker (``ipc_check_worker_profile.txt``), beside a question that does nothing (``bare_rpc_seconds``)."""
     import cProfile
     import io
     import pstats
 
     from lightning_vllm import VLLMUpdater
 
-    updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False)
+    updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, verify_pushes=verify_pushes)
     updater.push_weights(model)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -365,7 +366,34 @@ def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5) -> N
     for order in ("tottime", "cumulative"):
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ipc_push_profile.txt").write_text(text.getvalue())
+    name = "ipc_check_profile.txt" if verify_pushes else "ipc_push_profile.txt"
+    (out / name).write_text(text.getvalue())
+    if not verify_pushes:
+        return
+
+    def in_worker(worker) -> str:  # runs in vLLM's worker: the check's method, profiled there
+        import cProfile
+        import io
+        import pstats
+
+        from lightning_vllm.weights.held_sums import worker_layer_sums
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(rounds):
+            worker_layer_sums(worker)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        return text.getvalue()
+
+    (out / "ipc_check_worker_profile.txt").write_text(llm.collective_rpc(in_worker)[0])
+    bare = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        llm.collective_rpc("lightning_vllm_layer_sums_format")
+        bare.append(time.perf_counter() - start)
+    print(f"bare_rpc_seconds={statistics.median(bare):.4g}")
 
 
 @contextmanager
@@ -431,6 +459,7 @@ def main() -> None:
             )
             if args.profile and backend == args.backends.split(",")[0]:
                 profile_pushes(llm, model, args.out)
+                profile_pushes(llm, model, args.out, verify_pushes=True)
             if args.packed:
                 with packed_ipc():
                     results[f"{backend}_packed_push"] = push_figures(llm, model, backend, args.rounds, calls)

@@ -23,7 +23,7 @@ from lightning_vllm.weights.layer_sums import (
     sums_of_many,
     tensor_sums,
 )
-from lightning_vllm.weights.packed_sums import packed_from
+from lightning_vllm.weights.packed_sums import any_packed, packed_from
 
 NOT_PACKED_HERE = (
     "packed for oneDNN when the engine started, before lightning_vllm loaded it (vLLM's CPU build): checked from the "
@@ -92,9 +92,8 @@ def held_layer_sums(model: torch.nn.Module, written: WrittenSums | None = None) 
     taken: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, sums of the values as written)
     packed: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, fingerprint taken as vLLM packed it)
     unverifiable: dict[str, str] = {}
-    for name, parameter in model.named_parameters():
+    for name, module, parameter in _parameters_with_modules(model):
         layer = layer_of(name)
-        module = model.get_submodule(name.rpartition(".")[0])
         if isinstance(module, AttentionLayerBase):
             continue  # (an attention layer loads no weight: MLA's W_UV and W_UK_T are computed from kv_b_proj, checked)
         kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
@@ -125,13 +124,28 @@ def held_layer_sums(model: torch.nn.Module, written: WrittenSums | None = None) 
         "sharded": {},
         "replicated": {},
         "unverifiable": unverifiable,
-        "stale": _stale_packs(model, {id(values): sums for values, sums in zip(live, live_sums)}),
+        "stale": _stale_packs(model, {id(values): sums for values, sums in zip(live, live_sums)})
+        if any_packed()
+        else {},
     }
     kinds_layers = [(kind, layer) for kind, layer, _ in entries + packed + taken]
     all_sums = live_sums + [fingerprint for _, _, fingerprint in packed + taken]
     for (kind, layer), (bits, squares, _) in zip(kinds_layers, sums_as_ints(all_sums)):
         add_sums(report[kind], layer, [bits, squares])
     return report
+
+
+def _parameters_with_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.Tensor]]:
+    """``model.named_parameters()``, each with the module that holds it, in one walk of the modules (a model's
+    hundreds of parameters looked up by name took most of a worker's report once the sums came from the copies)."""
+    seen: set[int] = set()
+    found = []
+    for prefix, module in model.named_modules():
+        for local, parameter in module.named_parameters(prefix=prefix, recurse=False):
+            if id(parameter) not in seen:  # (a parameter two modules share, such as a tied head, counted once)
+                seen.add(id(parameter))
+                found.append((local, module, parameter))
+    return found
 
 
 def _stale_packs(model: torch.nn.Module, live_sums: dict[int, torch.Tensor]) -> dict[str, str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,10 +194,9 @@ class SentSums:
     :meth:`tally` is given each tensor as it goes on the wire (summed on its device, no sync);
     :meth:`landed` keeps the push's sums once it committed, :meth:`dropped` forgets them. A tensor that the
     trainer's model holds and leaves as it is until the push returns (``held``) is summed apart, from
-    :meth:`sum_held_meanwhile` on, before the push sends them: on a GPU queued in one launch ahead of the transfer,
-    so no step of the push waits for it until the commit; on a CPU on a thread of its own, while the trainer
-    otherwise waits for the engine to receive and load the push (measured at 400M on 2 cores: the check's cost 1.80x
-    an unchecked push when summed after the commit).
+    :meth:`sum_held_meanwhile` on, on a thread of its own, while the trainer otherwise waits for the engine to
+    receive and load the push (on a GPU in one launch per dtype; measured at 400M on 2 CPU cores: the check's cost
+    1.80x an unchecked push when summed after the commit).
 
     Example::
 
@@ -211,9 +211,7 @@ class SentSums:
         self._pending: dict[str, torch.Tensor] = {}
         self._later: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # held tensors, summed in landed()
         self._held: dict[str, tuple[int, int, int]] = {}  # bits, squares, not finite
-        self._meanwhile: _HeldSumsThread | None = None  # the held CPU tensors' sums, running beside the push
-        # The held GPU tensors' sums, queued before the push: ((name, (tensor, dtype)) summed, their sums).
-        self._queued: tuple[list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]], list[torch.Tensor]] | None = None
+        self._meanwhile: _HeldSumsThread | None = None  # the held tensors' sums, running beside the push
 
     def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, held: bool = False) -> None:
         """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``;
@@ -230,21 +228,17 @@ class SentSums:
         they are all on a CPU; on a GPU queued on its stream (nothing waits for them until :meth:`landed`). The push
         holds them unchanged until it returns."""
         later = list(self._later.items())
-        if later and all(tensor.device.type == "cpu" for _, (tensor, _) in later):
-            self._meanwhile = _HeldSumsThread(later)
-        elif later and all(tensor.device.type == "cuda" for _, (tensor, _) in later):
-            self._queued = (later, sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later]))
+        devices = {tensor.device for _, (tensor, _) in later}
+        if len(devices) == 1:  # (a model over several GPUs is summed in landed())
+            self._meanwhile = _HeldSumsThread(later, devices.pop())
 
     def landed(self, others: Mapping[str, Sequence[int]] | None = None) -> None:
         """The push committed: the engine now holds what was tallied (the held tensors summed: on a GPU in one
         launch; then one device sync). ``others``: the other trainer ranks' sums of their shares of the tensors
         tallied here (a push every rank sends a share of), added to this rank's."""
         meanwhile, self._meanwhile = self._meanwhile, None
-        queued, self._queued = self._queued, None
         later = list(self._later.items())
-        summed = meanwhile.result() if meanwhile is not None else None
-        if queued is not None and [name for name, _ in queued[0]] == [name for name, _ in later]:
-            summed = queued[1]
+        summed = meanwhile.result(later) if meanwhile is not None else None
         if summed is None:
             summed = sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later])
         for (name, _), sums in zip(later, summed):
@@ -257,7 +251,7 @@ class SentSums:
 
     def dropped(self) -> None:
         """The push did not commit: what was tallied is not what the engine holds."""
-        self._pending, self._later, self._meanwhile, self._queued = {}, {}, None, None  # (a thread ends on its own)
+        self._pending, self._later, self._meanwhile = {}, {}, None  # (a thread still summing ends on its own)
 
     def by_layer(self) -> dict[str, LayerSums]:
         """What the engine should hold, per layer (:func:`layer_of`)."""
@@ -271,26 +265,33 @@ class SentSums:
 
 
 class _HeldSumsThread:
-    """The sums of held CPU tensors (``(name, (tensor, dtype))``), computed on a thread of their own: torch's
-    operations release the GIL, so they run while the pushing thread waits for the engine."""
+    """The sums of held tensors (``(name, (tensor, dtype))``, :func:`sums_of_many`), computed on a thread of their
+    own while the pushing thread waits for the engine: on a CPU torch's operations release the GIL; on a GPU the
+    thread's Python (a launch table, a kernel launch per dtype) runs while the pushing thread waits on the engine's
+    sockets and events, and the kernels queue on the device (nothing here waits for them)."""
 
-    def __init__(self, later: list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]]) -> None:
+    def __init__(self, later: list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]], device: torch.device) -> None:
+        self._later = later
         self._sums: list[torch.Tensor] | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(later,), name="lightning-vllm: sums of the weights sent", daemon=True
-        )
+        # On a GPU, the kernels go on the pushing thread's stream, after whatever it queued that wrote the tensors.
+        self._on = (device, torch.cuda.current_stream(device)) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="lightning-vllm: sums of the weights sent", daemon=True)
         self._thread.start()
 
-    def _run(self, later: list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]]) -> None:
+    def _run(self) -> None:
         try:
-            self._sums = [tensor_sums(tensor, dtype) for _, (tensor, dtype) in later]
+            with torch.cuda.device(self._on[0]) if self._on else nullcontext():
+                with torch.cuda.stream(self._on[1]) if self._on else nullcontext():
+                    self._sums = sums_of_many([t for _, (t, _) in self._later], [d for _, (_, d) in self._later])
         except Exception:  # noqa: BLE001  # (summed again where it is asked for, which raises then)
             self._sums = None
 
-    def result(self) -> list[torch.Tensor] | None:
-        """The sums, once computed (a CPU's work on tensors held in memory: it ends), or ``None`` if they failed."""
+    def result(self, later: list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]]) -> list[torch.Tensor] | None:
+        """The sums, once computed (work on tensors held in memory: it ends), or ``None`` if they failed or were
+        taken of other tensors than ``later``."""
         self._thread.join()
-        return self._sums
+        same = [name for name, _ in later] == [name for name, _ in self._later]
+        return self._sums if same else None
 
 
 @dataclass(frozen=True)

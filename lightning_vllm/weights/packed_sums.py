@@ -34,6 +34,11 @@ def packed_from(layer: torch.nn.Module) -> torch.Tensor | None:
     return _PACKED_FROM.get(layer)
 
 
+def any_packed() -> bool:
+    """Whether any layer of this process was packed inside :func:`packing_fingerprinted` (and is alive)."""
+    return len(_PACKED_FROM) > 0
+
+
 @contextmanager
 def packing_fingerprinted() -> Iterator[None]:
     """While open, every layer vLLM's CPU build packs is fingerprinted first (see the module docstring).

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_vllm.weights.held_sums import WrittenSums
+if TYPE_CHECKING:
+    from lightning_vllm.weights.held_sums import WrittenSums
+
 
 _aten = torch.ops.aten
 

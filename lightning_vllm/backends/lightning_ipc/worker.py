@@ -57,10 +57,10 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 
 from lightning_vllm.backends.lightning_ipc.recorded_loads import BoundLoad, RecordedLoads, Replay
-from lightning_vllm.weights.held_sums import WrittenSums
 
 if TYPE_CHECKING:
     from lightning_vllm.backends.lightning_ipc.summed_replay import LastReplaySums
+    from lightning_vllm.weights.held_sums import WrittenSums
 
 
 @dataclass

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
@@ -35,7 +35,9 @@ from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast
 from lightning_vllm.backends.lightning_ipc.recorded_loads import RecordedLoads, Replay
 from lightning_vllm.backends.lightning_ipc.worker import loads_as_held, summing_replays
 from lightning_vllm.backends.nccl.worker import GroupWatch, PeerFailedError, WatchedNCCLWeightTransferEngine
-from lightning_vllm.weights.held_sums import WrittenSums
+
+if TYPE_CHECKING:
+    from lightning_vllm.weights.held_sums import WrittenSums
 
 log = logging.getLogger(__name__)
 
