@@ -164,6 +164,28 @@ def build_llm(model_dir: Path, backend: str | None = "gloo", **overrides):
     return LLM(**engine_kwargs(model_dir, backend, **overrides))
 
 
+def build_llm_in_process(model_dir: Path, backend: str | None = "gloo", **overrides):
+    """:func:`build_llm` with vLLM's engine core and worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+    about 4 s to start instead of 20 to 28 (no process to spawn that imports torch and vLLM again; the engine tier's
+    durations, 2026-12-06). For tests of what lands and what is refused; a test of processes (an engine core killed
+    or frozen, the README's engine) builds vLLM's default.
+
+    What the engine's start leaves in this process is undone once it stands: the environment variables vLLM sets for
+    its own processes (``LOCAL_WORLD_SIZE``, ``LD_PRELOAD`` ...), and vLLM's cache of its settings, which it turns
+    on after an engine core starts (a later engine's ``VLLM_CPU_OMP_THREADS_BIND`` was read from it, and a
+    tensor-parallel engine refused to start)."""
+    import vllm.envs
+
+    before = dict(os.environ)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        return build_llm(model_dir, backend, **overrides)
+    finally:
+        vllm.envs.disable_envs_cache()
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def shutdown(llm) -> None:
     """Stop an engine while pytest still captures output (vLLM logs as it stops).
 

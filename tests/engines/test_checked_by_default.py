@@ -13,7 +13,7 @@ import torch
 from helpers import (
     TinyCausalLM,
     assert_serves,
-    build_llm,
+    build_llm_in_process,
     cpu_trainer,
     fake_hub_cache,
     save_model,
@@ -82,7 +82,9 @@ def hub_llm(tmp_path_factory):
         # (this process read both at import: vLLM's front end and the check resolve the hub id here too)
         patch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        engine = build_llm("org/tiny-qwen2", load_format="dummy", worker_extension_cls="worker_probe.WorkerProbe")
+        engine = build_llm_in_process(
+            "org/tiny-qwen2", load_format="dummy", worker_extension_cls="worker_probe.WorkerProbe"
+        )
         yield engine
     shutdown(engine)
 

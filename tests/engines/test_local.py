@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from helpers import TinyCausalLM, assert_serves, build_llm, cpu_trainer, shutdown, tiny_qwen2, token_batches
+from helpers import TinyCausalLM, assert_serves, build_llm_in_process, cpu_trainer, shutdown, tiny_qwen2, token_batches
 
 from lightning_vllm import EngineConfigError, EngineTarget, LocalLLMEngine, VLLMUpdater, VLLMWeightSync
 from lightning_vllm.engines import as_engine_target
@@ -33,9 +33,7 @@ def test_unsupported_engines_are_named():
 @pytest.fixture(scope="module")
 def llm_single_process(model_dir):
     """Engine core and worker inside the test process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = build_llm(model_dir, backend="gloo")
+    engine = build_llm_in_process(model_dir, backend="gloo")
     yield engine
     shutdown(engine)
 

@@ -7,6 +7,7 @@ from helpers import (
     TinyCausalLM,
     assert_serves,
     build_llm,
+    build_llm_in_process,
     cpu_trainer,
     served_version,
     shutdown,
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def second_llm(model_dir):
-    engine = build_llm(model_dir)
+    engine = build_llm_in_process(model_dir)  # (beside the shared engine, whose core runs in a process of its own)
     yield engine
     shutdown(engine)
 

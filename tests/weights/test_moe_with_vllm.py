@@ -15,6 +15,7 @@ from helpers import (
     TinyCausalLM,
     assert_serves,
     build_llm,
+    build_llm_in_process,
     cpu_trainer,
     hf_prompt_logprobs,
     max_abs_diff,
@@ -50,7 +51,7 @@ def test_each_family_lands_exactly(family, tmp_path):
     # int8 only and refuses a float32 model at start ("expect weight to be bfloat16, ..."): its reference MLA is
     # asked for by name (docs/moe.md).
     mla = {"attention_backend": "CPU_MLA"} if family == "deepseek_v3" else {}
-    llm = build_llm(directory, backend="gloo", **mla)
+    llm = build_llm_in_process(directory, backend="gloo", **mla)
     try:
         trained = tiny_moe(family, seed=1)
         before = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(trained))

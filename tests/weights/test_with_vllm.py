@@ -8,7 +8,7 @@ from helpers import (
     TOLERANCE,
     TinyCausalLM,
     assert_serves,
-    build_llm,
+    build_llm_in_process,
     cpu_trainer,
     hf_prompt_logprobs,
     max_abs_diff,
@@ -88,7 +88,7 @@ def test_lora_policy_sends_merged_weights_and_leaves_the_module_untouched(llm, t
 def tied_llm(tmp_path_factory):
     """An engine on a model whose output embedding is tied to its input embedding."""
     model_dir = save_model(tiny_qwen2(seed=0, tie_word_embeddings=True), tmp_path_factory.mktemp("tied"))
-    engine = build_llm(model_dir)
+    engine = build_llm_in_process(model_dir)
     yield engine
     shutdown(engine)
 
@@ -116,7 +116,7 @@ def test_an_untied_output_embedding_into_a_tied_engine_is_refused(tied_llm):
 
 @pytest.fixture(scope="module")
 def bf16_llm(model_dir):
-    engine = build_llm(model_dir, dtype="bfloat16")
+    engine = build_llm_in_process(model_dir, dtype="bfloat16")
     yield engine
     shutdown(engine)
 
