@@ -58,8 +58,8 @@ def parameter_rows(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]
     """``{name: (parameter, rows)}`` of ``model``'s parameters: ``rows`` the routed experts a fused expert tensor holds
     (each is fingerprinted apart, as a layer ``<layer>.<expert>``), else 0."""
     return {
-        name: (parameter, _fused_experts(model.get_submodule(name.rpartition(".")[0]), parameter))
-        for name, parameter in model.named_parameters()
+        name: (parameter, _fused_experts(module, parameter))
+        for name, module, parameter in _parameters_with_modules(model)
     }
 
 
