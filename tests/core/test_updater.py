@@ -7,7 +7,15 @@ import time
 
 import pytest
 import torch
-from helpers import FakeEngine, assert_serves, build_llm, served_version, shutdown, tiny_qwen2, vllm_prompt_logprobs
+from helpers import (
+    FakeEngine,
+    assert_serves,
+    build_llm_in_process,
+    served_version,
+    shutdown,
+    tiny_qwen2,
+    vllm_prompt_logprobs,
+)
 
 from lightning_vllm import EngineConfigError, VLLMUpdater, WeightSyncError, WeightSyncTimeoutError, vLLMUpdater
 from lightning_vllm.errors import PartialPushError
@@ -190,7 +198,7 @@ def test_workers_that_never_join_fail_within_the_timeout():
 
 @pytest.fixture(scope="module")
 def llm_without_transfer(model_dir):
-    engine = build_llm(model_dir, backend=None)
+    engine = build_llm_in_process(model_dir, backend=None)
     yield engine
     shutdown(engine)
 
