@@ -76,6 +76,15 @@ def _add_into_row(out, row, bits, squares, not_finite):  # fmt: skip
     tl.atomic_add(out + row * 3 + 2, tl.sum(not_finite, axis=0).to(tl.int64))
 
 
+def _span_table(numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each span's tensor (int32) and first value (int64): every tensor of ``numels`` cut into spans of
+    ``_BLOCK * _STEPS`` values, in order."""
+    spans = (numels + _BLOCK * _STEPS - 1) // (_BLOCK * _STEPS)
+    owner = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), spans)
+    first = torch.cumsum(spans, 0) - spans
+    return owner, (torch.arange(int(spans.sum()), dtype=torch.int64) - first[owner.long()]) * (_BLOCK * _STEPS)
+
+
 class _Spans:
     """The launch table of one list of tensors (addresses, sizes, each span's tensor and start), kept for the next
     call with the same tensors: a model's parameters stay where they are between pushes."""
@@ -88,10 +97,7 @@ class _Spans:
         key = tuple((tensor.data_ptr(), tensor.numel()) for tensor in tensors)
         if key != self._key:
             numels = torch.tensor([tensor.numel() for tensor in tensors], dtype=torch.int64)
-            spans = (numels + _BLOCK * _STEPS - 1) // (_BLOCK * _STEPS)
-            owner = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32), spans)
-            first = torch.cumsum(spans, 0) - spans
-            start = (torch.arange(int(spans.sum()), dtype=torch.int64) - first[owner.long()]) * (_BLOCK * _STEPS)
+            owner, start = _span_table(numels)
             addresses = torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64)
             self._table = tuple(t.to(device, non_blocking=True) for t in (addresses, numels, owner, start))
             self._key = key
@@ -162,10 +168,7 @@ class SummedCopies:
         self._launches: list[tuple[torch.dtype, tuple[torch.Tensor, ...]]] = []
         for dtype, group in by_dtype.items():
             numels = torch.tensor([d.numel() for d, _, _ in group], dtype=torch.int64)
-            spans = (numels + _BLOCK * _STEPS - 1) // (_BLOCK * _STEPS)
-            item = torch.repeat_interleave(torch.arange(len(group), dtype=torch.int32), spans)
-            first = torch.cumsum(spans, 0) - spans
-            start = (torch.arange(int(spans.sum()), dtype=torch.int64) - first[item.long()]) * (_BLOCK * _STEPS)
+            item, start = _span_table(numels)
             table = (
                 torch.tensor([s.data_ptr() for _, s, _ in group], dtype=torch.int64),
                 torch.tensor([d.data_ptr() for d, _, _ in group], dtype=torch.int64),
