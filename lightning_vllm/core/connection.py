@@ -308,6 +308,7 @@ class EngineConnection:
             payload.every_rank,
             what=f"the {self.backend.name} transfer to {self.engine.description}",
             check_alive=lambda: raise_if_dead(self.engine),
+            checked=tally is not None,
         )
 
     def _record_landed(self, payload: Payload, names: ModelMetadata) -> int:

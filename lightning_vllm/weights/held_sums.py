@@ -23,11 +23,11 @@ from lightning_vllm.weights.layer_sums import (
     sums_of_many,
     tensor_sums,
 )
-from lightning_vllm.weights.packed_sums import any_packed, packed_from
+from lightning_vllm.weights.packed_sums import any_packed, loaded_as, packed_from
 
 NOT_PACKED_HERE = (
-    "packed for oneDNN when the engine started, before lightning_vllm loaded it (vLLM's CPU build): checked from the "
-    "first push that sends it"
+    "packed for oneDNN by a load lightning_vllm did not fingerprint (vLLM's CPU build): the engine's start, or a push "
+    "with verify_pushes=False; checked from the next checked push that sends it"
 )
 STALE_PACK = "computes with a packed copy of other values than it holds (its pack was not rebuilt after the load)"
 
@@ -78,7 +78,8 @@ def _moe_tp_size(module: torch.nn.Module) -> int:
 def held_layer_sums(model: torch.nn.Module, written: WrittenSums | None = None) -> dict[str, dict[str, Any]]:
     """Per-layer fingerprints of what ``model`` (vLLM's, in its worker) holds, on its device (on a GPU in one
     kernel launch per dtype); one sync at the end. The parameters in ``written`` are not read: their sums were taken
-    as the last load wrote them.
+    as the last load wrote them; nor are the weights vLLM's CPU build left live when the last load processed their
+    layer (``packed_sums.loaded_as``).
 
     Returns ``{"sharded": {layer: [bits, squares]}, "replicated": {...}, "unverifiable": {layer: why},
     "stale": {layer: why}}`` (``layer_sums.tensor_sums``): a parameter of a tensor-parallel layer (``tp_size > 1``)
@@ -114,6 +115,8 @@ def held_layer_sums(model: torch.nn.Module, written: WrittenSums | None = None) 
             continue
         rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else [(layer, parameter)]
         sums = (written or {}).get(name)
+        if sums is None and (as_loaded := loaded_as(module, parameter)) is not None:
+            sums = [as_loaded]  # (fingerprinted as the last load left it, and computed with as it is: packed_sums.py)
         if sums is not None and len(sums) == len(rows):
             taken.extend((kind, row_layer, row_sums) for (row_layer, _), row_sums in zip(rows, sums))
         else:

@@ -9,6 +9,15 @@ for the layer's values, and holds it against a weight that is still live: an emb
 it, or a linear layer whose processing was skipped. If those differ, the pack was built from other values than the
 layer holds (the stale pack ``backends/gloo/tied_embedding_fix.py`` exists for), and the layer is named.
 
+Where vLLM cannot pack a layer (oneDNN refuses the shape or dtype: bfloat16 on a CPU without AVX512-BF16), it leaves
+the weight live and computes with it. vLLM's layer-wise reload processes a layer in fresh tensors, then copies them
+into the tensors the layer held (``_copy_and_restore_kernel_tensors``: a copy of equal shapes, exact). So the
+fingerprint taken the moment before the pack would have been built holds for the weight the layer holds once the load
+ends, as long as nothing wrote it since: :func:`loaded_as` gives it for the layers the last load processed, so that the
+check does not read them a second time (as on a GPU the sums the copies took, ``held_sums.SumsWhatItWrites``). A layer
+the last load did not process, or whose weight was replaced since, is read live: whatever wrote it since its load is
+caught.
+
 The fingerprint costs one read of the weight, while the loader has just written it; packing then reads it again.
 """
 
@@ -17,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import torch
 
@@ -26,6 +35,10 @@ from lightning_vllm.weights.layer_sums import tensor_sums
 # Kept beside the layer, not on it: dropped with the layer, and a fingerprint is a fact of the pack, which the layer
 # keeps until it is packed again (then replaced here, the one place that writes it).
 _PACKED_FROM: WeakKeyDictionary[torch.nn.Module, torch.Tensor] = WeakKeyDictionary()
+# The layers the last load processed and vLLM left computing with their live weight: the weight the layer held when
+# the load ended (by reference and address, so that a weight replaced since is read again) and its fingerprint.
+# Emptied as each load begins, filled as it ends.
+_LOADED_AS: WeakKeyDictionary[torch.nn.Module, tuple[ref[torch.Tensor], int, torch.Tensor]] = WeakKeyDictionary()
 
 
 def packed_from(layer: torch.nn.Module) -> torch.Tensor | None:
@@ -34,32 +47,63 @@ def packed_from(layer: torch.nn.Module) -> torch.Tensor | None:
     return _PACKED_FROM.get(layer)
 
 
+def loaded_as(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """The fingerprint of ``weight`` as the last load left it, if that load processed ``layer`` inside
+    :func:`packing_fingerprinted` and vLLM computes with the weight as it is (it could not pack it); else ``None``."""
+    found = _LOADED_AS.get(layer)
+    if found is None:
+        return None
+    held, address, sums = found
+    return sums if held() is weight and weight.data_ptr() == address else None
+
+
 def any_packed() -> bool:
     """Whether any layer of this process was packed inside :func:`packing_fingerprinted` (and is alive)."""
     return len(_PACKED_FROM) > 0
 
 
 @contextmanager
-def packing_fingerprinted() -> Iterator[None]:
+def packing_fingerprinted(fingerprint: bool = True) -> Iterator[None]:
     """While open, every layer vLLM's CPU build packs is fingerprinted first (see the module docstring).
 
     vLLM imports ``dispatch_cpu_unquantized_gemm`` from its module at each call, so replacing it there for the
     duration of a load reaches every layer the load processes, and nothing outside it.
+
+    Args:
+        fingerprint: ``False`` for a load no check follows (an unchecked push): the layers it processes are only
+            forgotten (their fingerprints would be of earlier values), which spares a read of every linear weight
+            (0.68 s of a 1.46 s push at 400M on 2 CPU cores). A later check says such a layer cannot be verified
+            until a checked push sends it.
     """
     from vllm.model_executor.layers import utils
 
     dispatch = utils.dispatch_cpu_unquantized_gemm
 
+    processed: WeakKeyDictionary[torch.nn.Module, tuple[int, torch.Tensor]] = WeakKeyDictionary()  # (numel, sums)
+
     def fingerprint_then_pack(layer: torch.nn.Module, remove_weight: bool) -> Any:
         weight = getattr(layer, "weight", None)
-        if isinstance(weight, torch.Tensor) and not weight.is_meta and weight.dim() == 2 and weight.numel():
-            _PACKED_FROM[layer] = tensor_sums(weight)
-        else:  # (packed from nothing we can fingerprint: vLLM leaves such a layer unpacked or computes otherwise)
+        processed.pop(layer, None)
+        if not fingerprint:
             _PACKED_FROM.pop(layer, None)
-        return dispatch(layer, remove_weight)
+            return dispatch(layer, remove_weight)
+        if not (isinstance(weight, torch.Tensor) and not weight.is_meta and weight.dim() == 2 and weight.numel()):
+            _PACKED_FROM.pop(layer, None)  # (nothing we can fingerprint: vLLM leaves it unpacked or computes otherwise)
+            return dispatch(layer, remove_weight)
+        sums = _PACKED_FROM[layer] = tensor_sums(weight)
+        done = dispatch(layer, remove_weight)
+        if remove_weight and layer.weight is weight and weight.numel():  # not packed: computes with the live weight
+            del _PACKED_FROM[layer]
+            processed[layer] = (weight.numel(), sums)
+        return done
 
+    _LOADED_AS.clear()  # (a weight of an earlier load may be written by this one, even if this one fails)
     utils.dispatch_cpu_unquantized_gemm = fingerprint_then_pack
     try:
         yield
     finally:
         utils.dispatch_cpu_unquantized_gemm = dispatch
+    for layer, (numel, sums) in processed.items():  # (the load ended: bound to the weights vLLM copied back)
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() == numel:
+            _LOADED_AS[layer] = (ref(weight), weight.data_ptr(), sums)

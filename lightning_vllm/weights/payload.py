@@ -76,6 +76,8 @@ class Outgoing:
         what: the transfer, as errors name it.
         check_alive: raises once the engine is known to have died (a sender whose waits cannot see it
             asks this while it waits).
+        checked: the push is checked once it commits (``verify_pushes``): a worker that fingerprints what it loads
+            for the check (vLLM's CPU build packs, ``packed_sums.py``) does so; an unchecked push spares that read.
     """
 
     weights: Weights
@@ -84,3 +86,4 @@ class Outgoing:
     every_rank: EveryRankSend | None = None
     what: str = "the transfer"
     check_alive: Callable[[], None] = lambda: None
+    checked: bool = True

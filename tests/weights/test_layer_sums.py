@@ -61,12 +61,14 @@ def test_the_gpus_row_split_adds_up_to_the_sums_of_every_value(numel):
 
 
 def test_a_chunk_of_the_largest_bfloat16_bit_patterns_sums_exactly():
-    # The CPU adds bfloat16 patterns in int32, up to 2**16 of them a chunk: the largest finite one cannot overflow.
-    largest = torch.full((2**16 + 3,), 0x7F7F, dtype=torch.int16).view(torch.bfloat16)
+    # The CPU adds bfloat16 patterns in int32 over rows of 2**16 (a whole chunk of 2**18), the rest in int64: the
+    # largest finite pattern overflows neither.
+    count = 2**18 + 2**16 + 3
+    largest = torch.full((count,), 0x7F7F, dtype=torch.int16).view(torch.bfloat16)
     bits, _, not_finite = tensor_sums(largest).tolist()
-    assert bits == (0x7F7F << 16) * (2**16 + 3)
-    assert not_finite == 2**16 + 3  # (their squares overflow float32)
-    assert tensor_sums(-largest).tolist()[0] == (0x7F7F << 16 | 0x80000000) * (2**16 + 3) - 2**32 * (2**16 + 3)
+    assert bits == (0x7F7F << 16) * count
+    assert not_finite == count  # (their squares overflow float32)
+    assert tensor_sums(-largest).tolist()[0] == (0x7F7F << 16 | 0x80000000) * count - 2**32 * count
 
 
 def test_a_layer_negated_whole_is_named():
@@ -234,3 +236,22 @@ def test_values_rounded_to_the_serving_dtype_a_chunk_at_a_time_sum_as_the_rounde
     assert tensor_sums(master, torch.bfloat16).tolist() == tensor_sums(rounded).tolist()
     assert tensor_sums(master, torch.bfloat16).tolist() != tensor_sums(master).tolist()
     assert torch.equal(master.to(torch.bfloat16), rounded)  # the master weights were not written
+
+
+def test_the_sums_beside_a_push_leave_a_core_to_it_and_the_pushing_thread_keeps_its_threads():
+    import threading
+
+    from lightning_vllm.weights.layer_sums import _one_core_left_to_the_push
+
+    threads = torch.get_num_threads()
+    seen: list[int] = []
+
+    def sums() -> None:
+        with _one_core_left_to_the_push():
+            seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=sums)
+    thread.start()
+    thread.join(timeout=10)
+    assert seen == [max(1, threads - 1)]
+    assert torch.get_num_threads() == threads

@@ -23,6 +23,7 @@ from helpers import (
 from tensordict import TensorDict
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightsMismatchError
+from lightning_vllm.errors import LandedWeightsMismatchError
 
 pytestmark = pytest.mark.engine
 
@@ -132,6 +133,68 @@ def test_float32_trainer_into_a_bfloat16_engine(bf16_llm):
     assert max_abs_diff(served, hf_prompt_logprobs(tiny_qwen2(seed=0))) > 0.5  # the push changed the weights
     assert all(p.dtype == torch.float32 for p in model.parameters())
     updater.close()
+
+
+def _how_linear_weights_are_checked(worker) -> dict[str, str]:
+    """In vLLM's worker: how the check takes each linear layer's weight (``weights/packed_sums.py``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from lightning_vllm.weights.packed_sums import loaded_as, packed_from
+
+    return {
+        name: "packed"
+        if packed_from(layer) is not None
+        else "as loaded"
+        if loaded_as(layer, layer.weight) is not None
+        else "read"
+        for name, layer in worker.get_model().named_modules()
+        if isinstance(layer, LinearBase)
+    }
+
+
+def _add_to_weight(worker, name: str, amount: float) -> None:
+    with torch.no_grad():
+        worker.get_model().get_submodule(name).weight.view(-1)[0] += amount
+
+
+def test_the_check_takes_linear_layers_as_the_load_left_them_and_reads_the_rest(bf16_llm):
+    model = tiny_qwen2(seed=49)
+    updater = VLLMUpdater(engine=bf16_llm)  # (checked: the default)
+    updater.push_weights(model)
+    (taken,) = bf16_llm.collective_rpc(_how_linear_weights_are_checked)
+    # vLLM's CPU build either packs a layer (its fingerprint is the pack's) or, where oneDNN refuses bfloat16, computes
+    # with the weight as the load left it: no linear weight is read again for the check.
+    assert taken and set(taken.values()) <= {"packed", "as loaded"}, taken
+    assert taken["model.layers.1.mlp.down_proj"] == "as loaded", taken  # (this CPU: oneDNN refuses bfloat16)
+    # Changed behind the trainer's back after the push; the next push loads another layer only. The changed layer was
+    # not processed by that load, so it is read, and named.
+    bf16_llm.collective_rpc(_add_to_weight, args=("model.layers.1.mlp.down_proj", 0.5))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.01)
+    with pytest.raises(LandedWeightsMismatchError) as caught:
+        updater.push_weights(model)
+    assert caught.value.layers == {0: ["model.layers.1.mlp"]}
+    (taken,) = bf16_llm.collective_rpc(_how_linear_weights_are_checked)
+    assert set(taken.values()) == {"read"}, taken  # (the last load processed no linear layer)
+    updater.push_weights(model)  # every tensor again: the layer mended, checked as loaded
+    (taken,) = bf16_llm.collective_rpc(_how_linear_weights_are_checked)
+    assert set(taken.values()) <= {"packed", "as loaded"}, taken
+    updater.close()
+
+
+def test_an_unchecked_push_spares_the_workers_fingerprints_and_the_next_checked_one_takes_them(bf16_llm):
+    model = tiny_qwen2(seed=50)
+    unchecked = VLLMUpdater(engine=bf16_llm, verify_pushes=False)
+    unchecked.push_weights(model)
+    (taken,) = bf16_llm.collective_rpc(_how_linear_weights_are_checked)
+    assert set(taken.values()) == {"read"}, taken  # (nothing fingerprinted: no check follows)
+    unchecked.close()
+    checked = VLLMUpdater(engine=bf16_llm)
+    stats = checked.push_weights(model)  # (raises if any layer landed otherwise than sent)
+    assert stats.checked_layers[0] == stats.checked_layers[1] > 0
+    (taken,) = bf16_llm.collective_rpc(_how_linear_weights_are_checked)
+    assert taken and set(taken.values()) <= {"packed", "as loaded"}, taken
+    checked.close()
 
 
 def group_bytes(model, prefix: str) -> int:

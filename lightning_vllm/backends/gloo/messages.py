@@ -224,6 +224,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     worker makes for this update to ``senders[k - 1]`` (``{"address", "port"}``), naming
     ``sender_group`` (fresh for each update, which is also what lets it in). Each piece
     travels in slices of at most ``bucket_size_bytes``, and there is no coalescing.
+
+    ``fingerprinted``: the workers fingerprint the layers vLLM's CPU build processes as it
+    processes them, for the check after the push (``weights/packed_sums.py``); an unchecked
+    push sends ``False`` and spares the workers that read of every linear weight.
     """
 
     names: list[str]
@@ -235,6 +239,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     pieces: list[list[int]] | None = None
     senders: list[dict[str, Any]] = field(default_factory=list)
     sender_group: str = ""
+    fingerprinted: bool = True
 
     def __post_init__(self) -> None:
         num_tensors = len(self.names)
@@ -292,6 +297,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         buckets: Sequence[Bucket],
         segment_ends: Sequence[int] | None = None,
         adapter: dict[str, Any] | None = None,
+        fingerprinted: bool = True,
         **every_rank: Any,
     ) -> Self:
         """The message for a bucket layout; without ``segment_ends``, each bucket is one segment.
@@ -305,6 +311,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             bucket_ends=bucket_ends,
             segment_ends=list(segment_ends) if segment_ends is not None else bucket_ends,
             adapter=adapter,
+            fingerprinted=fingerprinted,
             **every_rank,
         )
 

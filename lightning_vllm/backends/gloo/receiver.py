@@ -35,6 +35,7 @@ class PostedUpdate:
         self.timeout_seconds = timeout_seconds
         self.num_buffers = 0
         self.adapter: dict[str, Any] | None = None  # the LoRA adapter the update carries, if any
+        self.fingerprinted = True  # the load fingerprints what vLLM's CPU build packs (the push is checked)
         self.senders: list[Wire] = []  # connections to the other trainer ranks, for this update only
         self._posted: list[tuple[list[Transfer], NamedTensors]] = []
 
@@ -120,6 +121,7 @@ class GlooReceiver:
         posted = into if into is not None else PostedUpdate(self.timeout_seconds)
         if update_info.adapter is not None:
             posted.adapter = update_info.adapter
+        posted.fingerprinted = update_info.fingerprinted
         if update_info.pieces is not None:
             self._post_pieces(update_info, posted)
             return posted

@@ -90,6 +90,7 @@ def send_in_shares(
     tensors: Iterator[torch.Tensor],
     client: Any,
     every: EveryRankSend,
+    fingerprinted: bool = True,
 ) -> None:
     """Rank 0's part of one update whose tensors every trainer rank sends a share of (``tensors``: rank
     0's shares, down ``wire``); returns once every rank has sent its shares, before the engine loads them.
@@ -112,6 +113,7 @@ def send_in_shares(
             pieces=pieces,
             senders=every.senders,
             sender_group=group_name,
+            fingerprinted=fingerprinted,
         )
         receive = BackgroundCall(client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
         window = sender.window(wire, receive)

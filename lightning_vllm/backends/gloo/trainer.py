@@ -128,9 +128,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         wire = self._connected_group()  # before the engine starts an update it could not finish
         self._start_update(client)
         if groups and every is not None:
-            send_in_shares(self, wire, groups, tensors, client, every)
+            send_in_shares(self, wire, groups, tensors, client, every, fingerprinted=push.checked)
         elif groups:  # (nothing changed since the last push: only the version moves)
-            self.send_update(groups, tensors, adapter=push.adapter, client=client)
+            self.send_update(groups, tensors, adapter=push.adapter, client=client, fingerprinted=push.checked)
         client.finish_weight_update()
 
     def _start_update(self, client: Any) -> None:
@@ -160,6 +160,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         tensors: Iterator[torch.Tensor],
         adapter: dict[str, Any] | None = None,
         client: Any = None,
+        fingerprinted: bool = True,
     ) -> None:
         """One ``update_weights`` call and the broadcasts that carry its tensors.
 
@@ -173,12 +174,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             tensors: the tensors of ``groups``, in the same order.
             adapter: the LoRA adapter among them, if any (see ``GlooWeightTransferUpdateInfo``).
             client: the engine's client (default: ``self.client``).
+            fingerprinted: the workers fingerprint what they load, for the check after the push
+                (``GlooWeightTransferUpdateInfo``).
         """
         process_group = self._connected_group()
         specs = [spec for group in groups for spec in group]
         buckets = cut_into_buckets(groups, self.bucket_size_bytes)
         segment_ends = choose_segment_ends(specs, buckets, min(self.coalesce_bytes, self.bucket_size_bytes))
-        update_info = GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, segment_ends, adapter)
+        update_info = GlooWeightTransferUpdateInfo.from_buckets(specs, buckets, segment_ends, adapter, fingerprinted)
         client = self.client if client is None else client
         receive = BackgroundCall(client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
         segments = [update_info.segments(specs, bucket) for bucket in buckets]

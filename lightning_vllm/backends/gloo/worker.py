@@ -106,8 +106,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             adapter = ReceivedAdapter(self.model, self.vllm_config, pending.adapter, adapter_tensors)
             received = [[(name, t) for name, t in batch if not name.startswith(ADAPTER_PREFIX)] for batch in received]
         if any(received):
-            # (What vLLM's CPU build packs is fingerprinted as it packs it: the check after every push reads it.)
-            with packing_fingerprinted(), tied_embeddings_refreshed(self.model), cpu_experts_repacked(self.model):
+            # (What vLLM's CPU build packs is fingerprinted as it packs it if the push is checked: the check reads it.)
+            fingerprinted = packing_fingerprinted(pending.fingerprinted)
+            with fingerprinted, tied_embeddings_refreshed(self.model), cpu_experts_repacked(self.model):
                 initialize_layerwise_reload(self.model)
                 with disable_mtp_completeness_check():
                     for tensors in received:

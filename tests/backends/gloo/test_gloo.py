@@ -38,6 +38,7 @@ def test_update_info_round_trips_through_plain_data():
         "pieces": None,  # (every trainer rank sends a share: tests/backends/gloo/test_gloo_shares.py)
         "senders": [],
         "sender_group": "",
+        "fingerprinted": True,  # (the workers fingerprint what vLLM packs: the push is checked)
     }
     received = GlooWeightTransferUpdateInfo(**payload)
     assert received.specs() == specs
