@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes gpu-carry lint demo demo-lora demo-tiny bench bench-multihost soak clean
+.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes test-gpu-check-faults gpu-carry lint demo demo-lora demo-tiny bench bench-multihost soak clean
 
 install: $(STAMP)
 
@@ -61,22 +61,24 @@ test-vllm-next: $(STAMP) $(VLLM_NEXT_DIR)
 test-fast: $(STAMP)
 	LIGHTNING_VLLM_FAST_TIER=1 $(PY) -m pytest -p no:cacheprovider -m "not engine" --timeout 120
 
-# The GPU tier (tests/gpu): the product on vLLM's own engine on one CUDA GPU, in six calls of at most 9 minutes
+# The GPU tier (tests/gpu): the product on vLLM's own engine on one CUDA GPU, in seven calls of at most 9 minutes
 # each: `make test-gpu` (ipc, lightning_ipc), `make test-gpu-moe` (MoE policies over both), `make test-gpu-nccl`
 # (nccl into in-process engines), `make test-gpu-lightning-nccl` (the staged nccl backend, in-process),
 # `make test-gpu-lightning-nccl-server` (trainers killed in a push into `vllm serve` over it) and
-# `make test-gpu-nccl-nodes` (nccl into `vllm serve` from trainers in processes of their own, two-node runs). The MoE
+# `make test-gpu-nccl-nodes` (nccl into `vllm serve` from trainers in processes of their own, two-node runs),
+# `make test-gpu-check-faults` (a faulty load named at that push over ipc, nccl and lightning_nccl). The MoE
 # tests have a call of their own because with them `make test-gpu` took 515 s of its 540 (2026-12-03), and
 # lightning_nccl's because with it `make test-gpu-nccl` took 513 s (2026-12-03): a slower host would cut them short.
 # With TorchRL's scheme tests `make test-gpu` took 494 s and `make test-gpu-nccl` 298 s (2026-12-05, H100).
 # Here: `make gpu-carry` builds .gpu-carry/ (vLLM 0.33's Python sources, the wheels its Python imports, torch-native
-# stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the six
+# stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the seven
 # targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/gpu.md. A test still running after
 # 240 s has every thread's stack printed (a hang in an engine call shows where it waits).
 GPU_PYTEST := source .gpu-carry/setup.sh && python3 -m pytest -p no:cacheprovider -m gpu --timeout 300 -o faulthandler_timeout=240 -v -rA
 NCCL_NODES := tests/gpu/nccl/test_nccl_nodes.py
 LIGHTNING_NCCL := tests/gpu/nccl/test_lightning_nccl_llm.py
 LIGHTNING_NCCL_SERVER := tests/gpu/nccl/test_lightning_nccl_server.py
+GPU_CHECK_FAULTS := tests/gpu/nccl/test_gpu_check_faults.py
 GPU_MOE := tests/gpu/test_gpu_moe.py
 
 gpu-carry:
@@ -89,7 +91,8 @@ test-gpu-moe:
 	$(GPU_PYTEST) $(GPU_MOE)
 
 test-gpu-nccl:
-	$(GPU_PYTEST) --ignore=$(NCCL_NODES) --ignore=$(LIGHTNING_NCCL) --ignore=$(LIGHTNING_NCCL_SERVER) tests/gpu/nccl
+	$(GPU_PYTEST) --ignore=$(NCCL_NODES) --ignore=$(LIGHTNING_NCCL) --ignore=$(LIGHTNING_NCCL_SERVER) \
+		--ignore=$(GPU_CHECK_FAULTS) tests/gpu/nccl
 
 test-gpu-lightning-nccl:
 	$(GPU_PYTEST) $(LIGHTNING_NCCL)
@@ -99,6 +102,9 @@ test-gpu-lightning-nccl-server:
 
 test-gpu-nccl-nodes:
 	$(GPU_PYTEST) $(NCCL_NODES)
+
+test-gpu-check-faults:
+	$(GPU_PYTEST) $(GPU_CHECK_FAULTS)
 
 # GRPO teaches SmolLM2-135M-Instruct two-digit addition (docs/grpo-addition.md): at most 15 minutes on
 # 2 CPU cores, the model's preparation included; the last line is the held-out accuracy before and after.

@@ -425,14 +425,16 @@ def written_and_read(llm: Any) -> tuple[list[str], list[str], dict[str, Any], di
 
 
 def records_forgotten(llm: Any) -> None:
-    """The engine's recorded loads dropped (and its own ``load_weights`` back, if a test replaced it): the next push
-    goes through vLLM's loaders, recorded again."""
+    """The engine's recorded loads dropped, if it keeps any (and its own ``load_weights`` back, if a test replaced
+    it): the next push goes through vLLM's loaders, recorded again."""
 
     def run(worker: Any) -> None:  # (in vLLM's worker)
         from lightning_vllm.backends.lightning_ipc.recorded_loads import RecordedLoads
 
         engine = worker.weight_transfer_engine
         engine.model.__dict__.pop("load_weights", None)
+        if not hasattr(engine, "loads"):  # (vLLM's own ipc and nccl engines load through the loaders every time)
+            return
         engine.loads = RecordedLoads(engine.sums.summed if engine.sums else None)
         engine._replay = None
         if hasattr(engine, "_bound"):
