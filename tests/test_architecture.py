@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).parents[1] / "lightning_vllm"
 
 # Lowest first; a module may import from its own layer or from those below. docs/index.md draws them.
 LAYERS: dict[str, list[str]] = {
-    "base": ["settings", "errors", "options", "_waits", "engine_client", "prompts"],
+    "base": ["settings", "errors", "options", "_waits", "prompts"],
     "in vLLM": ["in_vllm", "in_vllm.plugin", "in_vllm.busy_wait", "in_vllm.lora_adapters", "in_vllm.lora_ops",
                "in_vllm.worker_methods"],
     "what is sent": [
@@ -24,7 +24,7 @@ LAYERS: dict[str, list[str]] = {
     "where vLLM lives": [
         "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.worker_check",
         "engines.base", "engines.config_facts", "engines.local", "engines.async_local", "engines.http", "engines.ray",
-        "engines.failures", "server",
+        "engines.failures", "server", "engines.client",
     ],
     "backends": [
         "backends", "backends.base", "backends.registry", "backends.vllm_engines",

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lightning_vllm._waits import call_watched, call_with_timeout, wait_polling
-from lightning_vllm.engine_client import TimedClient
+from lightning_vllm.engines.client import TimedClient
 from lightning_vllm.errors import WeightSyncTimeoutError
 
 
@@ -115,23 +115,29 @@ class OneCallRecorder:
 
 
 def test_an_update_in_one_call_commits_the_push_s_version_inside_its_commit_window():
-    from contextlib import contextmanager
-
-    from lightning_vllm.engine_client import AbandonedClient
     from lightning_vllm.engines.base import UpdatesInOneCall
+    from lightning_vllm.engines.client import AbandonedClient, CommitWindow
     from lightning_vllm.errors import WeightSyncError
 
     inner = OneCallRecorder()
     assert isinstance(inner, UpdatesInOneCall)
 
-    @contextmanager
-    def window():
-        inner.calls.append(("window", None))
-        yield
-        inner.calls.append(("reset", None))
+    class Engine:  # (the engine's generation calls, recorded beside the client's)
+        description = "the engine"
 
+        def pause_generation(self, mode: str) -> None:
+            inner.calls.append(("pause", mode))
+
+        def resume_generation(self) -> None:
+            inner.calls.append(("resume", None))
+
+        def reset_prefix_cache(self) -> None:
+            inner.calls.append(("reset", None))
+
+    window = CommitWindow(Engine(), timeout=5, pause_mode="keep", reset_prefix_cache=True)
     TimedClient(inner, timeout=5).committing("7", window).update_weights_in_one_call(print, {"names": []})
-    assert inner.calls == [("window", None), ("one call", "7"), ("reset", None)]
+    assert inner.calls == [("pause", "keep"), ("one call", "7"), ("reset", None), ("resume", None)]
+    assert 0 < window.commit_seconds <= window.pause_seconds
     with pytest.raises(WeightSyncError, match="had already failed"):
         AbandonedClient("The push").update_weights_in_one_call(print, {"names": []})
 

@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransf
 
 from lightning_vllm._waits import call_watched
 from lightning_vllm.backends.base import Backend, GroupSettings, Sender
-from lightning_vllm.engine_client import AbandonedClient
+from lightning_vllm.engines.client import AbandonedClient
 from lightning_vllm.weights import DeclaredWeights
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata

@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable, Hashable
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines.base import EngineTarget
+from lightning_vllm.engines.client import TimedClient
 from lightning_vllm.errors import WeightSyncTimeoutError
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from typing import Any
 
@@ -26,17 +25,15 @@ from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts, lora_facts
 from lightning_vllm.core.landing_check import LandingCheck
-from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
     FollowsUpdaterTimeout,
-    GeneratesOnlyInCalls,
     PolicyAdapter,
-    ServesLoraAdapters,
     UpdatesInOneCall,
     mixed_weight_version,
     version_number,
 )
+from lightning_vllm.engines.client import CommitWindow, TimedClient
 from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
@@ -83,6 +80,21 @@ class PushTiming:
         return PushTiming(*(mine + theirs for mine, theirs in zip(astuple(self), astuple(other))))
 
 
+@dataclass(frozen=True)
+class Pushed:
+    """What one push to one engine did: its bytes sent, where the seconds went, and the version it committed.
+
+    Attributes:
+        num_bytes: the bytes sent (0: nothing changed since the last push; only the version moved).
+        timing: where the seconds went (:class:`PushTiming`; ``check_seconds`` is the caller's).
+        version: the weight version the engine committed.
+    """
+
+    num_bytes: int
+    timing: PushTiming
+    version: int
+
+
 class EngineConnection:
     """A formed transfer group with one engine, and what the engine loads (``engine_metadata``).
 
@@ -114,13 +126,8 @@ class EngineConnection:
         self.engine_metadata = engine_metadata
         self.ties_word_embeddings = ties_word_embeddings
         self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
-        self.has_policy_base, self.last_num_bytes = False, 0
+        self.has_policy_base = False
         self._all_bytes = metadata_bytes(engine_metadata)  # (summed once: a push of every tensor sends these)
-        self.last_timing = PushTiming()  # where the last push's seconds went
-        self._commit_seconds = self._pause_seconds = 0.0
-        self._paused_at: float | None = None
-        # (Asked once: an engine that generates only inside its calls has nothing to pause.)
-        self._pauses = not (isinstance(engine, GeneratesOnlyInCalls) and engine.generates_only_in_calls())
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
         self.landing = LandingCheck.for_engine(engine, options.verify_pushes, options.timeout_seconds)
         # Where this connection's adapter pushes are staged on the engine's host: a key of its own,
@@ -228,8 +235,8 @@ class EngineConnection:
         if self.ties_word_embeddings:
             check_tied_output_embedding(payload.weights, offered)
 
-    def push(self, payload: Payload, version: int) -> int:
-        """Send ``payload`` and commit it as ``version``; returns the bytes sent. With ``payload.every_rank``, the
+    def push(self, payload: Payload, version: int) -> Pushed:
+        """Send ``payload`` and commit it as ``version``; returns what it did. With ``payload.every_rank``, the
         other trainer ranks send their shares of each tensor at the same time (``weights/shares.py``).
 
         With the gloo backend the workers receive the whole update while the engine keeps generating with its
@@ -243,11 +250,16 @@ class EngineConnection:
         # Workers that receive the whole update while vLLM serves and load it inside finish_weight_update need
         # generation paused around that call only.
         pause_for_transfer = self.backend.traits.loads_while_receiving
-        self._commit_seconds = self._pause_seconds = 0.0
+        adapter = self.adapter if payload.adapter_config is not None else None
+        options = self.options
+        window = CommitWindow(
+            self.engine, options.timeout_seconds, options.pause_mode, options.reset_prefix_cache, adapter,
+            pause_at_finish=not pause_for_transfer,
+        )  # fmt: skip
         if pause_for_transfer:
-            self._pause()
+            window.pause()
         names = self._names_to_send(payload)
-        outgoing = self._outgoing(payload, names, version)
+        outgoing = self._outgoing(payload, names, version, window)
         started = time.perf_counter()
         try:
             self.sender.send(outgoing)
@@ -259,14 +271,14 @@ class EngineConnection:
             # was sent: then they report the mix (after_failure.py).
             sent_some = pause_for_transfer and outgoing.client.updates_sent > 0
             mixed = mixed_weight_version(self.committed_version, version) if sent_some else None
-            self.close(wait=False, update_open=pause_for_transfer, mixed_version=mixed)
+            self.close(wait=False, open_update=window if pause_for_transfer else None, mixed_version=mixed)
             raise
         sent_seconds = time.perf_counter() - started
         self.committed_version = version
         if pause_for_transfer:
-            self._resume()
-        self.last_timing = PushTiming(sent_seconds - self._commit_seconds, self._commit_seconds, self._pause_seconds)
-        return self._record_landed(payload, names)
+            window.resume()
+        timing = PushTiming(sent_seconds - window.commit_seconds, window.commit_seconds, window.pause_seconds)
+        return Pushed(self._record_landed(payload, names), timing, version)
 
     def _names_to_send(self, payload: Payload) -> ModelMetadata:
         """The engine's names and dtypes of what ``payload`` sends this engine: an adapter's under the engine's LoRA
@@ -288,18 +300,17 @@ class EngineConnection:
             return names
         return {name: meta for name, meta in names.items() if name not in unchanged}
 
-    def _outgoing(self, payload: Payload, names: ModelMetadata, version: int) -> Outgoing:
+    def _outgoing(self, payload: Payload, names: ModelMetadata, version: int, window: CommitWindow) -> Outgoing:
         """What the backend's sender is handed for one push: the tensors under ``names``, counted for the landing
-        check; the client that commits ``version`` inside the commit window; the adapter's message."""
-        adapter = self.adapter if payload.adapter_config is not None else None
-        pause = not self.backend.traits.loads_while_receiving
+        check; the client that commits ``version`` inside ``window``; the adapter's message."""
+        adapter = window.adapter
         landing = self.landing
         tally = landing.tally_for(payload.view != "adapter", payload.every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
         sent = EngineWeights(payload.weights, names, device=self.device, tally=tally)
         if sent.tally_held() and landing:  # (the model's own tensors, summed apart: SentSums says how)
             landing.sent.sum_held_meanwhile()
-        client = self.client.committing(str(version), lambda: self._commit_window(pause=pause, adapter=adapter))
+        client = self.client.committing(str(version), window)
         adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
         return Outgoing(
             sent,
@@ -321,8 +332,7 @@ class EngineConnection:
         self.sent.landed(names, payload.stamps if self.options.changed_only else None)
         if self.landing:
             self.landing.landed(committed=True)
-        self.last_num_bytes = self._all_bytes if names is self.engine_metadata else metadata_bytes(names)
-        return self.last_num_bytes
+        return self._all_bytes if names is self.engine_metadata else metadata_bytes(names)
 
     def differing_layers(self) -> list[str]:
         """After a push that committed: the layers the engine holds otherwise than sent (``[]``: none, or not
@@ -332,58 +342,23 @@ class EngineConnection:
             self.sent = SentStamps()
         return layers
 
-    @contextmanager
-    def _commit_window(self, pause: bool, adapter: PolicyAdapter | None = None) -> Iterator[None]:
-        """Around the call that finishes (and on gloo, loads) an update: generation paused if ``pause``; then, before
-        anything is generated with the new weights, generation is pointed at the adapter the update carried (or back
-        at the base model) and the prefix cache is reset."""
-        if pause:
-            self._pause()
-        started = time.perf_counter()
-        try:
-            yield
-            # A first adapter push, or a merged one after adapter pushes (an engine that cannot serve
-            # adapters was sent merged weights only: see adapter_problems).
-            if isinstance(self.engine, ServesLoraAdapters) and self.engine.adapter != adapter:
-                self._call(self.engine.serve_adapter, adapter, what=f"{self.engine.description} to serve the adapter")
-            if self.options.reset_prefix_cache:
-                self._call(self.engine.reset_prefix_cache, what=f"{self.engine.description} to reset its prefix cache")
-            self._commit_seconds = time.perf_counter() - started
-        except BaseException:
-            if pause and self._pauses:  # asked without waiting: a frozen engine must not double the wait
-                BackgroundCall(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
-            raise
-        if pause:
-            self._resume()
-
-    def _pause(self) -> None:
-        # Timed either way: an engine that generates only inside its calls holds generation for the window too.
-        self._paused_at = time.perf_counter()
-        if self._pauses:
-            what = f"{self.engine.description} to pause generation"
-            self._call(self.engine.pause_generation, self.options.pause_mode, what=what)
-
-    def _resume(self) -> None:
-        if self._pauses:
-            self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
-        if self._paused_at is not None:
-            self._pause_seconds += time.perf_counter() - self._paused_at
-            self._paused_at = None
-
-    def close(self, wait: bool = True, update_open: bool = False, mixed_version: str | None = None) -> None:
+    def close(
+        self, wait: bool = True, open_update: CommitWindow | None = None, mixed_version: str | None = None
+    ) -> None:
         """Leave the group and release the engine's side of it; the engine keeps serving.
 
         Args:
             wait: wait (at most ``timeout_seconds`` a call) for the engine; ``False`` asks on a background thread
                 and returns at once (the next connection waits for it).
-            update_open: a failed ``nccl``/``ipc`` push may have left the engine inside the update, paused: it is
-                closed (under ``mixed_version``, if given), generation resumes, then the engine's side is released.
+            open_update: the window of a failed ``nccl``/``ipc`` push, which may have left the engine inside the
+                update, paused: it is closed (under ``mixed_version``, if given), generation resumes through the
+                window, then the engine's side is released.
         """
         self.sender.shutdown()
 
         def release() -> None:
-            if update_open:
-                end_failed_update(self.client, self._resume, self.engine, mixed_version)
+            if open_update is not None:
+                end_failed_update(self.client, open_update.resume, self.engine, mixed_version)
             try:
                 self.client.shutdown_weight_transfer_engine()
             except Exception as error:  # the engine may be gone; nothing left to release then

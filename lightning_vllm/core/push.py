@@ -16,13 +16,12 @@ engine's processes (tensor-, pipeline-, data-parallel ranks), which join its gro
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
-from lightning_vllm.core.connection import EngineConnection, PushTiming
+from lightning_vllm.core.connection import EngineConnection, Pushed, PushTiming
 from lightning_vllm.core.versions import InFlight
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.failures import engine_death
@@ -34,6 +33,8 @@ from lightning_vllm.errors import (
     WeightsMismatchError,
     WeightSyncError,
 )
+from lightning_vllm.options import UpdaterOptions
+from lightning_vllm.weights import ModelMetadata
 from lightning_vllm.weights.payload import Payload
 
 EngineSelection = int | torch.device | Sequence[int | torch.device] | None
@@ -45,14 +46,11 @@ class EngineSet:
 
     Args:
         targets: the engines, in index order.
-        connect: opens the connection of the engine of an index (the updater's settings and
-            metadata); called when a push needs an engine not connected yet.
     """
 
-    def __init__(self, targets: list[EngineTarget], connect: Callable[[int], EngineConnection]) -> None:
+    def __init__(self, targets: list[EngineTarget]) -> None:
         self.targets = targets
         self.connections: dict[int, EngineConnection] = {}
-        self._connect = connect
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -83,9 +81,11 @@ class EngineSet:
             raise ValueError(f"worker_ids={selection!r} selects no engine; this updater's engines are {known}.")
         return sorted(set(resolved))
 
-    def connected(self, indices: Sequence[int]) -> tuple[dict[int, EngineConnection], dict[int, BaseException]]:
-        """The connection of each engine, joining the groups not formed yet, and the engines that
-        cannot be reached now (their errors): a push still goes to the others.
+    def connected(
+        self, indices: Sequence[int], metadata: ModelMetadata, options: UpdaterOptions
+    ) -> tuple[dict[int, EngineConnection], dict[int, BaseException]]:
+        """The connection of each engine, joining the groups not formed yet (for ``metadata``, with ``options``),
+        and the engines that cannot be reached now (their errors): a push still goes to the others.
 
         Raises:
             EngineConfigError, WeightsMismatchError: an engine is misconfigured, which no retry fixes.
@@ -95,7 +95,7 @@ class EngineSet:
         unreachable: dict[int, BaseException] = {}
         for index in indices:
             try:
-                connections[index] = self.connections.get(index) or self.open(index)
+                connections[index] = self.connections.get(index) or self.open(index, metadata, options)
             except (EngineConfigError, WeightsMismatchError):
                 raise
             except WeightSyncError as error:
@@ -104,14 +104,14 @@ class EngineSet:
             raise next(iter(unreachable.values()))
         return connections, unreachable
 
-    def open(self, index: int) -> EngineConnection:
-        """Open (again) the connection of the engine at ``index``.
+    def open(self, index: int, metadata: ModelMetadata, options: UpdaterOptions) -> EngineConnection:
+        """Open (again) the connection of the engine at ``index``, for ``metadata``, with ``options``.
 
         Raises:
             EngineDeadError: the engine is gone (its error says how to go on).
         """
         try:
-            connection = self._connect(index)
+            connection = EngineConnection.open(self.targets[index], metadata, options, index)
         except Exception as error:
             if dead := engine_death(error, self.targets[index], "before the push could join it"):
                 raise dead from error
@@ -168,35 +168,34 @@ class Push:
 
     Attributes:
         payload: what it carries.
-        engine_indices: the engines it goes to (connected, checked).
+        connections: the connections of the engines it goes to (connected, checked), by index.
         unreachable: the engines it cannot reach now, with their errors (they count as failed).
     """
 
     payload: Payload
-    engine_indices: list[int]
+    connections: dict[int, EngineConnection]
     unreachable: dict[int, BaseException] = field(default_factory=dict)
     engines: EngineSet | None = field(default=None, repr=False, compare=False)
-    landed: Callable[[SyncStats], Any] = field(default=lambda stats: None, repr=False, compare=False)
+
+    @property
+    def engine_indices(self) -> list[int]:
+        """The engines it goes to, in index order."""
+        return list(self.connections)
 
     def with_payload(self, payload: Payload) -> Push:
         """The same push carrying ``payload`` (a background snapshot): the same
         metadata, so the checks made still hold."""
         return replace(self, payload=payload)
 
-    def send(self, version: InFlight) -> SyncStats:
+    def send(self, version: InFlight) -> Sent:
         """Send this push to each of its engines and end ``version``: committed once any engine has it.
 
         Every engine is tried, whatever happened to the others; an engine that fails keeps its
-        previous weights and joins again at the next push. ``landed`` (the post hooks) runs once the
-        version is committed.
-
-        Once committed, each engine's per-layer sums are held against what was sent (``verify_pushes``).
+        previous weights and joins again at the next push. Once committed, each engine's per-layer sums
+        are held against what was sent (``verify_pushes``). What went wrong on some engines is in the
+        returned :class:`Sent` (``Sent.raise_failures``), for the caller to run its hooks first.
 
         Raises:
-            LandedWeightsMismatchError: the version was committed, but an engine holds other weights
-                than were sent (the layers are named; the next push sends every tensor again).
-            PartialPushError: some engines took the push and some did not (its ``stats`` and
-                ``failures`` say which).
             WeightSyncError: no engine took it; the error of the first engine that failed (the
                 version is not committed).
         """
@@ -205,17 +204,18 @@ class Push:
         committed: list[int] = []
         failures: dict[int, BaseException] = dict(self.unreachable)
         num_bytes, timing = 0, PushTiming()
+        indices = self.engine_indices
         try:
-            for position, index in enumerate(self.engine_indices):
+            for position, index in enumerate(indices):
                 try:
-                    sent, spent = self._push_one(index, version.version)
+                    pushed = self._push_one(index, version.version)
                 except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
-                    failures.update(dict.fromkeys(self.engine_indices[position:], error))
+                    failures.update(dict.fromkeys(indices[position:], error))
                     break
                 except Exception as error:  # noqa: BLE001  # the other engines still get the push
                     failures[index] = error
                     continue
-                num_bytes, timing = num_bytes + sent, timing + spent
+                num_bytes, timing = num_bytes + pushed.num_bytes, timing + pushed.timing
                 committed.append(index)
         finally:
             if committed:
@@ -225,8 +225,8 @@ class Push:
         if not committed:
             raise next(iter(failures.values()))
         checked_at = time.perf_counter()
-        connections = self.engines.connections
-        found = {index: connections[index].differing_layers() for index in committed if index in connections}
+        connections = self.connections
+        found = {index: connections[index].differing_layers() for index in committed}
         mismatched = {index: layers for index, layers in found.items() if layers}
         timing = replace(timing, check_seconds=time.perf_counter() - checked_at)
         checked = [landing.covered for index in found if (landing := connections[index].landing) is not None]
@@ -235,32 +235,59 @@ class Push:
         stats = SyncStats(
             version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing, checked_layers
         )
-        if mismatched:  # committed (the engines hold this version), but not as sent: the post hooks do not run
-            raise _mismatch_error(self.engines, stats, mismatched)
-        self.landed(stats)
-        if failures:
-            raise _partial_push_error(self.engines, stats, failures)
-        return stats
+        return Sent(stats, mismatched, failures, self.engines)
 
-    def _push_one(self, index: int, version: int) -> tuple[int, PushTiming]:
-        """Send the payload to the connected engine at ``index`` and commit ``version``: the bytes sent and where
-        the seconds went. A failed push closed the connection, which is forgotten: the next push opens a new one.
+    def _push_one(self, index: int, version: int) -> Pushed:
+        """Send the payload to the engine at ``index`` over the connection the push was prepared with, and commit
+        ``version``. A failed push closed the connection, which is forgotten: the next push opens a new one.
 
         Raises:
-            RuntimeError: the engine is not connected (``WeightSync.connect`` first).
+            RuntimeError: that connection was closed since (a push that failed in between: the next push opens
+                a new one).
             EngineDeadError: the engine died (it keeps nothing of this push).
         """
         assert self.engines is not None
-        connection = self.engines.connections.get(index)
-        if connection is None:
-            raise RuntimeError(f"The updater is not connected to engine {index!r}: call connect() (init()) first.")
+        connection = self.connections[index]
+        if self.engines.connections.get(index) is not connection:
+            raise RuntimeError(f"The connection to engine {index!r} closed after this push was prepared; push again.")
         try:
-            return connection.push(self.payload, version), connection.last_timing
+            return connection.push(self.payload, version)
         except BaseException as error:
             self.engines.forget(index)
             if dead := engine_death(error, self.engines.targets[index], "during a push"):
                 raise dead from error
             raise
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A push that committed, on at least one engine.
+
+    Attributes:
+        stats: its figures.
+        mismatched: the engines that hold other weights than were sent, with the layers that differ.
+        failures: the engines it did not reach, with their errors.
+        engines: the engine set it went to (for the errors' words).
+    """
+
+    stats: SyncStats
+    mismatched: dict[int, list[str]]
+    failures: dict[int, BaseException]
+    engines: EngineSet = field(repr=False)
+
+    def raise_failures(self) -> None:
+        """Raise what went wrong on some engines.
+
+        Raises:
+            LandedWeightsMismatchError: the version was committed, but an engine holds other weights
+                than were sent (the layers are named; the next push sends every tensor again).
+            PartialPushError: some engines took the push and some did not (its ``stats`` and
+                ``failures`` say which).
+        """
+        if self.mismatched:
+            raise _mismatch_error(self.engines, self.stats, self.mismatched)
+        if self.failures:
+            raise _partial_push_error(self.engines, self.stats, self.failures)
 
 
 def _mismatch_error(engines: EngineSet, stats: SyncStats, layers: dict[int, list[str]]) -> LandedWeightsMismatchError:

@@ -4,8 +4,8 @@
 background pushes, rollouts) and TorchRL's ``VLLMUpdater`` (``fronts/torchrl/``) are two front ends on top of it,
 side by side. A push is prepared
 (:meth:`WeightSync.prepare`: what to send, to which engines, every check), then sent and
-committed (:meth:`Push.send <lightning_vllm.core.push.Push.send>`), inside one push point's
-handle on the versions (``versions.py``).
+committed (:meth:`WeightSync.send`, which runs the post hooks), inside one push point's handle on the versions
+(``versions.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lightning_vllm.core.facts import EngineFacts
 from lightning_vllm.core.kept_choice import KeptChoice
 from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for, policy_of
 from lightning_vllm.core.push import EngineSelection, EngineSet, Push, SyncStats
-from lightning_vllm.core.versions import PushPointVersions, WeightVersions
+from lightning_vllm.core.versions import InFlight, PushPointVersions, WeightVersions
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.engines.base import ServesLoraAdapters
 from lightning_vllm.errors import EngineConfigError, WeightsMismatchError
@@ -80,7 +80,7 @@ class WeightSync:
         targets = as_engine_targets(engine) if engine is not None else []
         check_updater_options(self._options, num_engines=len(targets))  # before anything is used
         check_requested(self._options.backend)
-        self._engine_set = EngineSet(targets, self._connect)
+        self._engine_set = EngineSet(targets)
         self.model_metadata: ModelMetadata | None = as_metadata(model_metadata)
         self.versions = WeightVersions()
         self._post_hooks: list[Callable[[], Any]] = []
@@ -145,7 +145,7 @@ class WeightSync:
         targets = as_engine_targets(engine) if engine is not None else []
         check_updater_options(self._options, num_engines=len(targets))
         self.close()
-        self._engine_set = EngineSet(targets, self._connect)
+        self._engine_set = EngineSet(targets)
 
     @property
     def initialized(self) -> bool:
@@ -190,20 +190,25 @@ class WeightSync:
         self._require_engines()
         self.close()
         for index in self._engine_set.indices():
-            self._engine_set.open(index)
+            self._follow(self._engine_set.open(index, self.model_metadata, self._options))
 
     def _require_engines(self) -> None:
         if not self._engine_set.targets:
-            self._engine_set = EngineSet(self.find_engines(), self._connect)
+            self._engine_set = EngineSet(self.find_engines())
         if not self._engine_set.targets:
             raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
 
-    def _connect(self, index: int) -> EngineConnection:
+    def _connected(self, indices: list[int]) -> tuple[dict[int, EngineConnection], dict[int, BaseException]]:
+        """``EngineSet.connected`` for this updater's metadata and options, the versions following the engines'."""
         assert self.model_metadata is not None, "set by connect or by the first push"
-        connection = EngineConnection.open(self._engine_set.targets[index], self.model_metadata, self._options, index)
+        connections, unreachable = self._engine_set.connected(indices, self.model_metadata, self._options)
+        for connection in connections.values():
+            self._follow(connection)
+        return connections, unreachable
+
+    def _follow(self, connection: EngineConnection) -> None:
         # An earlier trainer (or run) may have pushed further: a version never names two sets of weights.
         self.versions.follow(connection.committed_version)
-        return connection
 
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""
@@ -233,10 +238,20 @@ class WeightSync:
         """The hooks run after each push that commits a version."""
         return list(self._post_hooks)
 
-    def _landed(self, stats: SyncStats) -> None:
-        self.last_sync = stats
-        for hook in self._post_hooks:
-            hook()
+    def send(self, push: Push, version: InFlight) -> SyncStats:
+        """Send a prepared push (:meth:`prepare`) as ``version``; once every engine that committed it holds what
+        was sent, the post hooks run (before a push that failed on some engines raises).
+
+        Raises:
+            LandedWeightsMismatchError, PartialPushError, WeightSyncError: as :meth:`push`.
+        """
+        sent = push.send(version)
+        if not sent.mismatched:
+            self.last_sync = sent.stats
+            for hook in self._post_hooks:
+                hook()
+        sent.raise_failures()
+        return sent.stats
 
     # -- pushing ----------------------------------------------------------------
 
@@ -270,7 +285,7 @@ class WeightSync:
         if point is None:
             with self.versions.push_point() as point:
                 return self.push(weights, engines, point)
-        return self.prepare(weights, engines).send(point.begin())
+        return self.send(self.prepare(weights, engines), point.begin())
 
     def prepare(self, weights: Any, engines: EngineSelection = None) -> Push:
         """Everything of :meth:`push` before the first byte moves: what to send, to which engines
@@ -286,10 +301,10 @@ class WeightSync:
         # (Asked once: an engine that cannot be reached must not be waited for twice.)
         reached: tuple[dict[int, EngineConnection], dict[int, BaseException]] | None = None
         if self._kept is not None:  # the same model as last time, unchanged: the same choice, checked already
-            reached = connections, unreachable = self._engine_set.connected(targets)
+            reached = connections, unreachable = self._connected(targets)
             kept = self._kept.payload_for(weights, connections, unreachable, self._options.changed_only)
             if kept is not None:
-                return Push(kept, list(connections), unreachable, self._engine_set, self._landed)
+                return Push(kept, connections, unreachable, self._engine_set)
             self._kept = None
         surveys = Surveys()
         payload = self.choose_payload(weights, targets, surveys=surveys)
@@ -298,7 +313,7 @@ class WeightSync:
         if derived:  # (an adapter view set it from the merged weights)
             self.model_metadata = offered
         try:
-            connections, unreachable = reached or self._engine_set.connected(targets)
+            connections, unreachable = reached or self._connected(targets)
         except WeightsMismatchError:
             if derived:  # a model the engines refused is not what the next push's groups are formed for
                 self.model_metadata = None
@@ -306,7 +321,7 @@ class WeightSync:
         for connection in connections.values():  # every check before the first byte moves
             connection.check(payload, offered)
         self._kept = KeptChoice.of(weights, surveys.made(weights), payload, connections, unreachable)
-        return Push(payload, list(connections), unreachable, self._engine_set, self._landed)
+        return Push(payload, connections, unreachable, self._engine_set)
 
     # -- what a push carries ------------------------------------------------------
 
@@ -320,7 +335,7 @@ class WeightSync:
             WeightSyncError: no engine can be reached.
         """
         self._require_engines()
-        connections, _ = self._engine_set.connected(self._engine_set.resolve(engines))
+        connections, _ = self._connected(self._engine_set.resolve(engines))
         return {index: connection.facts() for index, connection in connections.items()}
 
     def choose_payload(

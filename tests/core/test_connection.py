@@ -72,9 +72,9 @@ def test_a_push_sends_every_byte_the_engine_loads_and_commits_the_version_it_is_
     engine = FakeEngine(model)
     connection = EngineConnection.open(engine, source_metadata(ModuleWeights(model)), SETTINGS)
     connection.check(Payload(ModuleWeights(model)), source_metadata(ModuleWeights(model)))
-    sent = connection.push(Payload(ModuleWeights(model)), version=7)
-    assert sent == connection.last_num_bytes == sum(p.numel() * 4 for p in model.parameters())
-    timing = connection.last_timing  # gloo: the engine loads in the commit, paused around it only
+    pushed = connection.push(Payload(ModuleWeights(model)), version=7)
+    assert pushed.num_bytes == sum(p.numel() * 4 for p in model.parameters()) and pushed.version == 7
+    timing = pushed.timing  # gloo: the engine loads in the commit, paused around it only
     assert timing.transfer_seconds > 0 and 0 < timing.commit_seconds <= timing.pause_seconds
     assert engine.holds(model) and engine.version == "7"
     # Our trainer engine, the sender itself, is handed each push's weights and client: it keeps what it was built with.

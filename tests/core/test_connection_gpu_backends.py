@@ -24,8 +24,8 @@ from lightning_vllm.backends.registry import backend_named
 from lightning_vllm.backends.vllm_engines import ReplayedClient, ReplayedWeights, VLLMEngineSender
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.connection import EngineConnection
-from lightning_vllm.engine_client import TimedClient
 from lightning_vllm.engines.base import mixed_weight_version, parse_weight_version
+from lightning_vllm.engines.client import TimedClient
 from lightning_vllm.weights import DeclaredWeights, EngineWeights, ModuleWeights, source_metadata
 from lightning_vllm.weights.payload import Payload
 
@@ -172,9 +172,9 @@ def test_an_engine_that_generates_only_inside_its_calls_is_not_asked_to_pause():
     model = tiny_qwen2()
     engine = InProcessEngine(model, "nccl")
     connection = nccl_connection(engine, model, lambda source, meta: None)
-    connection.push(Payload(ModuleWeights(model)), version=1)
+    pushed = connection.push(Payload(ModuleWeights(model)), version=1)
     assert engine.version == "1" and engine.paused == 0 and engine.calls == ["start", "finish 1"]
-    assert connection.last_timing.pause_seconds > 0  # the window generation is held for, timed all the same
+    assert pushed.timing.pause_seconds > 0  # the window generation is held for, timed all the same
 
 
 def test_an_nccl_transfer_that_never_ends_is_an_error_within_the_timeout_and_commits_nothing():

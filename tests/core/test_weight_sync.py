@@ -37,7 +37,7 @@ def test_a_push_is_prepared_then_sent_and_only_its_send_moves_the_version():
     push = sync.prepare(model)  # every check, the group joined: nothing sent
     assert push.engine_indices == [0] and engine.num_updates == 0 and sync.weight_version == 0
     with sync.versions.push_point() as point:
-        stats = push.send(point.begin())
+        stats = sync.send(push, point.begin())
     assert stats.weight_version == sync.weight_version == 1 and engine.holds(model)
 
 

@@ -25,7 +25,7 @@ from lightning_vllm.backends.gloo.messages import (
 )
 from lightning_vllm.backends.gloo.rendezvous import form_group
 from lightning_vllm.backends.gloo.shares import send_in_shares
-from lightning_vllm.engine_client import TimedClient
+from lightning_vllm.engines.client import TimedClient
 from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights.base import ForeignWeights, Weights

@@ -185,7 +185,7 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         else:
             assert self.source is not None
             info, weight_refs = self._update_info(self.source)
-            client: Any = self.client  # lightning-vllm's (engine_client.TimedClient), which takes it
+            client: Any = self.client  # lightning-vllm's (engines/client.TimedClient), which takes it
             client.update_weights_in_one_call(update_in_one_call, self._timed(info))
             self._post_send_sync()
             del weight_refs

@@ -121,7 +121,7 @@ class BackgroundPusher:
             snapshot = self.memory.take(prepared.payload.weights, prepared.payload.stamps)
             version = point.begin(hand_off=True)  # committed or abandoned by the push's own thread
         push = prepared.with_payload(prepared.payload.with_weights(snapshot))
-        self._push = BackgroundCall(push.send, version, what=f"weight version {version.version}")
+        self._push = BackgroundCall(self.updater.send, push, version, what=f"weight version {version.version}")
         return Submitted(True, time.perf_counter() - start, version.version, landed)
 
     def collect(self) -> SyncStats | None:
@@ -129,7 +129,7 @@ class BackgroundPusher:
 
         Raises:
             WeightSyncError: that push failed (the engines kept their previous weights), or
-                ``PartialPushError``: it failed on some engines only (see ``Push.send``).
+                ``PartialPushError``: it failed on some engines only (see ``WeightSync.send``).
         """
         if self._push is None or not self._push.done():
             return None
