@@ -3,7 +3,9 @@
 - ``weight_sync.py``: ``WeightSync``, which owns the engines, the versions, the options and the
   post hooks, and knows no framework;
 - ``push.py``: the engines by index, and one push to them as an object: prepared, then sent, which alone ends
-  its version;
+  its version, and what it reports (``SyncStats``);
+- ``kept_choice.py``: a push's choice and checks, kept for the next push of the same unchanged model;
+- ``landing_check.py``: after a push, what each engine holds held against what was sent, layer by layer;
 - ``versions.py``: ``WeightVersions``, the one owner of the trainer's versions, and the handle a
   push point moves them through;
 - ``payload_choice.py``: what a push carries, decided by a pure function of the weights, the options and the
@@ -13,6 +15,6 @@
 - ``after_failure.py``: what a failed ``nccl``/``ipc`` push leaves open on an engine, ended before
   the next connection.
 
-Nothing here imports the plans (ranks, background pushes, rollouts) or the front ends (the
-Lightning callback, TorchRL's surface), which are built on it.
+Nothing here imports the front ends (``fronts/``: the Lightning callback with its rank roles, background pushes and
+rollouts; TorchRL's surface), which are built on it.
 """

@@ -15,10 +15,12 @@ that produced a rollout:
 
 So ``trainer = max(committed, in_flight) + backlog + missed``.
 
-Versions move only here, through one handle per push point (:meth:`WeightVersions.push_point`):
-a push begins an :class:`InFlight` version, which commits or is abandoned; a push point that
+A push moves versions only through its push point's handle (:meth:`WeightVersions.push_point`):
+it begins an :class:`InFlight` version, which commits or is abandoned; a push point that
 began nothing is skipped when its handle closes, and a push that neither committed nor was
-handed to another thread is abandoned. Every rank of a trainer holds one
+handed to another thread is abandoned. Three moves come from outside a push, each a method here:
+:meth:`WeightVersions.follow` (an engine already serves a later version), :meth:`WeightVersions.count_one`
+(TorchRL's ``increment_version``) and :meth:`WeightVersions.set_committed` (``weight_version = ...``). Every rank of a trainer holds one
 :class:`WeightVersions`; the ranks that do not push adopt global rank 0's
 (:meth:`PushPointVersions.adopt`, by name: a :class:`VersionState`).
 """

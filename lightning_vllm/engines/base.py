@@ -1,7 +1,8 @@
 """What the updater and rollouts need from a vLLM engine, wherever it runs.
 
 :class:`EngineTarget` is the contract every engine target keeps. What only some can do is a capability, a small
-``Protocol`` the target declares (the core asks with ``isinstance``, never by probing for a name):
+``Protocol`` the target declares, which the core asks with ``isinstance``. One question is still asked by probing
+for names: ``core/after_failure.engine_key`` tells two targets of one engine apart by the object they wrap.
 
 - :class:`ServesLoraAdapters`: it generates through a LoRA adapter a push staged;
 - :class:`FollowsUpdaterTimeout`: its requests have a timeout of their own, which follows the updater's;
