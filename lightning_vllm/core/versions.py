@@ -20,7 +20,8 @@ it begins an :class:`InFlight` version, which commits or is abandoned; a push po
 began nothing is skipped when its handle closes, and a push that neither committed nor was
 handed to another thread is abandoned. Three moves come from outside a push, each a method here:
 :meth:`WeightVersions.follow` (an engine already serves a later version), :meth:`WeightVersions.count_one`
-(TorchRL's ``increment_version``) and :meth:`WeightVersions.set_committed` (``weight_version = ...``). Every rank of a trainer holds one
+(TorchRL's ``increment_version``) and :meth:`WeightVersions.set_committed` (``weight_version = ...``).
+Every rank of a trainer holds one
 :class:`WeightVersions`; the ranks that do not push adopt global rank 0's
 (:meth:`PushPointVersions.adopt`, by name: a :class:`VersionState`).
 """
