@@ -3,7 +3,7 @@
 The trainer writes every broadcast to each worker's connection in the order posted, and each worker
 reads them, in the same order, into the buffers it posted. Both sides post the same
 sequence of sizes (the update's bucket layout), so the stream carries raw bytes and no framing.
-The trainer bounds what it has posted and not seen finish (:class:`InFlight`), and the copies those
+The trainer bounds what it has posted and not seen finish (:class:`SendWindow`), and the copies those
 broadcasts read live in one bucket of staging memory (:class:`StagingRing`).
 
 Why not gloo, whose name the backend keeps: gloo's TCP device listens on a port the
@@ -154,7 +154,7 @@ class Wire:
             self._listener.close()
 
 
-class InFlight:
+class SendWindow:
     """The broadcasts a sender posted down a wire and has not seen finish: at most ``limit_bytes`` of them, so that
     the memory they read (a staging region, a gathered layer, a share) stays bounded. The trainer's update
     (``trainer.py``) and each rank's shares when every rank sends (``shares.py``) go through one.
@@ -168,7 +168,7 @@ class InFlight:
 
     Example::
 
-        >>> window = InFlight(Wire([]), limit_bytes=8, timeout_seconds=1.0)
+        >>> window = SendWindow(Wire([]), limit_bytes=8, timeout_seconds=1.0)
         >>> _ = window.post(torch.zeros(8, dtype=torch.uint8)); _ = window.post(torch.zeros(4, dtype=torch.uint8))
         >>> window.finish()  # (no connection: each is complete as posted; the first was waited for to post the second)
         12

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.group import InFlight, Wire
+from lightning_vllm.backends.gloo.group import SendWindow, Wire
 from lightning_vllm.backends.gloo.messages import (
     GlooWeightTransferUpdateInfo,
     TensorSpec,
@@ -40,7 +40,7 @@ def piece_bytes(piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return piece.reshape(-1).view(torch.uint8)
 
 
-def post_piece(window: InFlight, data: torch.Tensor, bucket_size_bytes: int) -> None:
+def post_piece(window: SendWindow, data: torch.Tensor, bucket_size_bytes: int) -> None:
     """Post one piece's bytes through ``window``, slice by slice, as the workers post their receives."""
     for begin, end in piece_slices(data.numel(), bucket_size_bytes):
         window.post(data[begin:end])
@@ -64,7 +64,7 @@ def send_share(
     """
     wire = accept_workers(listener, group, range(1, num_workers + 1), timeout_seconds, keep_listener=True)
     try:
-        window = InFlight(wire, bucket_size_bytes, timeout_seconds, what="This rank's share of a push")
+        window = SendWindow(wire, bucket_size_bytes, timeout_seconds, what="This rank's share of a push")
         for data in pieces:
             post_piece(window, data, bucket_size_bytes)
         return window.finish()
@@ -78,7 +78,7 @@ class RankZeroTrainerEngine(Protocol):
     bucket_size_bytes: int
     timeout_seconds: float
 
-    def window(self, group: Wire, receive: BackgroundCall[None]) -> InFlight:
+    def window(self, group: Wire, receive: BackgroundCall[None]) -> SendWindow:
         """Its one in-flight window down ``group``, which ends a wait early once ``receive`` (the workers' call)
         failed."""
 

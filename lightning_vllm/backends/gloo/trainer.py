@@ -13,7 +13,7 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, V
 
 from lightning_vllm._waits import BackgroundCall
 from lightning_vllm.backends.base import Sender
-from lightning_vllm.backends.gloo.group import InFlight, StagingRing, Wire, segment_payloads
+from lightning_vllm.backends.gloo.group import SendWindow, StagingRing, Wire, segment_payloads
 from lightning_vllm.backends.gloo.messages import (
     DEFAULT_COALESCE_BYTES,
     GlooTrainerInitInfo,
@@ -232,7 +232,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                             ring.hold(region, transfer)
             window.finish()
 
-    def window(self, group: Wire, receive: BackgroundCall[None]) -> InFlight:
+    def window(self, group: Wire, receive: BackgroundCall[None]) -> SendWindow:
         """The one in-flight window of an update's broadcasts down ``group`` (a bucket at most), which ends a wait
         early once the workers' ``update_weights`` call (``receive``) failed."""
 
@@ -240,7 +240,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             if receive.done():
                 receive.result(0)
 
-        return InFlight(group, self.bucket_size_bytes, self.timeout_seconds, check=workers_failed)
+        return SendWindow(group, self.bucket_size_bytes, self.timeout_seconds, check=workers_failed)
 
     @override
     def shutdown(self) -> None:

@@ -11,7 +11,7 @@ import torch
 from test_gloo_group import GROUP, worker_init
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.group import InFlight
+from lightning_vllm.backends.gloo.group import SendWindow
 from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo, TensorSpec, cut_into_buckets
 from lightning_vllm.backends.gloo.receiver import GlooReceiver
 from lightning_vllm.backends.gloo.rendezvous import accept_workers, listen
@@ -65,7 +65,7 @@ def pushed(rank1_pieces, timeout: float = TIMEOUT):
     )
     posting = [BackgroundCall(worker.post_update, update, what="the worker to post") for worker in workers]
     posted = [post.result(timeout) for post in posting]
-    window = InFlight(wire, BUCKET, timeout)
+    window = SendWindow(wire, BUCKET, timeout)
     for tensor in tensors.values():
         post_piece(window, shares_of(tensor)[0].view(torch.uint8), BUCKET)
     window.finish()
