@@ -97,7 +97,7 @@ def _strong(reference: Any) -> Any:
 class KeptChoice:
     """What a push of ``pushed`` sent and to which connections it was checked, kept for its next push.
 
-    Build it with :meth:`of`; :meth:`payload_for` gives the next push's payload while it holds.
+    Build it with :meth:`of`; :meth:`kept_payload` gives the next push's payload while it holds.
     """
 
     pushed: weakref.ref[Any]
@@ -144,7 +144,7 @@ class KeptChoice:
             plan=plan,
         )
 
-    def payload_for(
+    def kept_payload(
         self,
         pushed: Any,
         connections: Mapping[int, EngineConnection],

@@ -302,7 +302,7 @@ class WeightSync:
         reached: tuple[dict[int, EngineConnection], dict[int, BaseException]] | None = None
         if self._kept is not None:  # the same model as last time, unchanged: the same choice, checked already
             reached = connections, unreachable = self._connected(targets)
-            kept = self._kept.payload_for(weights, connections, unreachable, self._options.changed_only)
+            kept = self._kept.kept_payload(weights, connections, unreachable, self._options.changed_only)
             if kept is not None:
                 return Push(kept, connections, unreachable, self._engine_set)
             self._kept = None
