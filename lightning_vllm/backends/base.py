@@ -71,8 +71,8 @@ class Sender(ABC):
     device: torch.device | None = None
 
     @abstractmethod
-    def send(self, push: Outgoing) -> None:
-        """Send ``push`` and commit it (``push.client.finish_weight_update``); every wait bounded."""
+    def send(self, outgoing: Outgoing) -> None:
+        """Send ``outgoing`` and commit it (``outgoing.client.finish_weight_update``); every wait bounded."""
 
     @abstractmethod
     def shutdown(self) -> None:

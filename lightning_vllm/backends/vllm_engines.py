@@ -146,19 +146,19 @@ class VLLMEngineSender(Sender):
             self._copies_outlast_send.caller_waits = True
         self._refuses_late = engine if isinstance(engine, RefusesLatePushes) else None
 
-    def send(self, push: Outgoing) -> None:
+    def send(self, outgoing: Outgoing) -> None:
         declared, between_pushes = self.source.weights, self.client.client
-        self.source.load(push.weights)
-        self.client.client = push.client
+        self.source.load(outgoing.weights)
+        self.client.client = outgoing.client
         deadline = time.monotonic() + self.timeout_seconds  # (for the whole transfer, the copies included)
         if self._refuses_late is not None:
             self._refuses_late.apply_before = deadline - min(LATE_MARGIN_SECONDS, self.timeout_seconds / 10)
         try:
-            self._transfer(push.what, push.check_alive)
+            self._transfer(outgoing.what, outgoing.check_alive)
             if self._copies_outlast_send is not None:
-                self._copies_outlast_send.wait_until_landed(push.check_alive, _DEATH_POLL_SECONDS, deadline)
+                self._copies_outlast_send.wait_until_landed(outgoing.check_alive, _DEATH_POLL_SECONDS, deadline)
         except BaseException:  # its transfer thread may go on: it must not reach the engine
-            self.client.client = AbandonedClient(push.what[0].upper() + push.what[1:])
+            self.client.client = AbandonedClient(outgoing.what[0].upper() + outgoing.what[1:])
             raise
         self.source.load(declared)
         self.client.client = between_pushes

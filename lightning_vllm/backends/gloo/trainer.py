@@ -104,21 +104,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.send(Outgoing(source, self.client))
 
     @override
-    def send(self, push: Outgoing) -> None:
-        """Send every tensor of ``push.weights`` and load it in vLLM, between start and finish.
+    def send(self, outgoing: Outgoing) -> None:
+        """Send every tensor of ``outgoing.weights`` and load it in vLLM, between start and finish.
 
         Our connection calls this with each push's own weights and client (whose
         ``finish_weight_update`` commits the version), so nothing of one push is left on
-        the engine object for the next. ``push.adapter`` is the LoRA adapter among the
+        the engine object for the next. ``outgoing.adapter`` is the LoRA adapter among the
         tensors, as the workers are told (``GlooWeightTransferUpdateInfo``).
 
-        With ``push.every_rank``, the weights are rank 0's shares (``weights/shares.py``) and every
+        With ``outgoing.every_rank``, the weights are rank 0's shares (``weights/shares.py``) and every
         other trainer rank sends its own at the same time (``shares.send_in_shares``).
 
         Blocks until the workers have loaded the weights and finished the update,
         each wait bounded by ``timeout_seconds``.
         """
-        source, client, every = push.weights, push.client, push.every_rank
+        source, client, every = outgoing.weights, outgoing.client, outgoing.every_rank
         groups = send_order(source)
         tensors = (tensor for _, batch in source.iter_groups() for tensor in batch)
         if not self.is_sender:
@@ -128,9 +128,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         wire = self._connected_group()  # before the engine starts an update it could not finish
         self._start_update(client)
         if groups and every is not None:
-            send_in_shares(self, wire, groups, tensors, client, every, fingerprinted=push.checked)
+            send_in_shares(self, wire, groups, tensors, client, every, fingerprinted=outgoing.checked)
         elif groups:  # (nothing changed since the last push: only the version moves)
-            self.send_update(groups, tensors, adapter=push.adapter, client=client, fingerprinted=push.checked)
+            self.send_update(groups, tensors, adapter=outgoing.adapter, client=client, fingerprinted=outgoing.checked)
         client.finish_weight_update()
 
     def _start_update(self, client: Any) -> None:
