@@ -35,12 +35,15 @@ import logging
 import os
 import socket
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+from typing_extensions import override
 
 from lightning_vllm.backends.registry import AUTO, backend_named, carrying
 from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks
+from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankRoles, TrainerRanks
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares, ShareSender
 
@@ -78,9 +81,24 @@ def send_address(master_address: str) -> str:
         return str(probe.getsockname()[0])
 
 
-class EveryRankShares(LockstepGathers):
+class EveryRankShares(RankRoles):
     """``push_from="every_rank"``: each rank sends its own share of every tensor when every rank holds
-    one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy)."""
+    one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy): a
+    :class:`ranks.LockstepGathers` given this as its every-rank interface (``ranks.SendsShares``).
+
+    Args:
+        ranks: the trainer's ranks.
+    """
+
+    every_rank_walks: ClassVar[bool] = True
+
+    def __init__(self, ranks: TrainerRanks) -> None:
+        self.ranks = ranks
+        self._lockstep = LockstepGathers(ranks, shares=self)
+
+    @override
+    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
+        return self._lockstep.push(sync, module)
 
     def shares_of(self, payload: Payload) -> RankShares | None:
         """This rank's shares of ``payload``, if every rank has its own (a collective); else ``None``,

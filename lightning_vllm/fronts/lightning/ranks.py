@@ -33,7 +33,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -259,7 +259,8 @@ class RankRoles(ABC):
     * :class:`LockstepGathers`: a sharded policy (FSDP2, FSDP, ZeRO-3); every rank gathers in
       lockstep, rank 0 sends;
     * ``every_rank.EveryRankShares``: a sharded policy whose every rank sends its own share
-      (``push_from="every_rank"``).
+      (``push_from="every_rank"``), gathered in lockstep when it cannot (a :class:`LockstepGathers` given the
+      every-rank interface, :class:`SendsShares`).
     """
 
     every_rank_walks: ClassVar[bool]
@@ -275,17 +276,34 @@ class RankRoles(ABC):
         """
 
 
+class SendsShares(Protocol):
+    """The every-rank interface (``push_from="every_rank"``, ``every_rank.EveryRankShares``): the one place a
+    lockstep push calls into the every-rank protocol, which is built on it."""
+
+    def shares_of(self, payload: Payload) -> RankShares | None:
+        """This rank's own shares of ``payload`` when every rank is to send its own instead of gathering it, else
+        ``None`` (a collective: every rank decides alike)."""
+
+    def push_shares(
+        self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
+    ) -> SyncStats | None:
+        """Push with every rank sending ``shares``, inside ``point`` (the figures on rank 0)."""
+
+
 class LockstepGathers(RankRoles):
-    """A sharded policy: every rank gathers in lockstep (checking in before each layer group), rank 0 sends.
+    """A sharded policy: every rank gathers in lockstep (checking in before each layer group), rank 0 sends;
+    with ``shares``, every rank sends its own share instead where each has one.
 
     Args:
         ranks: the trainer's ranks.
+        shares: the every-rank interface (``push_from="every_rank"``), if every rank is to send its own share.
     """
 
     every_rank_walks: ClassVar[bool] = True
 
-    def __init__(self, ranks: TrainerRanks) -> None:
+    def __init__(self, ranks: TrainerRanks, shares: SendsShares | None = None) -> None:
         self.ranks = ranks
+        self.shares = shares
 
     def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
         """As :meth:`RankRoles.push`, every rank taking part. Every rank's ``sync.versions`` ends the same:
@@ -306,10 +324,11 @@ class LockstepGathers(RankRoles):
                 payload = replace(sync.choose_payload(module, agree=agree), stamps=None)
                 weights = LockstepWeights(payload.weights, ranks)
                 weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
-                shares = self.shares_of(payload)  # (a collective: every rank decides alike)
-                if shares is not None:
+                # (a collective: every rank decides alike)
+                shares = self.shares.shares_of(payload) if self.shares is not None else None
+                if self.shares is not None and shares is not None:
                     sent_in_shares = True  # (a push in shares shares its errors itself)
-                    return self.push_shares(sync, payload, shares, point)
+                    return self.shares.push_shares(sync, payload, shares, point)
                 if ranks.rank == 0:
                     stats = sync.push(payload.with_weights(weights), point=point)
                     weights.check_in(DONE, stats.weight_version)
@@ -323,18 +342,6 @@ class LockstepGathers(RankRoles):
                     weights = LockstepWeights(_NoWeights(), ranks)
                 weights.fail(error)
                 raise
-
-    def shares_of(self, payload: Payload) -> RankShares | None:
-        """This rank's own shares of ``payload`` when every rank is to send its own instead of gathering it
-        (a collective: every rank decides alike); never here (``every_rank.EveryRankShares`` does)."""
-        return None
-
-    def push_shares(
-        self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
-    ) -> SyncStats | None:
-        """Push with every rank sending ``shares`` (the figures on rank 0), for roles whose :meth:`shares_of`
-        gives them; these never do, so this is never called."""
-        raise AssertionError(f"{type(self).__name__} gathers every push: shares_of gave it no shares to send.")
 
 
 def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:
