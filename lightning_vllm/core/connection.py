@@ -28,6 +28,7 @@ from lightning_vllm.core.landing_check import LandingCheck
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
     FollowsUpdaterTimeout,
+    GeneratesOnlyInCalls,
     PolicyAdapter,
     UpdatesInOneCall,
     mixed_weight_version,
@@ -127,6 +128,8 @@ class EngineConnection:
         self.ties_word_embeddings = ties_word_embeddings
         self.device = sender.device  # where a push's tensors go first (None: they stay where they are)
         self.has_policy_base = False
+        # (Asked once: an engine that generates only inside its calls has nothing to pause.)
+        self._pauses = not (isinstance(engine, GeneratesOnlyInCalls) and engine.generates_only_in_calls())
         self._all_bytes = metadata_bytes(engine_metadata)  # (summed once: a push of every tensor sends these)
         self.sent = SentStamps()  # what this engine holds from this connection's pushes
         self.landing = LandingCheck.for_engine(engine, options.verify_pushes, options.timeout_seconds)
@@ -254,7 +257,7 @@ class EngineConnection:
         options = self.options
         window = CommitWindow(
             self.engine, options.timeout_seconds, options.pause_mode, options.reset_prefix_cache, adapter,
-            pause_at_finish=not pause_for_transfer,
+            pause_at_finish=not pause_for_transfer, pauses=self._pauses,
         )  # fmt: skip
         if pause_for_transfer:
             window.pause()

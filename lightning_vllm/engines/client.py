@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout
-from lightning_vllm.engines.base import EngineTarget, GeneratesOnlyInCalls, PolicyAdapter, ServesLoraAdapters
+from lightning_vllm.engines.base import EngineTarget, PolicyAdapter, ServesLoraAdapters
 from lightning_vllm.errors import WeightSyncError
 
 
@@ -38,6 +38,9 @@ class CommitWindow:
         reset_prefix_cache: reset the prefix cache once the update finished.
         adapter: the LoRA adapter the update carries (``None``: the base model, or merged weights).
         pause_at_finish: pause around the finishing call (the backend loads there).
+        pauses: whether the engine generates outside its calls; one that generates only inside them
+            (``GeneratesOnlyInCalls``, asked once by the connection) has nothing to pause, and the window is timed
+            all the same.
     """
 
     engine: EngineTarget
@@ -46,14 +49,10 @@ class CommitWindow:
     reset_prefix_cache: bool
     adapter: PolicyAdapter | None = None
     pause_at_finish: bool = True
+    pauses: bool = True
     commit_seconds: float = field(default=0.0, init=False)
     pause_seconds: float = field(default=0.0, init=False)
     _paused_at: float | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        # (An engine that generates only inside its calls has nothing to pause: the window is timed all the same.)
-        engine = self.engine
-        self._pauses = not (isinstance(engine, GeneratesOnlyInCalls) and engine.generates_only_in_calls())
 
     def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         return call_with_timeout(fn, *args, timeout=self.timeout, what=what)
@@ -62,13 +61,13 @@ class CommitWindow:
         """Pause generation (timed either way: an engine that generates only inside its calls holds generation for
         the window too)."""
         self._paused_at = time.perf_counter()
-        if self._pauses:
+        if self.pauses:
             what = f"{self.engine.description} to pause generation"
             self._call(self.engine.pause_generation, self.pause_mode, what=what)
 
     def resume(self) -> None:
         """Resume generation, if paused."""
-        if self._pauses:
+        if self.pauses:
             self._call(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
         if self._paused_at is not None:
             self.pause_seconds += time.perf_counter() - self._paused_at
@@ -91,7 +90,7 @@ class CommitWindow:
                 self._call(engine.reset_prefix_cache, what=f"{engine.description} to reset its prefix cache")
             self.commit_seconds = time.perf_counter() - started
         except BaseException:
-            if self.pause_at_finish and self._pauses:  # asked without waiting: a frozen engine must not double it
+            if self.pause_at_finish and self.pauses:  # asked without waiting: a frozen engine must not double it
                 BackgroundCall(self.engine.resume_generation, what=f"{self.engine.description} to resume generation")
             raise
         if self.pause_at_finish:
