@@ -29,7 +29,9 @@ def main(out_dir: Path) -> None:
     finally:
         tracer.uninstall()
         shutdown(llm)
-    print(json.dumps({"modules": sorted(tracer.entered), "versions": versions}), flush=True)
+    print(
+        json.dumps({"modules": sorted(tracer.entered), "calls": sorted(tracer.calls), "versions": versions}), flush=True
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
-"""How many of the package's modules one steady-state ``gloo`` push runs through (``push_trace.py``): each is a place a
-maintainer reads to follow a push, so the count is held down. The house we head for (issue 45) takes a push over
-``gloo`` through at most 17, and the check after every push, on by default since issue 46, adds its three
-(``core/landing_check``, ``weights/layer_sums`` and, on a CPU, ``weights/cpu_sums``, the cache-sized sums that
-took the check's CPU cost from 1.5x to 1.02x of a push at 400M); the bound below is where the house stands,
-lowered as it gets there."""
+"""How many of the package's modules one steady-state ``gloo`` push runs through, and that its calls run down
+(``push_trace.py``): each module is a place a maintainer reads to follow a push, so the count is held down; issue 65
+wants at most 17 with the check after every push on (it adds ``core/landing_check``, ``weights/layer_sums`` and, on
+a CPU, ``weights/cpu_sums``); the bound below is where the house stands, lowered as it gets there. A call up (into a
+module that imports the caller's, a callable handed down included) is held to none."""
 
 import json
 import subprocess
@@ -11,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from push_trace import assert_few_modules
+from push_trace import assert_few_modules_and_no_call_up, calls_up
 
-MOST_MODULES_A_GLOO_PUSH_ENTERS = 20
+MOST_MODULES_A_GLOO_PUSH_ENTERS = 19
 
 
 @pytest.mark.engine
@@ -24,4 +23,16 @@ def test_a_steady_state_gloo_push_runs_through_few_modules(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     found = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert_few_modules(found["modules"], "lightning_vllm.backends.gloo.trainer", MOST_MODULES_A_GLOO_PUSH_ENTERS)
+    assert_few_modules_and_no_call_up(found, "lightning_vllm.backends.gloo.trainer", MOST_MODULES_A_GLOO_PUSH_ENTERS)
+
+
+def test_a_call_into_a_module_that_imports_the_callers_is_a_call_up():
+    """What the trace above holds to none: the check's tally once handed to the weights as a callable (issue 65)."""
+    calls = [
+        ("lightning_vllm.weights.sources", "lightning_vllm.core.landing_check", "LandingCheck._tally"),  # up
+        ("lightning_vllm.core.connection", "lightning_vllm.weights.sources", "EngineWeights.groups"),  # down
+        ("lightning_vllm.core.connection", "lightning_vllm.backends.gloo.trainer", "Sender.send"),  # down the floors
+    ]
+    assert calls_up(calls) == [
+        "lightning_vllm.weights.sources -> lightning_vllm.core.landing_check.LandingCheck._tally"
+    ]

@@ -154,9 +154,10 @@ class VLLMEngineSender(Sender):
         if self._refuses_late is not None:
             self._refuses_late.apply_before = deadline - min(LATE_MARGIN_SECONDS, self.timeout_seconds / 10)
         try:
-            self._transfer(outgoing.what, outgoing.check_alive)
+            raise_if_dead = outgoing.client.raise_if_dead
+            self._transfer(outgoing.what, raise_if_dead)
             if self._copies_outlast_send is not None:
-                self._copies_outlast_send.wait_until_landed(outgoing.check_alive, _DEATH_POLL_SECONDS, deadline)
+                self._copies_outlast_send.wait_until_landed(raise_if_dead, _DEATH_POLL_SECONDS, deadline)
         except BaseException:  # its transfer thread may go on: it must not reach the engine
             self.client.client = AbandonedClient(outgoing.what[0].upper() + outgoing.what[1:])
             raise

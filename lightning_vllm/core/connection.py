@@ -35,7 +35,6 @@ from lightning_vllm.engines.base import (
     version_number,
 )
 from lightning_vllm.engines.client import CommitWindow, TimedClient
-from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 from lightning_vllm.lora.adapter import adapter_metadata
@@ -308,11 +307,11 @@ class EngineConnection:
         check; the client that commits ``version`` inside ``window``; the adapter's message."""
         adapter = window.adapter
         landing = self.landing
-        tally = landing.tally_for(payload.view != "adapter", payload.every_rank) if landing else None
+        sums = landing.tally_for(payload.view != "adapter", payload.every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
-        sent = EngineWeights(payload.weights, names, device=self.device, tally=tally)
-        if sent.tally_held() and landing:  # (the model's own tensors, summed apart: SentSums says how)
-            landing.sent.sum_held_meanwhile()
+        sent = EngineWeights(payload.weights, names, device=self.device, sums=sums)
+        if sums is not None and sent.tally_held():  # (the model's own tensors, summed apart: SentSums says how)
+            sums.sum_held_meanwhile()
         client = self.client.committing(str(version), window)
         adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None
         return Outgoing(
@@ -321,8 +320,7 @@ class EngineConnection:
             adapter_message,
             payload.every_rank,
             what=f"the {self.backend.name} transfer to {self.engine.description}",
-            check_alive=lambda: raise_if_dead(self.engine),
-            checked=tally is not None,
+            checked=sums is not None,
         )
 
     def _record_landed(self, payload: Payload, names: ModelMetadata) -> int:

@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ReportsLayerSums
 from lightning_vllm.errors import WeightSyncError
-from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
-from lightning_vllm.weights.layer_sums import HeldSums, SentSums, layer_of
+from lightning_vllm.weights.layer_sums import HeldSums, SentSums
 from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
@@ -48,7 +44,6 @@ class LandingCheck:
         self._said: set[str] = set()
         self._pending = False
         self._report: BackgroundCall[list[dict[str, Any]]] | None = None  # the engine's sums, asked at the commit
-        self._unverifiable: set[str] = set()  # the engine's layers it cannot verify: not summed after the first push
         self._every_rank: EveryRankSend | None = None  # the push's other ranks' fingerprints, if every rank sends
         self.covered = (0, 0)  # the last check's layers compared, of the layers the engine should hold
 
@@ -73,22 +68,16 @@ class LandingCheck:
             return None
         return cls(engine, timeout_seconds)
 
-    def tally_for(
-        self, carries_base: bool, every_rank: EveryRankSend | None
-    ) -> Callable[[str, torch.Tensor, torch.dtype, bool], None] | None:
-        """What the push's tensors are to be given to as they go on the wire (``None``: the push is not
-        checked: a LoRA adapter alone). In a push every rank sends a share of (``every_rank``), they are rank 0's
-        shares, and the other ranks' fingerprints are added at the commit (``EveryRankSend.share_sums``): a
-        tensor's fingerprint is the sum of its shares'."""
+    def tally_for(self, carries_base: bool, every_rank: EveryRankSend | None) -> SentSums | None:
+        """What the push's tensors are to be tallied in as they go on the wire (``None``: the push is not checked: a
+        LoRA adapter alone). In a push every rank sends a share of (``every_rank``), they are rank 0's shares, and
+        the other ranks' fingerprints are added at the commit (``EveryRankSend.share_sums``): a tensor's fingerprint
+        is the sum of its shares'."""
         self._pending, self._report, self._every_rank = False, None, every_rank
         if not carries_base:
             return None
         self._pending = True
-        return self._tally
-
-    def _tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, held: bool) -> None:
-        if not name.startswith(ADAPTER_PREFIX) and layer_of(name) not in self._unverifiable:
-            self.sent.tally(name, tensor, dtype, held)
+        return self.sent
 
     def landed(self, committed: bool) -> None:
         """The push committed (what was tallied is held now) or did not.
@@ -129,7 +118,7 @@ class LandingCheck:
         self.covered = (sum(layer in held.layers for layer in expected), len(expected))
         # (Only what was sent is compared: a layer never pushed, such as one vLLM packed at start, is not a gap.)
         unverifiable = {layer: why for layer, why in held.unverifiable.items() if layer in expected}
-        self._unverifiable = set(unverifiable)
+        self.sent.unverifiable = set(unverifiable)  # (not summed from the next push on)
         if unverifiable:
             self._say_once(
                 "unverifiable",

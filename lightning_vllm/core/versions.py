@@ -76,6 +76,7 @@ class WeightVersions:
         self._in_flight: int | None = None
         self._backlog = 0
         self._missed = 0
+        self._oldest_sampled: int | None = None  # the oldest version rollouts used since take_staleness
 
     def __getstate__(self) -> dict[str, object]:  # spawned ranks get a copy: the lock is not copied
         return {key: value for key, value in self.__dict__.items() if key != "_lock"}
@@ -109,6 +110,28 @@ class WeightVersions:
     def staleness(self, oldest: int) -> int:
         """How many push points a rollout of version ``oldest`` lags the trainer."""
         return self.trainer - oldest
+
+    def sampled(self, oldest: int) -> None:
+        """Rollouts of versions ``oldest`` and later are about to be used (for :meth:`take_staleness`)."""
+        with self._lock:
+            if self._oldest_sampled is None or oldest < self._oldest_sampled:
+                self._oldest_sampled = oldest
+
+    def take_staleness(self) -> int | None:
+        """How many push points the oldest rollout used since the last call lags the trainer (``None``: none was).
+
+        Example::
+
+            >>> versions = WeightVersions()
+            >>> versions.take_staleness() is None
+            True
+            >>> versions.set_committed(5); versions.sampled(3); versions.sampled(4)
+            >>> versions.take_staleness(), versions.take_staleness()
+            (2, None)
+        """
+        with self._lock:
+            oldest, self._oldest_sampled = self._oldest_sampled, None
+        return None if oldest is None else self.staleness(oldest)
 
     @property
     def next(self) -> int:

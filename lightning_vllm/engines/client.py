@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout
 from lightning_vllm.engines.base import EngineTarget, PolicyAdapter, ServesLoraAdapters
+from lightning_vllm.engines.failures import raise_if_dead
 from lightning_vllm.errors import WeightSyncError
 
 
@@ -127,6 +128,12 @@ class TimedClient:
         in the same call that finishes the update, inside the push's :class:`CommitWindow`.
         """
         return TimedClient(self.inner, self.timeout, weight_version, window)
+
+    def raise_if_dead(self) -> None:
+        """Raise ``EngineDeadError`` once the push's engine is known to have died (a sender asks while it waits on a
+        transfer that cannot see the engine die); a client made for no push has no engine to ask."""
+        if self.window is not None:
+            raise_if_dead(self.window.engine)
 
     def _window(self) -> Any:
         return self.window.around_finish() if self.window is not None else nullcontext()

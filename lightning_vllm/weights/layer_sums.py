@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 from lightning_vllm.weights.cpu_sums import SQUARES_MODULUS, cpu_sums
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ class SentSums:
     """
 
     def __init__(self) -> None:
+        self.unverifiable: set[str] = set()  # layers the engine cannot verify (said once): not summed
         self._pending: dict[str, torch.Tensor] = {}
         self._later: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # held tensors, summed in landed()
         self._held: dict[str, tuple[int, int, int]] = {}  # bits, squares, not finite
@@ -215,7 +217,10 @@ class SentSums:
 
     def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, held: bool = False) -> None:
         """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``;
-        ``held``: the model holds it, unchanged until the push returns (see the class docstring)."""
+        ``held``: the model holds it, unchanged until the push returns (see the class docstring). A LoRA adapter's
+        tensor, or one of a layer in :attr:`unverifiable`, is not counted."""
+        if name.startswith(ADAPTER_PREFIX) or layer_of(name) in self.unverifiable:
+            return
         if held:
             self._pending.pop(name, None)
             self._later[name] = (tensor, dtype)

@@ -12,7 +12,6 @@ the backend, must remember to forward it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -74,8 +73,6 @@ class Outgoing:
         adapter: the LoRA adapter among the tensors, as the workers are told (``carries_adapters``).
         every_rank: the other trainer ranks sending their shares at the same time (``carries_shares``).
         what: the transfer, as errors name it.
-        check_alive: raises once the engine is known to have died (a sender whose waits cannot see it
-            asks this while it waits).
         checked: the push is checked once it commits (``verify_pushes``): a worker that fingerprints what it loads
             for the check (vLLM's CPU build packs, ``packed_sums.py``) does so; an unchecked push spares that read.
     """
@@ -85,5 +82,4 @@ class Outgoing:
     adapter: dict[str, Any] | None = None
     every_rank: EveryRankSend | None = None
     what: str = "the transfer"
-    check_alive: Callable[[], None] = lambda: None
     checked: bool = True

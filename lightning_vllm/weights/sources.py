@@ -19,6 +19,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, mater
 from lightning_vllm.weights.base import ForeignWeights, Stamp, Weights, stamps_of
 from lightning_vllm.weights.checkpoint_layout import in_checkpoint_layout
 from lightning_vllm.weights.fsdp import FSDPWeights
+from lightning_vllm.weights.layer_sums import SentSums
 from lightning_vllm.weights.lora_merge import lora_parameters, merge_inputs, merged_lora_weights
 from lightning_vllm.weights.model import ModelMetadata, canonical_name, find_hf_model, repeated_names
 from lightning_vllm.weights.survey import Survey, survey
@@ -77,7 +78,7 @@ class _ParameterWeights(Weights):
     def stamps(self) -> dict[str, Stamp] | None:
         """What each sent tensor is computed from, as stamps (``weights/base.py``)."""
         return stamps_of(
-            (name, self._inputs(module_name, param)) for name, (module_name, param) in zip(self._names, self._found)
+            [(name, self._inputs(module_name, param)) for name, (module_name, param) in zip(self._names, self._found)]
         )
 
     def _inputs(self, name: str, param: torch.Tensor) -> list[torch.Tensor]:
@@ -156,7 +157,7 @@ class MappingWeights(Weights):
 
     def stamps(self) -> dict[str, Stamp] | None:
         """Each tensor's stamp (``weights/base.py``)."""
-        return stamps_of((name, [tensor]) for name, tensor in self._tensors.items())
+        return stamps_of([(name, [tensor]) for name, tensor in self._tensors.items()])
 
 
 def _flatten(weights: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -273,8 +274,8 @@ class EngineWeights(Weights):
         engine_metadata: ``{name: (dtype, shape)}`` the engine loads, fixed when connecting.
         device: where vLLM's engine sends from (the trainer's GPU); ``None`` when the
             transport converts by itself.
-        tally: given each ``(name, tensor, serving dtype, held)`` as it goes (the check after the push,
-            ``weights/layer_sums.SentSums``); or, by :meth:`tally_held`, all at once with ``held`` true.
+        sums: what tallies each ``(name, tensor, serving dtype, held)`` as it goes (the check after the push); or,
+            by :meth:`tally_held`, all at once with ``held`` true.
     """
 
     def __init__(
@@ -282,13 +283,13 @@ class EngineWeights(Weights):
         source: Weights,
         engine_metadata: Mapping[str, tuple[torch.dtype, Any]],
         device: torch.device | None = None,
-        tally: Callable[[str, torch.Tensor, torch.dtype, bool], None] | None = None,
+        sums: SentSums | None = None,
     ) -> None:
         self.source = source
         self.engine_metadata = engine_metadata
         self.engine_dtypes = {name: dtype for name, (dtype, _) in engine_metadata.items()}
         self.device = device
-        self.tally = tally
+        self.sums = sums
 
     def declare(self) -> list[ParamMeta]:
         return [
@@ -303,22 +304,21 @@ class EngineWeights(Weights):
         return [group for group in kept if group]
 
     def tally_held(self) -> bool:
-        """Hand the tally every tensor the source holds, at once, as held (summed once the push committed:
-        ``weights/layer_sums.SentSums``), and none as it goes; whether the source holds them. From then on
-        :meth:`held_tensors` names them, so a transport that keeps what it sent (``lightning_ipc``) keeps it on
-        checked pushes too."""
-        held = None if self.tally is None else self.source.held_tensors()
-        if held is None or self.tally is None:
+        """Tally every tensor the source holds in :attr:`sums`, at once, as held (summed once the push committed:
+        ``SentSums``), and none as it goes; whether the source holds them. From then on :meth:`held_tensors` names
+        them, so a transport that keeps what it sent (``lightning_ipc``) keeps it on checked pushes too."""
+        held = None if self.sums is None else self.source.held_tensors()
+        if held is None or self.sums is None:
             return False
         for name, tensor in zip(*held):
             if name in self.engine_dtypes:
-                self.tally(name, tensor, self.engine_dtypes[name], True)
-        self.tally = None
+                self.sums.tally(name, tensor, self.engine_dtypes[name], True)
+        self.sums = None
         return True
 
     def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
         """The source's, those the engine loads, unless each tensor is tallied as it goes (:meth:`iter_full`)."""
-        held = None if self.tally is not None else self.source.held_tensors()
+        held = None if self.sums is not None else self.source.held_tensors()
         if held is None:
             return None
         names, tensors = held
@@ -329,7 +329,7 @@ class EngineWeights(Weights):
 
     def held_signature(self) -> tuple[Any, ...] | None:
         """The source's, with the engine's metadata that filters it (a connection's, the same object at every push)."""
-        held = None if self.tally is not None else self.source.held_signature()
+        held = None if self.sums is not None else self.source.held_signature()
         return None if held is None else (self.engine_metadata, held)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -340,6 +340,6 @@ class EngineWeights(Weights):
             # (Asked first: a no-op ``to`` still costs microseconds, and an 8B model has hundreds of tensors.)
             if self.device is not None and (tensor.dtype != dtype or tensor.device != self.device):
                 tensor = tensor.to(device=self.device, dtype=dtype, non_blocking=True)
-            if self.tally is not None:
-                self.tally(name, tensor, dtype, False)
+            if self.sums is not None:
+                self.sums.tally(name, tensor, dtype, False)
             yield name, tensor

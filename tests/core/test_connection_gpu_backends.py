@@ -379,12 +379,12 @@ def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_a
         engine, ReplayedWeights(DeclaredWeights(engine_metadata)), ReplayedClient(None), None, 5.0
     )
     assert engine.caller_waits
-    alive = lambda: None  # noqa: E731
+    client = TimedClient(None, 5.0)
     started = time.monotonic()
-    sender.send(Outgoing(ModuleWeights(model), client=None, check_alive=alive))
+    sender.send(Outgoing(ModuleWeights(model), client=client))
     assert engine.threads["send"] is not threading.current_thread()  # the transfer's own thread
     assert engine.threads["wait"] is threading.current_thread()
-    assert engine.check is alive and started + 5.0 <= engine.deadline <= time.monotonic() + 5.0
+    assert engine.check == client.raise_if_dead and started + 5.0 <= engine.deadline <= time.monotonic() + 5.0
     # The workers stop starting the push half a second (a tenth of the 5 s timeout) before the trainer gives up.
     assert engine.apply_before_at_send == pytest.approx(engine.deadline - 0.5)
 

@@ -80,9 +80,9 @@ class ReportingEngine:
 
 
 def _pushed(check, tensors: dict, held: bool = False) -> None:
-    tally = check.tally_for(carries_base=True, every_rank=None)
+    sums = check.tally_for(carries_base=True, every_rank=None)
     for name, tensor in tensors.items():
-        tally(name, tensor, tensor.dtype, held)
+        sums.tally(name, tensor, tensor.dtype, held)
     check.landed(committed=True)
 
 
@@ -157,8 +157,8 @@ def test_the_trainers_sums_of_held_tensors_run_while_the_engine_sums_its_own(mon
     norm = "model.layers.0.input_layernorm.weight"
     engine = AskedEngine([{"replicated": {"model.layers.0.input_layernorm": tensor_sums(torch.ones(3)).tolist()[:2]}}])
     check = LandingCheck.for_engine(engine, enabled=True, timeout_seconds=5)
-    tally = check.tally_for(carries_base=True, every_rank=None)
-    tally(norm, torch.ones(3), torch.float32, True)
+    sums = check.tally_for(carries_base=True, every_rank=None)
+    sums.tally(norm, torch.ones(3), torch.float32, True)
     assert summed_after_asked == [] and not asked.is_set()  # held: not summed on the wire
     check.landed(committed=True)
     assert summed_after_asked == [True]  # summed once the engine had been asked for its sums

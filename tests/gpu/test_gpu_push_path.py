@@ -11,7 +11,7 @@ import sys
 import pytest
 from gpu_helpers import FIGURES, digests_equal, engine_digest, gpu_trainer, model_digest
 from helpers import TinyCausalLM, tiny_qwen2, token_batches
-from push_trace import TRACED_STEP, ModulesEntered, TracedSync, assert_few_modules
+from push_trace import TRACED_STEP, ModulesEntered, TracedSync, assert_few_modules_and_no_call_up, calls_up
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,14 @@ def test_a_steady_state_lightning_ipc_push_runs_through_few_modules(lightning_ip
     finally:
         tracer.uninstall()
     modules = sorted(tracer.entered)
-    FIGURES.update(lightning_ipc_push_modules=len(modules), lightning_ipc_push_module_names=modules)
+    found = {"modules": modules, "calls": sorted(tracer.calls)}
+    FIGURES.update(
+        lightning_ipc_push_modules=len(modules),
+        lightning_ipc_push_module_names=modules,
+        lightning_ipc_push_calls_up=calls_up(found["calls"]),
+    )
     print(f"A steady-state lightning_ipc push entered {len(modules)} modules: {modules}")
     assert digests_equal(engine_digest(lightning_ipc_llm), model_digest(module.hf))  # the pushes landed
-    assert_few_modules(modules, "lightning_vllm.backends.lightning_ipc.trainer", MOST_MODULES_AN_IPC_PUSH_ENTERS)
+    assert_few_modules_and_no_call_up(
+        found, "lightning_vllm.backends.lightning_ipc.trainer", MOST_MODULES_AN_IPC_PUSH_ENTERS
+    )

@@ -6,6 +6,7 @@ from helpers import tiny_qwen2
 from tensordict import TensorDict
 
 from lightning_vllm.weights import EngineWeights, LoraMergedWeights, MappingWeights
+from lightning_vllm.weights.layer_sums import SentSums
 from lightning_vllm.weights.sources import ModuleWeights, source_metadata, weights_from
 
 
@@ -96,8 +97,18 @@ def test_a_source_names_the_tensors_it_holds_only_when_it_sends_them_as_held():
     engine_metadata = {name: (torch.bfloat16, None) for name in names if name != "model.norm.weight"}
     shown = EngineWeights(ModuleWeights(model), engine_metadata)  # converted on the way: still the tensors read
     assert shown.held_tensors()[0] == [name for name, _ in shown.iter_full()]
-    tallied = EngineWeights(ModuleWeights(model), engine_metadata, tally=lambda name, tensor, dtype, held: None)
+    tallied = EngineWeights(ModuleWeights(model), engine_metadata, sums=SentSums())
     assert tallied.held_tensors() is None  # each tensor is read as it goes
+
+
+class _Told:
+    """Records what :class:`SentSums` would be told."""
+
+    def __init__(self, told: list[tuple[str, bool]]) -> None:
+        self.told = told
+
+    def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, held: bool) -> None:
+        self.told.append((name, held))
 
 
 def test_the_tensors_a_source_holds_are_tallied_at_once_and_the_others_as_they_go():
@@ -105,9 +116,7 @@ def test_the_tensors_a_source_holds_are_tallied_at_once_and_the_others_as_they_g
     metadata = {name: (torch.float32, None) for name, _ in ModuleWeights(model).iter_full()}
     for source, held in [(ModuleWeights(model), True), (weights_from(lora_model()), False)]:
         told: list[tuple[str, bool]] = []
-        sent = EngineWeights(
-            source, metadata, tally=lambda name, tensor, dtype, held, told=told: told.append((name, held))
-        )
+        sent = EngineWeights(source, metadata, sums=_Told(told))  # type: ignore[arg-type]
         assert sent.tally_held() is held
         assert (sent.held_tensors() is not None) is held  # (a transport may keep what it sent: nothing to tally)
         names = [name for name, _ in sent.iter_full()]

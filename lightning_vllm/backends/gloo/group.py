@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_vllm._waits import wait_polling
+from lightning_vllm._waits import BackgroundCall, wait_polling
 from lightning_vllm.backends.gloo.messages import TensorSpec
 from lightning_vllm.errors import WeightSyncError, WeightSyncTimeoutError
 
@@ -164,7 +164,8 @@ class SendWindow:
         limit_bytes: the most bytes posted and not yet sent.
         timeout_seconds: how long one broadcast may take.
         what: what is sent, as errors name it (``"A broadcast to vLLM"``).
-        check: raises once the receiving side is known to have failed (asked while waiting).
+        receiving: the workers' call that receives the broadcasts (``update_weights``); a wait ends early, with its
+            error, once it failed.
 
     Example::
 
@@ -180,10 +181,10 @@ class SendWindow:
         limit_bytes: int,
         timeout_seconds: float,
         what: str = "A broadcast to vLLM",
-        check: Callable[[], None] = lambda: None,
+        receiving: BackgroundCall[None] | None = None,
     ) -> None:
-        self.wire, self.limit_bytes, self.timeout_seconds, self.what, self.check = (
-            wire, limit_bytes, timeout_seconds, what, check
+        self.wire, self.limit_bytes, self.timeout_seconds, self.what, self.receiving = (
+            wire, limit_bytes, timeout_seconds, what, receiving
         )  # fmt: skip
         self.sent = 0  # the bytes of the broadcasts waited for
         self._posted: deque[Transfer] = deque()
@@ -203,12 +204,17 @@ class SendWindow:
 
         Raises:
             WeightSyncTimeoutError: it did not finish in time.
-            WeightSyncError: a connection broke (or ``check`` raised its own error first).
+            WeightSyncError: a connection broke (or the receiving call failed first: its error).
         """
         transfer = self._posted.popleft()
-        wait_for_transfer(transfer, self.sent, self.timeout_seconds, self.what, self.check)
+        wait_for_transfer(transfer, self.sent, self.timeout_seconds, self.what, self.raise_if_receiving_failed)
         self.sent += transfer.tensor.numel()
         self._posted_bytes -= transfer.tensor.numel()
+
+    def raise_if_receiving_failed(self) -> None:
+        """Raise the receiving call's error if it failed."""
+        if self.receiving is not None and self.receiving.done():
+            self.receiving.result(0)
 
     def finish(self) -> int:
         """Wait for every broadcast posted; the bytes sent."""

@@ -78,10 +78,6 @@ class RankZeroTrainerEngine(Protocol):
     bucket_size_bytes: int
     timeout_seconds: float
 
-    def window(self, group: Wire, receive: BackgroundCall[None]) -> SendWindow:
-        """Its one in-flight window down ``group``, which ends a wait early once ``receive`` (the workers' call)
-        failed."""
-
 
 def send_in_shares(
     sender: RankZeroTrainerEngine,
@@ -116,7 +112,7 @@ def send_in_shares(
             fingerprinted=fingerprinted,
         )
         receive = BackgroundCall(client.update_weights, asdict(update_info), what="vLLM workers to load the weights")
-        window = sender.window(wire, receive)
+        window = SendWindow(wire, bucket_size_bytes, timeout_seconds, receiving=receive)
         with torch.no_grad():
             for spec, piece, share in zip(specs, tensors, pieces):
                 data = piece_bytes(piece, spec.dtype)

@@ -214,7 +214,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._staging = StagingRing(self.bucket_size_bytes)
         ring = self._staging
         ring.reset()
-        window = self.window(group, receive)
+        window = SendWindow(group, self.bucket_size_bytes, self.timeout_seconds, receiving=receive)
         with torch.no_grad():
             for segments in segments_per_bucket:
                 for segment in segments:
@@ -225,22 +225,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     for payload, region in segment_payloads(
                         segment_specs, segment_tensors, ring, self.bucket_size_bytes, window.wait_oldest
                     ):
-                        if receive.done():
-                            receive.result(0)  # the workers failed: say why instead of sending on
+                        window.raise_if_receiving_failed()  # (the workers failed: say why instead of sending on)
                         transfer = window.post(payload)
                         if region is not None:
                             ring.hold(region, transfer)
             window.finish()
-
-    def window(self, group: Wire, receive: BackgroundCall[None]) -> SendWindow:
-        """The one in-flight window of an update's broadcasts down ``group`` (a bucket at most), which ends a wait
-        early once the workers' ``update_weights`` call (``receive``) failed."""
-
-        def workers_failed() -> None:
-            if receive.done():
-                receive.result(0)
-
-        return SendWindow(group, self.bucket_size_bytes, self.timeout_seconds, check=workers_failed)
 
     @override
     def shutdown(self) -> None:

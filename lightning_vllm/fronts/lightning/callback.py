@@ -316,7 +316,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         return self.rollouts.generate(prompts, sampling_params, **options)
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:
-        staleness = self.rollouts.take_staleness()
+        staleness = self.updater.versions.take_staleness()
         if staleness is None:
             return
         for logger in trainer.loggers:

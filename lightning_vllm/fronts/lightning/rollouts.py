@@ -91,7 +91,6 @@ class RolloutSampler:
         self.updater = updater
         self.max_staleness = max_staleness
         self.timeout_seconds = timeout_seconds
-        self._oldest_version: int | None = None
         # Set when this rank holds no engine and rank 0 generates for every rank.
         self.ranks: TrainerRanks | None = None
         # A generate that timed out keeps running on its thread; the next one on the
@@ -294,16 +293,7 @@ class RolloutSampler:
                 "(every_n_train_steps), generate from the engines this callback updates, or raise max_staleness."
                 + (f" {missed} push point(s) since sent no weights (failed or skipped)." if missed else "")
             )
-        if self._oldest_version is None or oldest < self._oldest_version:
-            self._oldest_version = oldest
-
-    def take_staleness(self) -> int | None:
-        """The trainer's version minus the oldest version sampled since the last call (``None``: no samples)."""
-        if self._oldest_version is None:
-            return None
-        staleness = self.updater.versions.staleness(self._oldest_version)
-        self._oldest_version = None
-        return staleness
+        versions.sampled(oldest)
 
 
 # Errors that cross ranks as JSON, raised again under the same type on every rank.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.backends.gloo.group import Connection, Wire
+from lightning_vllm.backends.gloo.group import Connection, SendWindow, Wire
 from lightning_vllm.backends.gloo.messages import (
     Bucket,
     GlooTrainerInitInfo,
@@ -79,11 +79,10 @@ def test_bucket_size_must_be_a_positive_multiple_of_eight(size):
 
 
 def test_a_broadcast_that_never_finishes_ends_in_a_timeout_error_that_says_so():
-    engine = GlooTrainerWeightTransferEngine(client=object(), timeout_seconds=0.2)
     workers_loading = BackgroundCall(time.sleep, 5, what="vLLM workers to load the weights")
     trainer_end, worker_end = socket.socketpair()  # a worker that never reads: a large broadcast never finishes
     wire = Wire([Connection(trainer_end, "worker 1", receives=False)])
-    window = engine.window(wire, workers_loading)
+    window = SendWindow(wire, 1 << 20, timeout_seconds=0.2, receiving=workers_loading)
     window.post(torch.zeros(32 << 20, dtype=torch.uint8))
     with pytest.raises(WeightSyncTimeoutError, match="did not finish within 0.2 s after 0 bytes"):
         window.finish()

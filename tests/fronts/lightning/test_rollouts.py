@@ -89,15 +89,15 @@ def test_staleness_is_logged_when_allowed(tmp_path):
     assert [value for _, value in tensorboard_scalars(trainer.logger.log_dir, "vllm/staleness")] == [1.0, 2.0]
 
 
-def test_the_sampler_keeps_the_oldest_version_until_asked():
+def test_the_versions_keep_the_oldest_version_sampled_until_asked():
     updater = VLLMUpdater()
     sampler = RolloutSampler(updater, max_staleness=None)
-    assert sampler.take_staleness() is None
+    assert updater.versions.take_staleness() is None
     updater.weight_version = 5
     sampler.record([5, 3])
     sampler.record([4, 0])  # 0: the weights the engine started with
-    assert sampler.take_staleness() == 5
-    assert sampler.take_staleness() is None  # forgotten once taken
+    assert updater.versions.take_staleness() == 5
+    assert updater.versions.take_staleness() is None  # forgotten once taken
 
 
 def test_version_strings_become_numbers():
@@ -255,7 +255,7 @@ def test_pushes_that_failed_count_as_versions_the_engine_missed():
     for _ in range(2):  # two push points sent nothing since version 3 landed
         with versions.push_point():
             pass
-    assert versions.trainer == 5 and sampler.take_staleness() == 3
+    assert versions.trainer == 5 and versions.take_staleness() == 3
     with pytest.raises(StaleRolloutsError, match="3 versions behind.*2 push point\\(s\\) since sent no weights"):
         sampler.record([2])
 
