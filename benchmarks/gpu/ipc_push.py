@@ -201,10 +201,10 @@ def python_speed(model: torch.nn.Module, rounds: int) -> dict[str, float]:
 def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
     """Seconds of the trainer's half of the check over ``tensors`` (``tensor_sums`` of each, one sync), the
     fused kernel against float64 chunks; medians of ``rounds`` (warmed first: the kernel compiles once)."""
-    from lightning_vllm.weights import layer_sums
+    from lightning_vllm.weights import gpu_sums, layer_sums
 
     figures = {}
-    for label, sums in (("fused", layer_sums.tensor_sums), ("chunked", layer_sums._chunked_sums)):
+    for label, sums in (("fused", layer_sums.tensor_sums), ("chunked", gpu_sums._chunked_sums)):
 
         def all_sums(sums=sums) -> None:
             torch.stack([sums(tensor.reshape(-1)) for tensor in tensors]).tolist()
@@ -213,7 +213,7 @@ def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
         all_sums()
         figures[f"sums_{label}_first_seconds"] = time.perf_counter() - started
         figures[f"sums_{label}_seconds"] = statistics.median(timed(all_sums, rounds))
-    figures["sums_fused_usable"] = float(layer_sums._fused_sums.usable)
+    figures["sums_fused_usable"] = float(gpu_sums._fused_sums.usable)
     return figures
 
 

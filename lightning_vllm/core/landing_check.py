@@ -13,18 +13,73 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_vllm._waits import BackgroundCall, call_with_timeout
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import ReportsLayerSums
 from lightning_vllm.errors import WeightSyncError
-from lightning_vllm.weights.layer_sums import HeldSums, SentSums
+from lightning_vllm.weights.layer_sums import LayerSums, SentSums, add_sums
 from lightning_vllm.weights.shares import EveryRankSend
 
 log = logging.getLogger(__name__)
 
 _LISTED = 8  # layers named in a message, at most
+
+
+@dataclass(frozen=True)
+class HeldSums:
+    """What an engine reported, its workers' reports combined.
+
+    Attributes:
+        layers: ``{layer: (bits, squares)}`` (:func:`tensor_sums`): tensor-parallel shards added up, tensors
+            every rank holds whole counted once.
+        unverifiable: ``{layer: why}`` for layers held in a form the trainer's sums cannot be held against.
+        stale: ``{layer: why}`` for layers that compute with other values than they hold (a pack built from
+            earlier values: ``packed_sums.py``), whatever was sent.
+    """
+
+    layers: dict[str, tuple[int, int]]
+    unverifiable: dict[str, str]
+    stale: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def combine(cls, reports: Iterable[Mapping[str, Any]]) -> HeldSums:
+        """Combine the reports of ``held_sums.held_layer_sums``, one per worker (tensor- and pipeline-parallel ranks).
+
+        Example::
+
+            >>> rank = {"sharded": {"lm_head": [1, 2]}, "replicated": {"model.norm": [3, 3]}}
+            >>> HeldSums.combine([rank, rank]).layers
+            {'lm_head': (2, 4), 'model.norm': (3, 3)}
+        """
+        layers: dict[str, list[int]] = {}
+        replicated: dict[str, tuple[int, int]] = {}
+        unverifiable: dict[str, str] = {}
+        stale: dict[str, str] = {}
+        for report in reports:
+            for layer, values in report.get("sharded", {}).items():
+                add_sums(layers, layer, values)
+            for layer, (total, squares) in report.get("replicated", {}).items():
+                replicated.setdefault(layer, (total, squares))  # every rank of a stage holds the same
+            unverifiable.update(report.get("unverifiable", {}))
+            stale.update(report.get("stale", {}))
+        for layer, values in replicated.items():
+            add_sums(layers, layer, values)
+        kept = {layer: (total, squares) for layer, (total, squares) in layers.items() if layer not in unverifiable}
+        return cls(kept, unverifiable, stale)
+
+    def differing(self, expected: Mapping[str, LayerSums]) -> list[str]:
+        """The layers of ``expected`` this engine holds otherwise (layers it did not report are left out), and its
+        stale layers."""
+        differ = {
+            layer
+            for layer, sums in expected.items()
+            if layer in self.layers and sums.finite and not sums.matches(*self.layers[layer])
+        }
+        return sorted(differ | self.stale.keys())
 
 
 class LandingCheck:

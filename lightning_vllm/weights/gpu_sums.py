@@ -1,4 +1,5 @@
-"""The fingerprints of many tensors on a GPU in one kernel launch (``weights/layer_sums.py`` defines them).
+"""The fingerprints of ``weights/layer_sums.py`` on a GPU: one tensor's in one fused kernel (:func:`device_sums`), and
+many tensors' in one kernel launch (:func:`batched_sums`).
 
 Imported only where a GPU's tensors are summed: it imports Triton, which vLLM's CUDA build and PyTorch's CUDA
 wheels bring.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,69 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Under Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is imported) the kernels run on a CPU's
 # tensors: how the engine-free tests run them.
 _KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+_CHUNK_ELEMENTS = 1 << 22  # an eager float32 chunk: 16 MiB, whatever the tensor's size
+# The fused kernel reduces rows of this many elements in parallel, then the row sums: a reduction of a
+# whole tensor to one number in one pass would run on a handful of the GPU's cores.
+_ROW_ELEMENTS = 1 << 12
+
+
+def device_sums(flat: torch.Tensor) -> torch.Tensor:
+    """``layer_sums.tensor_sums`` of ``flat`` (1-D, on a GPU, in the dtype to sum): one fused kernel reads it once
+    (``torch.compile``); where that kernel cannot be built, float32 chunks of bounded size are summed."""
+    if flat.is_cuda and _fused_sums.usable:
+        try:
+            return row_sums(flat, _fused_sums)
+        except Exception as error:  # noqa: BLE001  # no compiler here: the eager sums are as exact, slower
+            _fused_sums.usable = False
+            log.warning("The fused weight sums could not be built (%s); summing in float32 chunks instead.", error)
+    return _chunked_sums(flat)
+
+
+def row_sums(flat: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``layer_sums.tensor_sums`` of ``flat``: ``kernel`` on its whole rows of ``_ROW_ELEMENTS``, the rest in chunks."""
+    rows = flat.numel() // _ROW_ELEMENTS
+    whole = rows * _ROW_ELEMENTS
+    sums = kernel(flat[:whole].view(rows, _ROW_ELEMENTS)) if rows else None
+    if whole == flat.numel() and sums is not None:
+        return sums
+    tail = _chunked_sums(flat[whole:])  # fewer than a row's elements
+    return tail if sums is None else sums + tail
+
+
+def _chunked_sums(flat: torch.Tensor) -> torch.Tensor:
+    sums = torch.zeros(3, dtype=torch.int64, device=flat.device)
+    for chunk in flat.split(_CHUNK_ELEMENTS):
+        sums += _sums_kernel(chunk)
+    return sums
+
+
+def _sums_kernel(rows: torch.Tensor) -> torch.Tensor:
+    values = rows.float()
+    squared = values * values
+    return torch.stack(
+        [
+            values.view(torch.int32).to(torch.int64).sum(),
+            squared.view(torch.int32).to(torch.int64).sum(),
+            (~torch.isfinite(squared)).to(torch.int64).sum(),
+        ]
+    )
+
+
+class _FusedSums:
+    """``_sums_kernel`` compiled once, for any number of rows (a dynamic shape), on first use."""
+
+    usable = True
+
+    def __init__(self) -> None:
+        self._compiled: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._compiled is None:
+            self._compiled = torch.compile(_sums_kernel, dynamic=True, fullgraph=True)
+        return self._compiled(rows)
+
+
+_fused_sums = _FusedSums()
 
 
 @triton.jit  # type: ignore[misc]

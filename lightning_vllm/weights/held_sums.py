@@ -1,7 +1,7 @@
 """The engine's half of the check after every push: what one vLLM worker holds, fingerprinted per layer.
 
 Runs inside vLLM's worker. The trainer asks each worker by the name ``in_vllm/worker_methods.py`` gives it
-(:func:`worker_layer_sums`), and holds the reports, combined (``layer_sums.HeldSums``), against what it sent.
+(:func:`worker_layer_sums`), and holds the reports, combined (``core/landing_check.HeldSums``), against what it sent.
 The fingerprints are those of ``layer_sums.py``, taken from the live parameters by destination layer, so a value
 written to the wrong place changes the layer it landed in. A layer vLLM's CPU build packed for oneDNN has an empty
 ``weight``; its fingerprint is the one taken where the loader wrote its values, as they were packed

@@ -1,4 +1,4 @@
-"""Per-layer fingerprints of weights: what the trainer sent and what an engine holds, compared.
+"""Per-layer fingerprints of weights, and the trainer's of what it sent (:class:`SentSums`).
 
 A tensor's fingerprint is two integer sums over its values, each value taken as a float32
 (bfloat16 and float16 values are float32 values): the sum of the values' bit patterns (exact, in
@@ -14,9 +14,9 @@ against each other after every push, across the two layouts, without moving a we
 device. A *layer* is what :func:`layer_of` names: a decoder layer's attention or MLP block or norm
 (``model.layers.3.self_attn``), the embedding, the final norm, the head.
 
-What they cost: on a CPU under a nanosecond a value (chunks summed from the core's cache,
-``weights/cpu_sums.py``: 0.74 ns a bfloat16 value on one thread); on a
-GPU one fused kernel reads each tensor once (``torch.compile``).
+What they cost: on a CPU under a nanosecond a value (chunks the core's cache holds, :func:`cpu_sums`: 0.74 ns a
+bfloat16 value on one thread, 0.55 on two, against 2.2 ns for numpy's int64 sums of whole tensors before); on a GPU
+one fused kernel reads each tensor once (``torch.compile``).
 
 The engine's side (``held_sums.held_layer_sums``) runs inside vLLM's worker; the trainer asks for it through
 ``collective_rpc``, by a name our plugin gives every worker (``in_vllm/worker_methods.py``). Layers vLLM's CPU build
@@ -25,27 +25,28 @@ packs for oneDNN are fingerprinted where the loader wrote them, as they are pack
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
-from lightning_vllm.weights.cpu_sums import SQUARES_MODULUS, cpu_sums
-
-log = logging.getLogger(__name__)
 
 # The parts of a MoE block vLLM holds as modules of their own: each is a layer of its own here, so that a check
 # names the routed experts (one fused tensor per projection in vLLM) apart from the router and the shared experts.
 MOE_PARTS = frozenset({"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"})
-_CHUNK_ELEMENTS = 1 << 22  # an eager float32 chunk on a GPU: 16 MiB, whatever the tensor's size
-# The fused kernel reduces rows of this many elements in parallel, then the row sums: a reduction of a
-# whole tensor to one number in one pass would run on a handful of the GPU's cores.
-_ROW_ELEMENTS = 1 << 12
+# 1 MiB of float32, about a core's L2 cache: the passes over a chunk (convert, square, integer sums) read it from
+# there. Measured on 2 cores of an AMD EPYC (1 MiB L2 a core), bfloat16, one thread: 0.74 ns a value against 1.15 at
+# 2**16 (torch's per-call cost, paid more often) and 1.9 at 2**22 (each pass from memory).
+_CPU_CHUNK_ELEMENTS = 1 << 18
+# The squares' sums are compared modulo this: a CPU keeps them so, in int32 sums that wrap around (cheaper than int64).
+SQUARES_MODULUS = 1 << 32
+_EXACT_INT16_SUM = 1 << 16  # 16-bit patterns an int32 sum holds exactly
+_SMALL_ELEMENTS = 1 << 14  # a tensor this small is summed in numpy's few calls, not in chunks
+_COUNT_CHUNK_ELEMENTS = 1 << 22  # the rare recount of non-finite squares: 16 MiB of float32 at a time
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,8 @@ def tensor_sums(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch
     and how many squares are not finite (NaN or inf). With ``dtype``, of the values rounded to it first (as an
     engine serving that dtype holds them), a chunk at a time: no rounded copy of the whole tensor is made.
 
-    On a GPU one fused kernel reads the tensor once (``torch.compile``); on a CPU, or if that kernel cannot be
-    built, float32 chunks of bounded size are summed (on a CPU, chunks its cache holds: ``weights/cpu_sums.py``).
+    On a CPU, chunks its cache holds are summed (:func:`cpu_sums`); on a GPU one fused kernel reads the tensor once
+    (``weights/gpu_sums.device_sums``).
 
     Example::
 
@@ -110,15 +111,12 @@ def tensor_sums(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch
         True
     """
     flat = tensor.detach().reshape(-1)
-    if dtype is not None and dtype != flat.dtype and flat.device.type != "cpu":
-        flat = flat.to(dtype)  # (a GPU's rounded copy is short-lived; the fused kernel then reads it once)
-    if flat.is_cuda and _fused_sums.usable:
-        try:
-            return row_sums(flat, _fused_sums)
-        except Exception as error:  # noqa: BLE001  # no compiler here: the eager sums are as exact, slower
-            _fused_sums.usable = False
-            log.warning("The fused weight sums could not be built (%s); summing in float32 chunks instead.", error)
-    return _chunked_sums(flat, dtype)
+    if flat.device.type == "cpu":
+        return cpu_sums(flat, dtype)
+    from lightning_vllm.weights.gpu_sums import device_sums  # (imports Triton: only where a GPU sums)
+
+    # (A GPU's rounded copy is short-lived; the fused kernel then reads it once.)
+    return device_sums(flat.to(dtype) if dtype is not None and dtype != flat.dtype else flat)
 
 
 def sums_of_many(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype | None]) -> list[torch.Tensor]:
@@ -137,55 +135,6 @@ def sums_of_many(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype |
         for position, row in zip(positions, rows.unbind(0) if rows is not None else ()):
             sums[position] = row
     return [found if found is not None else tensor_sums(flat, dtype) for found, flat, dtype in zip(sums, flats, dtypes)]
-
-
-def row_sums(flat: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """:func:`tensor_sums` of ``flat``: ``kernel`` on its whole rows of ``_ROW_ELEMENTS``, the rest in chunks."""
-    rows = flat.numel() // _ROW_ELEMENTS
-    whole = rows * _ROW_ELEMENTS
-    sums = kernel(flat[:whole].view(rows, _ROW_ELEMENTS)) if rows else None
-    if whole == flat.numel() and sums is not None:
-        return sums
-    tail = _chunked_sums(flat[whole:])  # fewer than a row's elements
-    return tail if sums is None else sums + tail
-
-
-def _chunked_sums(flat: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if flat.device.type == "cpu":
-        return cpu_sums(flat, dtype)
-    sums = torch.zeros(3, dtype=torch.int64, device=flat.device)
-    for chunk in flat.split(_CHUNK_ELEMENTS):
-        sums += _sums_kernel(chunk)
-    return sums
-
-
-def _sums_kernel(rows: torch.Tensor) -> torch.Tensor:
-    values = rows.float()
-    squared = values * values
-    return torch.stack(
-        [
-            values.view(torch.int32).to(torch.int64).sum(),
-            squared.view(torch.int32).to(torch.int64).sum(),
-            (~torch.isfinite(squared)).to(torch.int64).sum(),
-        ]
-    )
-
-
-class _FusedSums:
-    """``_sums_kernel`` compiled once, for any number of rows (a dynamic shape), on first use."""
-
-    usable = True
-
-    def __init__(self) -> None:
-        self._compiled: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._compiled is None:
-            self._compiled = torch.compile(_sums_kernel, dynamic=True, fullgraph=True)
-        return self._compiled(rows)
-
-
-_fused_sums = _FusedSums()
 
 
 class SentSums:
@@ -320,59 +269,6 @@ def _one_core_left_to_the_push() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-@dataclass(frozen=True)
-class HeldSums:
-    """What an engine reported, its workers' reports combined.
-
-    Attributes:
-        layers: ``{layer: (bits, squares)}`` (:func:`tensor_sums`): tensor-parallel shards added up, tensors
-            every rank holds whole counted once.
-        unverifiable: ``{layer: why}`` for layers held in a form the trainer's sums cannot be held against.
-        stale: ``{layer: why}`` for layers that compute with other values than they hold (a pack built from
-            earlier values: ``packed_sums.py``), whatever was sent.
-    """
-
-    layers: dict[str, tuple[int, int]]
-    unverifiable: dict[str, str]
-    stale: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def combine(cls, reports: Iterable[Mapping[str, Any]]) -> HeldSums:
-        """Combine the reports of ``held_sums.held_layer_sums``, one per worker (tensor- and pipeline-parallel ranks).
-
-        Example::
-
-            >>> rank = {"sharded": {"lm_head": [1, 2]}, "replicated": {"model.norm": [3, 3]}}
-            >>> HeldSums.combine([rank, rank]).layers
-            {'lm_head': (2, 4), 'model.norm': (3, 3)}
-        """
-        layers: dict[str, list[int]] = {}
-        replicated: dict[str, tuple[int, int]] = {}
-        unverifiable: dict[str, str] = {}
-        stale: dict[str, str] = {}
-        for report in reports:
-            for layer, values in report.get("sharded", {}).items():
-                add_sums(layers, layer, values)
-            for layer, (total, squares) in report.get("replicated", {}).items():
-                replicated.setdefault(layer, (total, squares))  # every rank of a stage holds the same
-            unverifiable.update(report.get("unverifiable", {}))
-            stale.update(report.get("stale", {}))
-        for layer, values in replicated.items():
-            add_sums(layers, layer, values)
-        kept = {layer: (total, squares) for layer, (total, squares) in layers.items() if layer not in unverifiable}
-        return cls(kept, unverifiable, stale)
-
-    def differing(self, expected: Mapping[str, LayerSums]) -> list[str]:
-        """The layers of ``expected`` this engine holds otherwise (layers it did not report are left out), and its
-        stale layers."""
-        differ = {
-            layer
-            for layer, sums in expected.items()
-            if layer in self.layers and sums.finite and not sums.matches(*self.layers[layer])
-        }
-        return sorted(differ | self.stale.keys())
-
-
 def add_sums(sums: dict[str, list[int]], layer: str, values: Sequence[int]) -> None:
     """Add ``values`` (bits, squares, ...) to ``layer``'s in ``sums``."""
     totals = sums.setdefault(layer, [0] * len(values))
@@ -390,3 +286,65 @@ def sums_as_ints(sums: list[torch.Tensor]) -> list[list[int]]:
         for position, values in zip(positions, torch.stack([sums[p] for p in positions]).tolist()):
             ints[position] = values
     return ints
+
+
+def cpu_sums(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """:func:`tensor_sums` on a CPU: the passes over a chunk read it from the core's cache, into buffers
+    made once.
+
+    Two shortcuts keep it under a nanosecond a value on one core: a bfloat16 value's float32 bit pattern is its
+    own shifted left by 16, so the first sum adds the 16-bit patterns (exactly, in int32 over rows of 2**16 of
+    them); and the squares' sum is kept modulo 2**32 (int32 sums that wrap), which is all
+    ``LayerSums.matches`` compares.
+    """
+    if flat.numel() <= _SMALL_ELEMENTS:
+        return _small_cpu_sums(flat, dtype)
+    size = min(flat.numel(), _CPU_CHUNK_ELEMENTS)
+    rounded = torch.empty(size, dtype=dtype) if dtype not in (None, flat.dtype, torch.float32) else None
+    short = (flat.dtype if rounded is None else dtype) == torch.bfloat16
+    values = torch.empty(size)
+    squared = torch.empty(size)
+    bits = torch.zeros((), dtype=torch.int64)
+    square_bits = torch.zeros((), dtype=torch.int64)
+    square_total = torch.zeros(())  # float32: inf or NaN iff a square is, or the total overflows
+    for chunk in flat.split(size):
+        count = chunk.numel()
+        if rounded is not None:
+            chunk = rounded[:count].copy_(chunk)
+        chunk_values = chunk if chunk.dtype == torch.float32 else values[:count].copy_(chunk)
+        if short:
+            patterns = chunk.view(torch.int16)
+            if count % _EXACT_INT16_SUM == 0:  # (int32 sums of rows, each exact; far cheaper than int64 over all)
+                bits += patterns.view(-1, _EXACT_INT16_SUM).sum(dim=1, dtype=torch.int32).sum(dtype=torch.int64)
+            else:
+                bits += patterns.sum(dtype=torch.int64)
+        else:
+            bits += chunk_values.view(torch.int32).sum(dtype=torch.int64)
+        chunk_squared = torch.mul(chunk_values, chunk_values, out=squared[:count])
+        square_bits += chunk_squared.view(torch.int32).sum(dtype=torch.int32)
+        square_total += chunk_squared.sum()
+    if short:
+        bits <<= 16
+    not_finite = 0 if bool(square_total.isfinite()) else _not_finite(flat, dtype)
+    return torch.stack([bits, square_bits % SQUARES_MODULUS, torch.tensor(not_finite)])
+
+
+def _small_cpu_sums(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """:func:`cpu_sums` of a small tensor (a norm's weight), in a few numpy calls: a model has dozens of them, and
+    torch's calls cost microseconds each."""
+    values = (flat if dtype is None else flat.to(dtype)).float().numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # (an inf or NaN square is counted below, not warned of)
+        squared = values * values
+    bits = int(values.view(np.int32).sum(dtype=np.int64))
+    squares = int(squared.view(np.uint32).sum(dtype=np.uint32))  # (wraps: modulo 2**32)
+    not_finite = 0 if np.isfinite(squared.sum()) else int((~np.isfinite(squared)).sum())
+    return torch.tensor([bits, squares, not_finite])
+
+
+def _not_finite(flat: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """How many of ``flat``'s values, rounded to ``dtype``, have a square that is not finite (the rare case)."""
+    count = 0
+    for chunk in flat.split(_COUNT_CHUNK_ELEMENTS):
+        values = (chunk if dtype is None else chunk.to(dtype)).float()
+        count += int((~torch.isfinite(values * values)).sum())
+    return count

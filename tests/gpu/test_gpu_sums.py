@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lightning_vllm.weights.layer_sums import _sums_kernel, sums_of_many
+from lightning_vllm.weights.gpu_sums import _sums_kernel
+from lightning_vllm.weights.layer_sums import sums_of_many
 
 pytestmark = pytest.mark.gpu  # (without it `make test-gpu`, which selects -m gpu, deselects these)
 

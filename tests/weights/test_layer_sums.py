@@ -8,10 +8,10 @@ import struct
 import pytest
 import torch
 
+from lightning_vllm.core.landing_check import HeldSums
 from lightning_vllm.weights.held_sums import NOT_PACKED_HERE, held_layer_sums
 from lightning_vllm.weights.layer_sums import (
     SQUARES_MODULUS,
-    HeldSums,
     LayerSums,
     SentSums,
     layer_of,
@@ -52,7 +52,7 @@ def test_tensor_sums_are_the_exact_sums_of_the_float32_bit_patterns(dtype):
 
 @pytest.mark.parametrize("numel", [17, 4096, 3 * 4096, 3 * 4096 + 17])
 def test_the_gpus_row_split_adds_up_to_the_sums_of_every_value(numel):
-    from lightning_vllm.weights.layer_sums import _sums_kernel, row_sums
+    from lightning_vllm.weights.gpu_sums import _sums_kernel, row_sums
 
     values = torch.randn(numel, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
     bits, squares, not_finite = row_sums(values, _sums_kernel).tolist()  # (the squares' sum exact in int64)

@@ -22,7 +22,8 @@ from killed_trainers import ANSWER_MARGIN_SECONDS, kill_when_stopped, logs_dir, 
 from scenarios import FLOOR_BOUND
 
 from lightning_vllm import HTTPEngine
-from lightning_vllm.weights.layer_sums import HeldSums, SentSums
+from lightning_vllm.core.landing_check import HeldSums
+from lightning_vllm.weights.layer_sums import SentSums
 
 pytestmark = pytest.mark.gpu
 
