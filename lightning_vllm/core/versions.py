@@ -15,6 +15,10 @@ that produced a rollout:
 
 So ``trainer = max(committed, in_flight) + backlog + missed``.
 
+A push point is *skipped* when it began no push and raised nothing (a push was still on its way): the one count of
+them is here (:attr:`WeightVersions.skipped`, and :attr:`WeightVersions.unsent` since the last push began), logged
+as ``vllm/sync_skipped``; a push point that failed is missed, not skipped.
+
 A push moves versions only through its push point's handle (:meth:`WeightVersions.push_point`):
 it begins an :class:`InFlight` version, which commits or is abandoned; a push point that
 began nothing is skipped when its handle closes, and a push that neither committed nor was
@@ -41,6 +45,8 @@ class VersionState:
     in_flight: int | None = None
     backlog: int = 0
     missed: int = 0
+    skipped: int = 0
+    unsent: int = 0
 
     def to_ints(self) -> list[int]:
         """The state as ints, to broadcast between ranks (``in_flight`` ``None`` is ``-1``)."""
@@ -49,8 +55,8 @@ class VersionState:
     @classmethod
     def from_ints(cls, values: list[int]) -> VersionState:
         """The state :meth:`to_ints` gave."""
-        committed, in_flight, backlog, missed = values
-        return cls(committed, None if in_flight < 0 else in_flight, backlog, missed)
+        committed, in_flight, *counts = values
+        return cls(committed, None if in_flight < 0 else in_flight, *counts)
 
 
 class WeightVersions:
@@ -76,6 +82,8 @@ class WeightVersions:
         self._in_flight: int | None = None
         self._backlog = 0
         self._missed = 0
+        self._skipped = 0
+        self._unsent = 0
         self._oldest_sampled: int | None = None  # the oldest version rollouts used since take_staleness
 
     def __getstate__(self) -> dict[str, object]:  # spawned ranks get a copy: the lock is not copied
@@ -100,6 +108,16 @@ class WeightVersions:
         """Push points whose weights no engine got and none will (failed or skipped)."""
         with self._lock:
             return self._backlog + self._missed
+
+    @property
+    def skipped(self) -> int:
+        """Push points skipped so far: each began no push and raised nothing (a push was still on its way)."""
+        return self._skipped
+
+    @property
+    def unsent(self) -> int:
+        """Push points skipped since the last push began: their weights reach an engine only with a later push."""
+        return self._unsent
 
     @property
     def trainer(self) -> int:
@@ -152,7 +170,7 @@ class WeightVersions:
             if self._in_flight is not None:
                 raise RuntimeError(f"Weight version {self._in_flight} is still on its way; one push at a time.")
             self._in_flight = self._committed + 1
-            self._backlog, self._missed = self._backlog + self._missed, 0
+            self._backlog, self._missed, self._unsent = self._backlog + self._missed, 0, 0
             return self._in_flight
 
     def _commit(self, version: int) -> None:
@@ -170,10 +188,13 @@ class WeightVersions:
                 self._missed += self._backlog + 1
                 self._backlog = 0
 
-    def _skip(self) -> None:
-        """A push point sent nothing (a push was still on its way)."""
+    def _skip(self, failed: bool) -> None:
+        """A push point began no push: it failed first, or was skipped (a push was still on its way)."""
         with self._lock:
             self._missed += 1
+            if not failed:
+                self._skipped += 1
+                self._unsent += 1
 
     def count_one(self) -> None:
         """One more committed version without a push (TorchRL's ``increment_version``)."""
@@ -199,12 +220,15 @@ class WeightVersions:
     def state(self) -> VersionState:
         """What another rank needs to :meth:`PushPointVersions.adopt` these versions."""
         with self._lock:
-            return VersionState(self._committed, self._in_flight, self._backlog, self._missed)
+            return VersionState(
+                self._committed, self._in_flight, self._backlog, self._missed, self._skipped, self._unsent
+            )
 
     def _adopt(self, state: VersionState) -> None:
         with self._lock:
             self._committed, self._in_flight = state.committed, state.in_flight
             self._backlog, self._missed = state.backlog, state.missed
+            self._skipped, self._unsent = state.skipped, state.unsent
 
 
 class InFlight:
@@ -231,8 +255,8 @@ class InFlight:
 class PushPointVersions:
     """One push point's handle on the versions (:meth:`WeightVersions.push_point`).
 
-    On exit: a push point that began no push and adopted nothing is skipped (its weights reach
-    no engine); a push it began that neither committed nor was handed to another thread is
+    On exit: a push point that began no push and adopted nothing is skipped, or failed if it exits with an error
+    (its weights reach no engine); a push it began that neither committed nor was handed to another thread is
     abandoned.
     """
 
@@ -249,7 +273,7 @@ class PushPointVersions:
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
         if self._push is None and not self._adopted:
-            self._versions._skip()
+            self._versions._skip(failed=error is not None)
         elif self._push is not None and not self._handed_off:
             self._push.abandon()  # (a no-op once it committed)
 

@@ -51,6 +51,17 @@ def test_the_trainer_counts_every_push_point(events, committed, in_flight, train
     assert versions.staleness(oldest=versions.committed) == trainer - committed
 
 
+def test_skipped_push_points_are_counted_once_here_and_unsent_until_a_push_begins():
+    versions = play("bcss")
+    assert (versions.skipped, versions.unsent, versions.missed) == (2, 2, 2)
+    versions = play("bcssb")  # a push began: it carries their weights
+    assert (versions.skipped, versions.unsent) == (2, 0)
+    adopted = WeightVersions()
+    with adopted.push_point() as point:
+        point.adopt(VersionState.from_ints(play("bcs").state().to_ints()))  # another rank's, over a broadcast
+    assert (adopted.skipped, adopted.unsent, adopted.trainer) == (1, 1, 2)
+
+
 def test_one_push_at_a_time():
     versions = play("b")
     with pytest.raises(RuntimeError, match="Weight version 1 is still on its way"), versions.push_point() as point:
@@ -60,8 +71,8 @@ def test_one_push_at_a_time():
 def test_a_push_point_skips_abandons_or_leaves_what_it_handed_off_on_exit():
     versions = WeightVersions()
     with pytest.raises(ValueError), versions.push_point():
-        raise ValueError("the weights could not be read")  # nothing began: skipped
-    assert (versions.committed, versions.missed) == (0, 1)
+        raise ValueError("the weights could not be read")  # nothing began: failed, missed
+    assert (versions.committed, versions.missed, versions.skipped) == (0, 1, 0)
     with pytest.raises(ValueError), versions.push_point() as point:
         point.begin()
         raise ValueError("the send failed")  # began, never committed: abandoned

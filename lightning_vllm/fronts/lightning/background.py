@@ -67,7 +67,6 @@ class BackgroundPusher:
         self.updater = updater
         self.when_busy: WhenBusy = when_busy
         self.memory = SnapshotMemory()
-        self.num_skipped = 0  # push points skipped so far
         self._push: BackgroundCall[SyncStats] | None = None
 
     def check_engines(self) -> None:
@@ -104,15 +103,15 @@ class BackgroundPusher:
         landed = None
         if self._push is not None:
             if self.when_busy == "skip":
-                self.num_skipped += 1
+                with self.updater.versions.push_point():  # it begins no push: the push point is skipped
+                    pass
                 log.info(
                     "Push point skipped: %s is still on its way; the next push point sends newer weights "
                     "(skipped so far: %d).",
                     self._push.what,
-                    self.num_skipped,
+                    self.updater.versions.skipped,
                 )
-                with self.updater.versions.push_point():  # it begins no push: the push point is skipped
-                    return Submitted(False, time.perf_counter() - start)
+                return Submitted(False, time.perf_counter() - start)
             self.wait_or_raise("at a push point (when_busy='wait')")  # a push still running stays in flight
             waited, self._push = self._push, None
             landed = waited.result(0)

@@ -71,7 +71,6 @@ class PushPoints:
         self.pusher = None if blocking else BackgroundPusher(updater, when_busy)
         self.on_sync_error = on_sync_error
         self.sync_failures = 0
-        self.unsent = 0  # push points skipped since the last push that started
         self.ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
         self.roles: RankRoles = RankZeroAlone()  # which ranks take part (chosen again at fit start)
 
@@ -112,7 +111,7 @@ class PushPoints:
             self.collect(trainer)
         finally:
             self.share_versions()
-        if self.unsent:
+        if self.updater.versions.unsent:
             self.push(trainer, pl_module, background=False)
 
     def release(self) -> None:
@@ -131,7 +130,6 @@ class PushPoints:
             # the parameters no sub-module unit does.
             start = time.perf_counter()
             stats = self.roles.push(self.updater, trainer.strategy.model or pl_module)
-            self.unsent = 0
             if stats is not None:
                 self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
             return
@@ -154,10 +152,8 @@ class PushPoints:
             stats = self.roles.push(self.updater, pl_module)
             assert stats is not None, "rank 0 sends"
         except PartialPushError as error:
-            self.unsent = 0
             self._log(trainer, cast(SyncStats, error.stats), stall_seconds=time.perf_counter() - start)
             raise
-        self.unsent = 0
         log.debug("Pushed weight version %d in %.3f s", stats.weight_version, stats.seconds)
         self._log(trainer, stats, stall_seconds=time.perf_counter() - start)
 
@@ -166,12 +162,10 @@ class PushPoints:
         of every rank at each push point. Sharded pushes share them themselves."""
         if self.ranks is None or self.roles.every_rank_walks:
             return
-        values = [*self.updater.versions.state().to_ints(), self.unsent]
-        shared = self.ranks.broadcast_ints(values)
+        shared = self.ranks.broadcast_ints(self.updater.versions.state().to_ints())
         if self.ranks.rank != 0:
             with self.updater.versions.push_point() as point:
-                point.adopt(VersionState.from_ints(shared[:-1]))
-            self.unsent = shared[-1]
+                point.adopt(VersionState.from_ints(shared))
 
     def _submit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.pusher is not None
@@ -180,11 +174,8 @@ class PushPoints:
         if submitted.landed is not None:  # when_busy="wait": the push waited for
             self._log(trainer, submitted.landed)
         metrics = {"vllm/sync_stall_seconds": submitted.stall_seconds}
-        if submitted.started:
-            self.unsent = 0
-        else:
-            self.unsent += 1
-            metrics["vllm/sync_skipped"] = float(self.pusher.num_skipped)
+        if not submitted.started:
+            metrics["vllm/sync_skipped"] = float(self.updater.versions.skipped)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

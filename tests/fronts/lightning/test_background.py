@@ -91,7 +91,7 @@ def test_a_push_in_flight_commits_its_version_when_the_engine_finishes():
         for param in model.parameters():
             param.add_(1.0)
     assert pusher.updater.weight_version == 0 and pusher.collect() is None  # not landed yet
-    assert not pusher.submit(model).started and pusher.num_skipped == 1  # one push at a time
+    assert not pusher.submit(model).started and pusher.updater.versions.skipped == 1  # one push at a time
     engine.gate.set()
     assert pusher.wait(10)
     stats = pusher.collect()
@@ -164,7 +164,7 @@ def test_with_when_busy_wait_every_push_point_gets_a_version(tmp_path):
     trainer = cpu_trainer(tmp_path, [sync], max_steps=4)
     trainer.fit(module, token_batches(num_batches=4))
     assert sync.weight_version == 5 and engine.version == "5"  # fit start + 4 steps, none skipped
-    assert sync.pusher is not None and sync.pusher.num_skipped == 0
+    assert sync.pusher is not None and sync.updater.versions.skipped == 0
     assert [value for _, value in scalars(trainer, "vllm/weight_version")] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert engine.holds(module.hf) and not lightning_threads()
 
