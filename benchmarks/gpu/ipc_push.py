@@ -29,49 +29,19 @@ reset), which says where a push's seconds go inside vLLM. Prints ``name=value`` 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
-
-LLAMA_3_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
-)  # fmt: skip
-
-
-def build_model(model_dir: Path, shape: Mapping[str, Any] | None = None) -> torch.nn.Module:
-    """Llama-3-8B's shape (or another Llama ``shape``) in bf16 on the GPU, random weights; its config saved to
-    ``model_dir`` for vLLM (``gpu_helpers.bf16_model_on_gpu``)."""
-    from gpu_helpers import bf16_model_on_gpu
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(**(shape or LLAMA_3_8B), architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
-    return bf16_model_on_gpu(config, model_dir)
-
-
-def timed(fn, rounds: int) -> list[float]:
-    seconds = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+from figures import options, print_figures, timed, write_results
+from vllm_engine import allow_pickled_rpc, build_model, dummy_llm, landed_exactly
 
 
 def copy_floor(tensors: list[torch.Tensor], rounds: int, batched: bool = False, summed: bool = False) -> list[float]:
@@ -275,7 +245,7 @@ def worker_device_seconds(llm) -> list[float]:
 
 def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[str, object]:
     """``rounds`` timed pushes of ``model`` into ``llm`` with ``options``, the last checked by digest."""
-    from gpu_helpers import digests_equal, engine_digest, model_digest, trainer_engine
+    from gpu_helpers import trainer_engine
 
     from lightning_vllm import VLLMUpdater
 
@@ -305,7 +275,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
                 timeline[f"stage_{stage}_after_push_start_seconds"] = statistics.median(
                     t - p for t, p in zip(times[-rounds:], push_starts)
                 )
-    landed = digests_equal(engine_digest(llm), model_digest(model))
+    landed = landed_exactly(llm, model)
     # lightning_ipc's trainer engine counts the handles it exported (the rest named a kept slot).
     handles_sent = getattr(trainer_engine(updater), "handles_sent", None)
     updater.close()
@@ -415,18 +385,16 @@ def packed_ipc() -> Iterator[None]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser = options(__doc__, rounds=7)
     parser.add_argument(
         "--backends", default="lightning_ipc,ipc", help="the engines' weight_transfer_config backends, one engine each"
     )
     parser.add_argument("--packed", action="store_true", help="also push with vLLM's packed producer")
     parser.add_argument("--profile", action="store_true", help="also profile the first backend's pushes (cProfile)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
+    allow_pickled_rpc()  # vLLM's RPC carries the handles as pickle
 
-    from gpu_helpers import gpu_llm, stop_llm
+    from gpu_helpers import stop_llm
 
     model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
     model = build_model(model_dir)
@@ -441,15 +409,7 @@ def main() -> None:
     mark_stages()
     results["python_speed"] = python_speed(model, args.rounds)
     for backend in args.backends.split(","):
-        llm = gpu_llm(
-            model_dir,
-            backend=backend,
-            dtype="bfloat16",
-            load_format="dummy",
-            gpu_memory_utilization=0.3,
-            max_model_len=256,
-            max_num_seqs=4,
-        )
+        llm = dummy_llm(model_dir, backend=backend)
         time_worker_updates(llm)
         try:
             # The check after every push, on, then off: its cost is the difference.
@@ -493,8 +453,7 @@ def main() -> None:
     figures.update({name: value for name, value in results["sums"].items()})  # type: ignore[union-attr]
     figures.update({name: value for name, value in results["python_speed"].items()})  # type: ignore[union-attr]
     results["figures"] = figures
-    for name, value in figures.items():
-        print(f"{name}={value:.4g}")
+    print_figures(figures)
     for label, result in results.items():
         if isinstance(result, dict) and "landed_exactly" in result:
             print(f"{label}_landed_exactly={result['landed_exactly']}")
@@ -507,8 +466,7 @@ def main() -> None:
                 print(f"{label}_{name}={value:.4g}")
             for name, value in result["calls"].items():
                 print(f"{label}_{name}_seconds={value:.4g}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ipc_push.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, "ipc_push.json", results)
     if not all(r["landed_exactly"] for r in results.values() if isinstance(r, dict) and "landed_exactly" in r):
         sys.exit(1)
 
