@@ -21,17 +21,16 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from cpu_engine import stop_engine  # noqa: E402
 from methods import peak_extra_rss_bytes  # noqa: E402
 from models import SIZES, build_model, save  # noqa: E402
 
@@ -124,7 +123,7 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
     updater.close()
     ranks.close()
     if llm is not None:
-        llm.llm_engine.engine_core.shutdown(timeout=1.0)  # its CPU engine core outlasts the default 5 s grace
+        stop_engine(llm)
     dist.destroy_process_group()
 
 
