@@ -35,24 +35,17 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
 from figures import options, print_figures, timed, write_results  # noqa: E402
-from nccl_floor import timed_broadcasts  # noqa: E402
+from nccl_floor import timed_broadcasts  # noqa: E402  # (vLLM's engine core, importing this file again, finds it)
 from vllm_engine import allow_pickled_rpc, build_model, dummy_llm, landed_exactly  # noqa: E402
 
 
-def receive_broadcasts(worker: Any, address: str, port: int, num_bytes: int, rounds: int) -> None:
-    """In vLLM's worker (cloudpickled): receive ``rounds`` broadcasts of ``num_bytes`` from rank 0."""
+def receive_broadcasts(worker: Any, address: str, port: int, num_bytes: int, rounds: int) -> list[float]:
+    """In vLLM's worker (cloudpickled): ``nccl_floor.receive_broadcasts`` on the worker's GPU."""
+    import nccl_floor
     import torch
-    from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
-    device = torch.cuda.current_device()
-    comm = stateless_init_process_group(address, port, 1, 2, device)
-    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    for _ in range(rounds):
-        comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-    torch.cuda.synchronize()
-    comm.destroy()
-    del buffer
-    torch.cuda.empty_cache()
+    device = torch.device("cuda", torch.cuda.current_device())
+    return nccl_floor.receive_broadcasts(address, port, num_bytes, rounds, device)
 
 
 def raw_broadcast(llm: Any, num_bytes: int, rounds: int) -> list[float]:
