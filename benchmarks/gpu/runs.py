@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-# Our modules, the CPU benchmarks' (training.py), and lightning_vllm (also for re-launched ranks).
+# Our modules, the CPU benchmarks' (training.py, models.py), and lightning_vllm (also for re-launched ranks).
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 import lightning.pytorch as pl  # noqa: E402
@@ -42,6 +42,7 @@ from engine import ReceiverEngine  # noqa: E402
 from hf_models import MODELS, build_model, mismatches, model_digests  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
+from models import fully_shard_layers  # noqa: E402
 from nccl_floor import MASTER_ADDRESS, timed_broadcasts  # noqa: E402
 from training import MetricsInMemory  # noqa: E402
 
@@ -87,12 +88,7 @@ class Policy(pl.LightningModule):
             return
         self.model = build_model(self.config, self.trainer.strategy.root_device, self.seed)
         if self.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            for layer in self.model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
+            fully_shard_layers(self.model, self.device_mesh["data_parallel"])
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch).loss
