@@ -65,20 +65,23 @@ class MetricsInMemory(Logger):
         return [value for _, value in self.metrics.get(key, [])]
 
 
+def quiet_trainer(**settings: Any) -> Trainer:
+    """A ``Trainer`` of ``settings`` that writes and shows nothing of its own (no checkpoints, progress bar or model
+    summary): what the benchmarks time is the training and the pushes."""
+    return Trainer(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **settings)
+
+
 def fit_seconds(
     model: torch.nn.Module, llm: Any, tokens: torch.Tensor, num_steps: int, callbacks: list[Any], logger: Any = False
 ) -> float:
     """Seconds of one ``Trainer.fit`` of :class:`PolicyModule` over ``num_steps`` steps."""
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         max_steps=num_steps,
         callbacks=callbacks,
         logger=logger,
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     loader = DataLoader(TensorDataset(tokens), batch_size=2)
     module = PolicyModule(model.train(), llm)

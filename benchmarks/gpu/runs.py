@@ -44,7 +44,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from models import fully_shard_layers  # noqa: E402
 from nccl_floor import MASTER_ADDRESS, timed_broadcasts  # noqa: E402
-from training import MetricsInMemory  # noqa: E402
+from training import MetricsInMemory, quiet_trainer  # noqa: E402
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
 
@@ -111,7 +111,7 @@ def make_trainer(
     strategy: Any = "auto",
     logger: Logger | None = None,
 ) -> pl.Trainer:
-    return pl.Trainer(
+    return quiet_trainer(
         accelerator="gpu" if profile.gpu else "cpu",
         devices=gpus if profile.gpu else len(gpus),
         strategy=strategy,
@@ -119,9 +119,6 @@ def make_trainer(
         max_steps=steps,
         callbacks=callbacks,
         logger=logger or False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
 
