@@ -26,11 +26,8 @@ import copy
 import dataclasses
 import gc
 import json
-import os
-import platform
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,7 +43,9 @@ from models import MANY_TENSORS, SIZES, ModelSize, build_model, num_parameters, 
 from report import (  # noqa: E402
     ModelResult,
     changed_only_table,
+    command_line,
     linear_fit,
+    measured_on,
     plot,
     ratios_line,
     replace_results,
@@ -209,10 +208,9 @@ def results_markdown(
             f"{cost.overhead * 1e3:+.0f} ms elsewhere."
         )
     return f"""
-Measured {time.strftime("%Y-%m-%d")} on {os.cpu_count()} CPU cores ({platform.machine()}),
-torch {torch.__version__}, vLLM {__import__("vllm").__version__}, bucket {args.bucket_mib} MiB,
+{measured_on()}, bucket {args.bucket_mib} MiB,
 {args.runs} timed runs per method after one warm-up.
-Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
+Command: `{command_line("benchmarks/run.py")}`.
 
 ![sync time versus size]({image})
 
