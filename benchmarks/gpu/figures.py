@@ -1,5 +1,6 @@
 """Timing and reporting of the benchmarks that push into vLLM's own engine (``vllm_engine.py``): their common
-options, their clock (the GPU idle before and after what is timed), their ``name=value`` lines and JSON file."""
+options, their clocks (the GPU idle before and after what is timed, or the host's alone), their ``name=value``
+lines and JSON file."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def timed_once(fn: Callable[[], Result]) -> tuple[float, Result]:
 def timed(fn: Callable[[], object], rounds: int) -> list[float]:
     """Seconds of ``rounds`` calls of ``fn``, each timed as :func:`timed_once` times it."""
     return [timed_once(fn)[0] for _ in range(rounds)]
+
+
+def wall_seconds(fn: Callable[[], object], rounds: int) -> list[float]:
+    """Seconds of ``rounds`` calls of ``fn`` on this host's clock alone, the GPU left as it is: for what the
+    host waits on (a call into vLLM's worker, the trainer's Python)."""
+    seconds = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def print_figures(figures: Mapping[str, float]) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from figures import options, print_figures, timed, write_results
+from figures import options, print_figures, timed, wall_seconds, write_results
 from vllm_engine import allow_pickled_rpc, build_model, dummy_llm, landed_exactly
 
 
@@ -288,11 +288,8 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
         sums = getattr(worker.weight_transfer_engine, "written_sums", lambda: None)()
         return len(sums or {}), sum(1 for _ in worker.get_model().parameters())
 
-    report_seconds = []
-    for _ in range(3):  # the check's question to the worker, alone
-        start = time.perf_counter()
-        llm.collective_rpc("lightning_vllm_layer_sums")
-        report_seconds.append(time.perf_counter() - start)
+    # The check's question to the worker, alone.
+    report_seconds = wall_seconds(lambda: llm.collective_rpc("lightning_vllm_layer_sums"), 3)
 
     return {
         "handles_sent": handles_sent,
@@ -358,11 +355,7 @@ def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5, veri
         return text.getvalue()
 
     (out / "ipc_check_worker_profile.txt").write_text(llm.collective_rpc(in_worker)[0])
-    bare = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        llm.collective_rpc("lightning_vllm_layer_sums_format")
-        bare.append(time.perf_counter() - start)
+    bare = wall_seconds(lambda: llm.collective_rpc("lightning_vllm_layer_sums_format"), rounds)
     print(f"bare_rpc_seconds={statistics.median(bare):.4g}")
 
 
