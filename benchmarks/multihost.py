@@ -33,6 +33,7 @@ sys.path.insert(0, str(BENCHMARKS))
 sys.path.insert(0, str(REPOSITORY / "tests"))
 
 from models import SIZES, build_model, save  # noqa: E402
+from multihost_node import MODES  # noqa: E402  # the nodes push in these modes; the table shows each
 from report import command_line, measured_on, replace_results  # noqa: E402
 
 NODE_SCRIPT = BENCHMARKS / "multihost_node.py"
@@ -43,7 +44,6 @@ MASTER_PORT = 29530  # torch's rendezvous, on node 0
 SYNC_PORT = 29640  # the weight sync's, on node 0; with every_rank, rank 1 listens on SYNC_PORT + 1 on node 1
 SERVER_PORT = 8000  # vllm serve, on the server host
 NET = 10  # 10.231.10.0/24: the tests use nets 8 and 9
-MODES = ("rank0", "every_rank")
 PHASES = ("limited", "full_speed")
 
 
