@@ -30,7 +30,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from cpu_engine import stop_engine  # noqa: E402
+from cpu_engine import start_engine, stop_engine  # noqa: E402
 from methods import peak_extra_rss_bytes  # noqa: E402
 from models import SIZES, build_model, fully_shard_layers, save  # noqa: E402
 
@@ -82,13 +82,7 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
     tensor_bytes = max(p.numel() * p.element_size() for p in model.parameters())
     llm = None
     if rank == 0:
-        from vllm import LLM
-
-        model_dir = save(model, Path(workdir) / "model")
-        llm = LLM(
-            model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
-            max_model_len=128, weight_transfer_config={"backend": "gloo"},
-        )  # fmt: skip
+        llm = start_engine(save(model, Path(workdir) / "model"))
     fully_shard_layers(model, init_device_mesh("cpu", (NUM_RANKS,)))
     gc.collect()
     ranks = TrainerRanks(timeout_seconds=600)
