@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
 from figures import options, print_figures, timed, write_results  # noqa: E402
-from nccl_floor import timed_broadcasts  # noqa: E402  # (vLLM's engine core, importing this file again, finds it)
+from nccl_floor import timed_broadcasts  # noqa: E402  # (vLLM spawns its engine core with this sys.path)
 from vllm_engine import allow_pickled_rpc, build_model, dummy_llm, landed_exactly  # noqa: E402
 
 
