@@ -23,30 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DataLoader, TensorDataset
+from training import fit_seconds
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync
-
-
-class PolicyModule(LightningModule):
-    """A short rollout, then a next-token loss on random tokens: the cost shape of an RL step."""
-
-    def __init__(self, model: torch.nn.Module, llm: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.llm = llm
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        from vllm import SamplingParams, TokensPrompt
-
-        (tokens,) = batch
-        prompt = TokensPrompt(prompt_token_ids=tokens[0, :8].tolist())
-        self.llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0), use_tqdm=False)
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.model.parameters(), lr=1e-4)
 
 
 class TimedUpdater(VLLMUpdater):
@@ -103,25 +82,3 @@ def measure_callback_cost(
             every.append(seconds_every / num_steps)
             push.append(sum(updater.push_seconds) / num_steps)
     return CallbackCost(num_steps, statistics.median(never), statistics.median(every), statistics.median(push))
-
-
-def fit_seconds(
-    model: torch.nn.Module, llm: Any, tokens: torch.Tensor, num_steps: int, callbacks: list[Any], logger: Any = False
-) -> float:
-    """Seconds of one ``Trainer.fit`` of :class:`PolicyModule` over ``num_steps`` steps."""
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=num_steps,
-        callbacks=callbacks,
-        logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    loader = DataLoader(TensorDataset(tokens), batch_size=2)
-    module = PolicyModule(model.train(), llm)
-    start = time.perf_counter()
-    trainer.fit(module, loader)
-    return time.perf_counter() - start

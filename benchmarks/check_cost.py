@@ -17,9 +17,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from cpu_engine import start_engine, stop_engine
 from methods import SyncMethods
 from models import SIZES, build_model, save
-from run import start_engine, stop_engine
 
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES
 

@@ -20,15 +20,13 @@ the first request after an update.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
+from cpu_engine import start_engine, stop_engine
 from models import ModelSize, build_model, save
 
 RANK = 8
@@ -57,10 +55,8 @@ def lora_policy(size: ModelSize) -> torch.nn.Module:
     return get_peft_model(build_model(size), config)
 
 
-def measure_lora(
-    size: ModelSize, workdir: Path, num_runs: int, bucket_size_bytes: int, start_engine: Callable[..., Any]
-) -> LoraResult:
-    """Both methods on ``size``, in an engine from ``start_engine(model_dir, **LoRA settings)`` (``run.py``'s)."""
+def measure_lora(size: ModelSize, workdir: Path, num_runs: int, bucket_size_bytes: int) -> LoraResult:
+    """Both methods on ``size``, in an engine of ``cpu_engine.start_engine`` with LoRA enabled."""
     from vllm import SamplingParams
 
     from lightning_vllm import VLLMUpdater
@@ -96,8 +92,7 @@ def measure_lora(
             print(f"   {method}: {result.num_bytes[method] / 1e6:.2f} MB, push seconds {runs}", flush=True)
         updater.close()
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        gc.collect()
+        stop_engine(llm)
     return result
 
 

@@ -1,4 +1,5 @@
-"""Random Qwen2-shaped models at the sizes the benchmarks measure (no model hub needed).
+"""Random Qwen2-shaped models at the sizes the benchmarks measure (no model hub needed), and how the
+benchmarks' trainers shard a model with FSDP2.
 
 Shapes follow Qwen2's proportions (tied embeddings, grouped-query attention with two
 key/value heads, head size 64, which vLLM's CPU attention supports), scaled down to
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -64,3 +66,14 @@ def num_parameters(model: torch.nn.Module) -> int:
 def save(model: Qwen2ForCausalLM, directory: Path) -> Path:
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def fully_shard_layers(model: torch.nn.Module, mesh: Any) -> None:
+    """Shard a Hugging Face causal LM with FSDP2 over ``mesh``: each decoder layer, then the whole model (its
+    embeddings, final norm and head), as a trainer wraps it (``sharded_memory.py``, ``multihost_node.py``,
+    ``gpu/runs.py``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)

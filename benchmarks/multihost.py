@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -34,6 +33,8 @@ sys.path.insert(0, str(BENCHMARKS))
 sys.path.insert(0, str(REPOSITORY / "tests"))
 
 from models import SIZES, build_model, save  # noqa: E402
+from multihost_node import MODES  # noqa: E402  # the nodes push in these modes; the table shows each
+from report import command_line, measured_on, replace_results  # noqa: E402
 
 NODE_SCRIPT = BENCHMARKS / "multihost_node.py"
 MULTIHOST_START = "<!-- multihost:start -->"
@@ -43,7 +44,6 @@ MASTER_PORT = 29530  # torch's rendezvous, on node 0
 SYNC_PORT = 29640  # the weight sync's, on node 0; with every_rank, rank 1 listens on SYNC_PORT + 1 on node 1
 SERVER_PORT = 8000  # vllm serve, on the server host
 NET = 10  # 10.231.10.0/24: the tests use nets 8 and 9
-MODES = ("rank0", "every_rank")
 PHASES = ("limited", "full_speed")
 
 
@@ -201,16 +201,12 @@ def lines(result: dict) -> tuple[str, str]:
 
 
 def results_markdown(result: dict, args: argparse.Namespace, minutes: float) -> str:
-    import torch
-    import vllm
-
     check = result["check"]
     return f"""
-Measured {time.strftime("%Y-%m-%d")} on {os.cpu_count()} CPU cores ({platform.machine()}),
-torch {torch.__version__}, vLLM {vllm.__version__}: the {args.size} model
+{measured_on()}: the {args.size} model
 ({result["num_parameters"] / 1e6:.0f}M parameters, float32, {result["model_bytes"] / 1e6:.0f} MB),
 {args.rounds} timed rounds per phase after one untimed push of each mode, in {minutes:.1f} minutes.
-Command: `{" ".join(["python", "benchmarks/multihost.py", *sys.argv[1:]])}`.
+Command: `{command_line("benchmarks/multihost.py")}`.
 
 {table(result, args.rate)}
 
@@ -239,8 +235,6 @@ def main() -> None:
     args = parser.parse_args()
     if why := requirements_missing():
         sys.exit(f"multihost: cannot run: {why}.")
-    from report import replace_results
-
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lightning_vllm_multihost_") as tmp:
         result = run(args, Path(tmp))

@@ -33,7 +33,7 @@ sys.path.insert(0, str(BENCHMARKS.parent / "tests"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from helpers import PROMPTS, engine_prompt_logprobs, hf_prompt_logprobs, max_abs_diff, wait_for_health  # noqa: E402
-from models import SIZES, build_model  # noqa: E402
+from models import SIZES, build_model, fully_shard_layers  # noqa: E402
 
 from lightning_vllm import HTTPEngine, VLLMUpdater  # noqa: E402
 from lightning_vllm.fronts.lightning.every_rank import EveryRankShares  # noqa: E402
@@ -55,13 +55,9 @@ def sent_bytes() -> int:
 def sharded_model(size_name: str) -> torch.nn.Module:
     """The benchmark's model in float32, each decoder layer and the whole model sharded with FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     model = build_model(SIZES[size_name]).float()  # the same seed on every rank, and in multihost.py
-    mesh = init_device_mesh("cpu", (NUM_RANKS,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_layers(model, init_device_mesh("cpu", (NUM_RANKS,)))
     return model
 
 

@@ -1,8 +1,12 @@
-"""Turns timings into the figures the benchmark page shows: table, fit, ratios, plot."""
+"""Turns timings into the figures the benchmark page shows: table, fit, ratios, plot, and where they were measured."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +210,22 @@ def plot(results: Sequence[ModelResult], methods: Sequence[str], path: Path) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def measured_on() -> str:
+    """The first words of a section of the page: the day, this machine's CPU cores, torch's and vLLM's versions."""
+    import torch
+    import vllm
+
+    return (
+        f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores ({platform.machine()}),\n"
+        f"torch {torch.__version__}, vLLM {vllm.__version__}"
+    )
+
+
+def command_line(script: str) -> str:
+    """The command that made a section of the page: ``script`` with this run's arguments."""
+    return " ".join(["python", script, *sys.argv[1:]])
 
 
 def replace_results(page: Path, results_markdown: str, start: str = RESULTS_START, end: str = RESULTS_END) -> None:

@@ -26,29 +26,26 @@ import copy
 import dataclasses
 import gc
 import json
-import os
-import platform
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# vLLM's workers import the floor extension by module name; they inherit this path.
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 from callback_cost import CallbackCost, measure_callback_cost  # noqa: E402
+from cpu_engine import start_engine, stop_engine  # noqa: E402
 from lora import LoraResult, lora_line, lora_table, measure_lora  # noqa: E402
 from methods import METHODS, SyncMethods, peak_extra_rss_bytes  # noqa: E402
 from models import MANY_TENSORS, SIZES, ModelSize, build_model, num_parameters, save  # noqa: E402
 from report import (  # noqa: E402
     ModelResult,
     changed_only_table,
+    command_line,
     linear_fit,
+    measured_on,
     plot,
     ratios_line,
     replace_results,
@@ -64,29 +61,6 @@ from lightning_vllm import VLLMUpdater  # noqa: E402
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES  # noqa: E402
 
 REPOSITORY = BENCHMARKS.parent
-
-
-def start_engine(model_dir: Path, **overrides: object) -> object:
-    from vllm import LLM
-
-    return LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=128,
-        seed=0,
-        weight_transfer_config={"backend": "gloo"},
-        worker_extension_cls="floor_worker.FloorWorkerExtension",
-        **overrides,
-    )
-
-
-def stop_engine(llm: object) -> None:
-    # vLLM's CPU engine core outlasts the default 5 s grace after SIGTERM and is killed anyway;
-    # a benchmark engine holds nothing to save.
-    llm.llm_engine.engine_core.shutdown(timeout=1.0)  # type: ignore[attr-defined]
-    gc.collect()
 
 
 def measure_model(
@@ -234,10 +208,9 @@ def results_markdown(
             f"{cost.overhead * 1e3:+.0f} ms elsewhere."
         )
     return f"""
-Measured {time.strftime("%Y-%m-%d")} on {os.cpu_count()} CPU cores ({platform.machine()}),
-torch {torch.__version__}, vLLM {__import__("vllm").__version__}, bucket {args.bucket_mib} MiB,
+{measured_on()}, bucket {args.bucket_mib} MiB,
 {args.runs} timed runs per method after one warm-up.
-Command: `{" ".join(["python", "benchmarks/run.py", *sys.argv[1:]])}`.
+Command: `{command_line("benchmarks/run.py")}`.
 
 ![sync time versus size]({image})
 
@@ -373,9 +346,7 @@ def main() -> None:
             cost_steps=0,
             warm_up=not args.quick,
         )
-        lora = [
-            measure_lora(SIZES[name], Path(tmp), args.runs, bucket_size_bytes, start_engine) for name in args.lora_sizes
-        ]
+        lora = [measure_lora(SIZES[name], Path(tmp), args.runs, bucket_size_bytes) for name in args.lora_sizes]
 
     sharded = sharded_quick.result() if sharded_quick else measure_sharded_push()
     beside.shutdown()

@@ -21,19 +21,18 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from cpu_engine import start_engine, stop_engine  # noqa: E402
 from methods import peak_extra_rss_bytes  # noqa: E402
-from models import SIZES, build_model, save  # noqa: E402
+from models import SIZES, build_model, fully_shard_layers, save  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
 from lightning_vllm.fronts.lightning.every_rank import EveryRankShares  # noqa: E402
@@ -76,7 +75,6 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
         timeout=datetime.timedelta(seconds=600),
     )  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     model = build(size_name)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -84,17 +82,8 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
     tensor_bytes = max(p.numel() * p.element_size() for p in model.parameters())
     llm = None
     if rank == 0:
-        from vllm import LLM
-
-        model_dir = save(model, Path(workdir) / "model")
-        llm = LLM(
-            model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
-            max_model_len=128, weight_transfer_config={"backend": "gloo"},
-        )  # fmt: skip
-    mesh = init_device_mesh("cpu", (NUM_RANKS,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        llm = start_engine(save(model, Path(workdir) / "model"))
+    fully_shard_layers(model, init_device_mesh("cpu", (NUM_RANKS,)))
     gc.collect()
     ranks = TrainerRanks(timeout_seconds=600)
     updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=600)
@@ -124,7 +113,7 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
     updater.close()
     ranks.close()
     if llm is not None:
-        llm.llm_engine.engine_core.shutdown(timeout=1.0)  # its CPU engine core outlasts the default 5 s grace
+        stop_engine(llm)
     dist.destroy_process_group()
 
 

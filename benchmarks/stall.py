@@ -1,6 +1,6 @@
 """How long a push holds the training loop: blocking pushes against ``blocking=False``.
 
-The same short ``Trainer.fit`` as the callback's cost (``callback_cost.py``: a float32
+The same short ``Trainer.fit`` as the callback's cost (``callback_cost.py``, ``training.py``: a float32
 policy, a 4-token rollout from the engine in every step, a push after every step into a
 bfloat16 engine) runs three ways, alternately: without the callback, with
 ``VLLMWeightSync(every_n_train_steps=1)`` (blocking), and with ``blocking=False,
@@ -21,40 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from callback_cost import fit_seconds
-from lightning.pytorch.loggers import Logger
-from typing_extensions import override
+from training import MetricsInMemory, fit_seconds
 
 from lightning_vllm import VLLMWeightSync
 
 MODES = ("never", "blocking", "background")
-
-
-class MetricsInMemory(Logger):
-    """A Lightning logger that keeps ``(step, value)`` of every metric in a dict."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: dict[str, list[tuple[int, float]]] = {}
-
-    @property
-    @override
-    def name(self) -> str:
-        return "in-memory"
-
-    @property
-    @override
-    def version(self) -> int:
-        return 0
-
-    @override
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        for key, value in metrics.items():
-            self.metrics.setdefault(key, []).append((step or 0, float(value)))
-
-    @override
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 @dataclass

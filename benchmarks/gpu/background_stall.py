@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -48,7 +46,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
-from ipc_push import build_model  # noqa: E402  # (it puts tests/ and tests/gpu/ on the path)
+from figures import options, print_figures, write_results  # noqa: E402
+from vllm_engine import allow_pickled_rpc, build_model, dummy_llm  # noqa: E402  # (it puts tests/gpu/ on the path)
 
 SMALL = dict(
     vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -213,42 +212,31 @@ def checks_of(results: dict[str, Any]) -> dict[str, bool]:
 def report(results: dict[str, Any], out: Path) -> bool:
     """Print the figures and checks as ``name=value`` lines, write ``background_stall.json``; whether all held."""
     results["figures"], results["checks"] = figures_of(results), checks_of(results)
-    for name, value in results["figures"].items():
-        print(f"{name}={value:.4g}")
+    print_figures(results["figures"])
     print(f"snapshot_where={'/'.join(sorted(set(results['background']['where'])))}")
     print(f"snapshot_bytes={results['snapshot_bytes']}")
     for name, passed in results["checks"].items():
         print(f"{name}={passed}")
     ok = all(results["checks"].values())
     print(f"all_checks_passed={ok}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "background_stall.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(out, "background_stall.json", results)
     return ok
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7, help="timed push points of each kind")
+    parser = options(__doc__, rounds=7, rounds_help="timed push points of each kind")
     parser.add_argument("--host-rounds", type=int, default=3, help="push points from pinned host memory (0: none)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--small", action="store_true", help="a tiny Llama shape: a smoke run of this script")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
+    allow_pickled_rpc()  # vLLM's RPC carries the handles as pickle
 
-    from gpu_helpers import digests_equal, engine_digest, gpu_llm, model_digest, stop_llm
+    from gpu_helpers import digests_equal, engine_digest, model_digest, stop_llm
 
     from lightning_vllm import VLLMUpdater
 
     model_dir = Path(tempfile.mkdtemp(prefix="llama-stall-"))
     model = build_model(model_dir, SMALL if args.small else None)
-    llm = gpu_llm(
-        model_dir,
-        dtype="bfloat16",
-        load_format="dummy",
-        gpu_memory_utilization=0.1 if args.small else 0.3,
-        max_model_len=256,
-        max_num_seqs=4,
-    )
+    llm = dummy_llm(model_dir, gpu_memory_utilization=0.1 if args.small else 0.3)
     start = time.perf_counter()
     try:
         updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False)

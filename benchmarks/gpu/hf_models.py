@@ -27,13 +27,18 @@ def qwen2_1p5b() -> Qwen2Config:
     )  # fmt: skip
 
 
+LLAMA_3_8B: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+    tie_word_embeddings=False,
+)  # fmt: skip
+"""Llama-3-8B's shape (8.03 B parameters, 16.1 GB in bfloat16, untied embeddings): the receiver runs' large model,
+and the model ``vllm_engine.build_model`` pushes into vLLM's own engine."""
+
+
 def llama3_8b() -> LlamaConfig:
-    """Llama-3-8B's shape (8.03 B parameters, 16.1 GB in bfloat16, untied embeddings)."""
-    return LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
+    """Llama-3-8B's shape (:data:`LLAMA_3_8B`)."""
+    return LlamaConfig(**LLAMA_3_8B)
 
 
 def qwen2_tiny() -> Qwen2Config:

@@ -29,163 +29,20 @@ reset), which says where a push's seconds go inside vLLM. Prints ``name=value`` 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
-
-LLAMA_3_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
-)  # fmt: skip
-
-
-def build_model(model_dir: Path, shape: Mapping[str, Any] | None = None) -> torch.nn.Module:
-    """Llama-3-8B's shape (or another Llama ``shape``) in bf16 on the GPU, random weights; its config saved to
-    ``model_dir`` for vLLM (``gpu_helpers.bf16_model_on_gpu``)."""
-    from gpu_helpers import bf16_model_on_gpu
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(**(shape or LLAMA_3_8B), architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
-    return bf16_model_on_gpu(config, model_dir)
-
-
-def timed(fn, rounds: int) -> list[float]:
-    seconds = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def copy_floor(tensors: list[torch.Tensor], rounds: int, batched: bool = False, summed: bool = False) -> list[float]:
-    """Seconds of a ``copy_`` of every tensor into a buffer of its own, allocated once (warmed first); ``batched``:
-    one ``torch._foreach_copy_`` of them all instead (what a replay would be with no tensor copied alone); ``summed``:
-    the copies that sum what they write, as a ``lightning_ipc`` replay makes them (``weights/gpu_sums.SummedCopies``,
-    one owner per tensor)."""
-    buffers = [torch.empty_like(tensor) for tensor in tensors]
-    if summed:
-        from lightning_vllm.weights.gpu_sums import SummedCopies
-
-        summing = SummedCopies([(b, t, i) for i, (b, t) in enumerate(zip(buffers, tensors))], len(tensors))
-
-    def copy() -> None:
-        if summed:
-            summing.run()
-            return
-        if batched:
-            torch._foreach_copy_(buffers, tensors)
-            return
-        for buffer, tensor in zip(buffers, tensors):
-            buffer.copy_(tensor)
-
-    copy()
-    seconds = timed(copy, rounds)
-    buffers.clear()
-    torch.cuda.empty_cache()
-    return seconds
-
-
-def timed_pushes(updater, model: torch.nn.Module, rounds: int, calls: dict[str, list[float]]):
-    """Seconds of ``rounds`` pushes (the group joined by a first, untimed one), and the median push's stats;
-    ``calls`` holds the timed pushes' control calls only."""
-    updater.push_weights(model)
-    for values in calls.values():
-        values.clear()
-    stats = []
-
-    def push() -> None:
-        PUSH_STARTS.append(time.perf_counter())
-        stats.append(updater.push_weights(model))
-
-    seconds = timed(push, rounds)
-    return seconds, sorted(stats, key=lambda each: each.seconds)[len(stats) // 2]
-
-
-PUSH_STARTS: list[float] = []  # when each timed push began (time.perf_counter: CLOCK_MONOTONIC, one clock per host)
-CALL_STARTS: dict[str, list[float]] = {}  # when each control call began, by name
-STAGES: dict[str, list[float]] = {}  # when each stage of the trainer's side of a push was reached, by name
-
-
-def mark_stages() -> None:
-    """Note when a push's trainer side reaches each of its stages (``STAGES``): checked (``WeightSync.prepare``
-    returned), handed to the sender, on the transfer thread, the update info begun and built, the worker's copies
-    known to have landed, the sender and the push returned."""
-    from vllm import LLM
-
-    from lightning_vllm import VLLMUpdater
-    from lightning_vllm.backends.lightning_ipc.trainer import KeptHandlesIPCTrainerEngine
-    from lightning_vllm.backends.vllm_engines import VLLMEngineSender
-    from lightning_vllm.core.weight_sync import WeightSync
-
-    def marked(owner, name, before=None, after=None):
-        original = getattr(owner, name)
-
-        def call(*args, **kwargs):
-            if before:
-                STAGES.setdefault(before, []).append(time.perf_counter())
-            result = original(*args, **kwargs)
-            if after:
-                STAGES.setdefault(after, []).append(time.perf_counter())
-            return result
-
-        setattr(owner, name, call)
-
-    marked(WeightSync, "prepare", after="1_checked")
-    marked(VLLMEngineSender, "send", before="2_sender", after="7_sender_returned")
-    marked(KeptHandlesIPCTrainerEngine, "send_weights", before="3_transfer_thread", after="6_landed")
-    marked(KeptHandlesIPCTrainerEngine, "_update_info", before="4_update_info", after="5_update_info_built")
-    marked(VLLMUpdater, "push_weights", after="8_push_returned")
-    # The commit's calls, made while the worker's copies run (lightning_ipc's worker returns once they are queued).
-    marked(LLM, "update_weight_version", before="5b_version_call", after="5c_version_set")
-    marked(LLM, "reset_prefix_cache", after="5d_prefix_cache_reset")
-
-
-CONTROL_CALLS = (
-    "start_weight_update",
-    "update_weights",
-    "finish_weight_update",
-    "update_weights_in_one_call",
-    "pause_generation",
-    "resume_generation",
-    "reset_prefix_cache",
-)
-
-
-def time_control_calls() -> dict[str, list[float]]:
-    """Time every control call a push makes to an in-process engine (``LocalLLMEngine``), by name."""
-    from lightning_vllm.engines.local import LocalLLMEngine
-
-    seconds: dict[str, list[float]] = {name: [] for name in CONTROL_CALLS}
-    for name in CONTROL_CALLS:
-        call = getattr(LocalLLMEngine, name)
-
-        def timed_call(self, *args, _call=call, _name=name, **kwargs):
-            start = time.perf_counter()
-            CALL_STARTS.setdefault(_name, []).append(start)
-            try:
-                return _call(self, *args, **kwargs)
-            finally:
-                seconds[_name].append(time.perf_counter() - start)
-
-        setattr(LocalLLMEngine, name, timed_call)
-    return seconds
+from figures import options, print_figures, timed, wall_seconds, write_results
+from push_timeline import copy_floor, mark_stages, push_figures, time_control_calls, time_worker_updates
+from vllm_engine import allow_pickled_rpc, build_model, dummy_llm
 
 
 def python_speed(model: torch.nn.Module, rounds: int) -> dict[str, float]:
@@ -215,132 +72,6 @@ def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
         figures[f"sums_{label}_seconds"] = statistics.median(timed(all_sums, rounds))
     figures["sums_fused_usable"] = float(gpu_sums._fused_sums.usable)
     return figures
-
-
-def time_worker_updates(llm) -> None:
-    """Time, inside vLLM's worker, each ``update_weights`` of its transfer engine (no RPC): what the worker's
-    own load costs, read back by :func:`worker_update_seconds`."""
-
-    def instrument(worker) -> None:  # runs in vLLM's worker (cloudpickled: defined here)
-        import time
-
-        import torch
-
-        engine = worker.weight_transfer_engine
-        original = engine.update_weights
-        engine.timed_updates = []
-        engine.device_spans = []  # CUDA events around each update's queued work: the copies' device time
-
-        def timed(update_info):
-            started = time.perf_counter()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            try:
-                return original(update_info)
-            finally:
-                end.record()
-                engine.timed_updates.append((started, time.perf_counter() - started))
-                engine.device_spans.append((begin, end))
-
-        engine.update_weights = timed
-
-    llm.collective_rpc(instrument)
-
-
-def worker_update_seconds(llm) -> list[tuple[float, float]]:
-    """When the worker's ``update_weights`` began and its seconds, since the last call (and forgets them)."""
-
-    def read(worker) -> list[tuple[float, float]]:  # runs in vLLM's worker
-        seconds = list(getattr(worker.weight_transfer_engine, "timed_updates", []))
-        worker.weight_transfer_engine.timed_updates = []
-        return seconds
-
-    return llm.collective_rpc(read)[0]
-
-
-def worker_device_seconds(llm) -> list[float]:
-    """The device time of the work each ``update_weights`` queued (its copies), since the last call (and forgets
-    them): against the copy floor, whether the worker's copies run at the floor's speed."""
-
-    def read(worker) -> list[float]:  # runs in vLLM's worker
-        import torch
-
-        spans = list(getattr(worker.weight_transfer_engine, "device_spans", []))
-        worker.weight_transfer_engine.device_spans = []
-        torch.cuda.synchronize()
-        return [begin.elapsed_time(end) / 1e3 for begin, end in spans]
-
-    return llm.collective_rpc(read)[0]
-
-
-def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[str, object]:
-    """``rounds`` timed pushes of ``model`` into ``llm`` with ``options``, the last checked by digest."""
-    from gpu_helpers import digests_equal, engine_digest, model_digest, trainer_engine
-
-    from lightning_vllm import VLLMUpdater
-
-    updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, **options)
-    CALL_STARTS.clear()
-    PUSH_STARTS.clear()
-    STAGES.clear()
-    seconds, middle = timed_pushes(updater, model, rounds, calls)
-    worker_updates = worker_update_seconds(llm)[-rounds:]  # the timed pushes' (the first joined the group)
-    worker_seconds = [spent for _, spent in worker_updates]
-    device_seconds = worker_device_seconds(llm)[-rounds:]
-    # Where the push's time goes before the copies can start: the trainer until it calls the engine, then the
-    # call until the worker's update begins (one clock: the same host).
-    name = "update_weights_in_one_call" if CALL_STARTS.get("update_weights_in_one_call") else "update_weights"
-    call_starts, push_starts = CALL_STARTS.get(name, [])[-rounds:], PUSH_STARTS[-rounds:]
-    timeline = {}
-    if len(call_starts) == len(push_starts) == len(worker_updates) == rounds:
-        timeline = {
-            "trainer_until_the_call_seconds": statistics.median(c - p for c, p in zip(call_starts, push_starts)),
-            "call_until_the_worker_seconds": statistics.median(w - c for (w, _), c in zip(worker_updates, call_starts)),
-            "worker_update_ends_after_push_start_seconds": statistics.median(
-                w + spent - p for (w, spent), p in zip(worker_updates, push_starts)
-            ),
-        }
-        for stage, times in sorted(STAGES.items()):
-            if len(times) >= rounds:
-                timeline[f"stage_{stage}_after_push_start_seconds"] = statistics.median(
-                    t - p for t, p in zip(times[-rounds:], push_starts)
-                )
-    landed = digests_equal(engine_digest(llm), model_digest(model))
-    # lightning_ipc's trainer engine counts the handles it exported (the rest named a kept slot).
-    handles_sent = getattr(trainer_engine(updater), "handles_sent", None)
-    updater.close()
-
-    def replayed(worker) -> int:  # runs in vLLM's worker: loads replayed from lightning_ipc's records so far
-        loads = getattr(worker.weight_transfer_engine, "loads", None)
-        return -1 if loads is None else int(loads.replayed)
-
-    def written(worker) -> tuple[int, int]:  # runs in vLLM's worker: parameters its last load summed as it wrote
-        sums = getattr(worker.weight_transfer_engine, "written_sums", lambda: None)()
-        return len(sums or {}), sum(1 for _ in worker.get_model().parameters())
-
-    report_seconds = []
-    for _ in range(3):  # the check's question to the worker, alone
-        start = time.perf_counter()
-        llm.collective_rpc("lightning_vllm_layer_sums")
-        report_seconds.append(time.perf_counter() - start)
-
-    return {
-        "handles_sent": handles_sent,
-        "worker_update_seconds": statistics.median(worker_seconds) if worker_seconds else None,
-        "worker_device_seconds": statistics.median(device_seconds) if device_seconds else None,
-        "loads_replayed": llm.collective_rpc(replayed)[0],
-        "parameters_summed_as_written": llm.collective_rpc(written)[0],
-        "worker_report_seconds": statistics.median(report_seconds),
-        "seconds": seconds,
-        "landed_exactly": landed,
-        "transfer_seconds": middle.timing.transfer_seconds,
-        "commit_seconds": middle.timing.commit_seconds,
-        "pause_seconds": middle.timing.pause_seconds,
-        "check_seconds": middle.timing.check_seconds,
-        "gb_per_second": middle.gb_per_second,
-        "calls": {name: statistics.median(values) for name, values in calls.items() if values},
-        "timeline": timeline,
-    }
 
 
 def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5, verify_pushes: bool = False) -> None:
@@ -388,11 +119,7 @@ def profile_pushes(llm, model: torch.nn.Module, out: Path, rounds: int = 5, veri
         return text.getvalue()
 
     (out / "ipc_check_worker_profile.txt").write_text(llm.collective_rpc(in_worker)[0])
-    bare = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        llm.collective_rpc("lightning_vllm_layer_sums_format")
-        bare.append(time.perf_counter() - start)
+    bare = wall_seconds(lambda: llm.collective_rpc("lightning_vllm_layer_sums_format"), rounds)
     print(f"bare_rpc_seconds={statistics.median(bare):.4g}")
 
 
@@ -415,18 +142,16 @@ def packed_ipc() -> Iterator[None]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser = options(__doc__, rounds=7)
     parser.add_argument(
         "--backends", default="lightning_ipc,ipc", help="the engines' weight_transfer_config backends, one engine each"
     )
     parser.add_argument("--packed", action="store_true", help="also push with vLLM's packed producer")
     parser.add_argument("--profile", action="store_true", help="also profile the first backend's pushes (cProfile)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
+    allow_pickled_rpc()  # vLLM's RPC carries the handles as pickle
 
-    from gpu_helpers import gpu_llm, stop_llm
+    from gpu_helpers import stop_llm
 
     model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
     model = build_model(model_dir)
@@ -441,15 +166,7 @@ def main() -> None:
     mark_stages()
     results["python_speed"] = python_speed(model, args.rounds)
     for backend in args.backends.split(","):
-        llm = gpu_llm(
-            model_dir,
-            backend=backend,
-            dtype="bfloat16",
-            load_format="dummy",
-            gpu_memory_utilization=0.3,
-            max_model_len=256,
-            max_num_seqs=4,
-        )
+        llm = dummy_llm(model_dir, backend=backend)
         time_worker_updates(llm)
         try:
             # The check after every push, on, then off: its cost is the difference.
@@ -493,8 +210,7 @@ def main() -> None:
     figures.update({name: value for name, value in results["sums"].items()})  # type: ignore[union-attr]
     figures.update({name: value for name, value in results["python_speed"].items()})  # type: ignore[union-attr]
     results["figures"] = figures
-    for name, value in figures.items():
-        print(f"{name}={value:.4g}")
+    print_figures(figures)
     for label, result in results.items():
         if isinstance(result, dict) and "landed_exactly" in result:
             print(f"{label}_landed_exactly={result['landed_exactly']}")
@@ -507,8 +223,7 @@ def main() -> None:
                 print(f"{label}_{name}={value:.4g}")
             for name, value in result["calls"].items():
                 print(f"{label}_{name}_seconds={value:.4g}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ipc_push.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, "ipc_push.json", results)
     if not all(r["landed_exactly"] for r in results.values() if isinstance(r, dict) and "landed_exactly" in r):
         sys.exit(1)
 

@@ -25,7 +25,7 @@ import io
 import pstats
 import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "core")]
 
 import torch  # noqa: E402
+from figures import wall_seconds  # noqa: E402
 from test_connection_gpu_backends import GPUEngine  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -77,7 +78,9 @@ class InProcessEngine(GPUEngine, GeneratesOnlyInCalls, UpdatesInOneCall):
     def generates_only_in_calls(self) -> bool:
         return True
 
-    def update_weights_in_one_call(self, update_info: dict[str, Any], weight_version: str | None) -> None:
+    def update_weights_in_one_call(
+        self, update_on_worker: Callable[..., None], update_info: dict[str, Any], weight_version: str | None
+    ) -> None:
         self.start_weight_update()
         self.finish_weight_update(weight_version)
 
@@ -104,11 +107,7 @@ def main() -> None:
     updater = VLLMUpdater(engine=engine, timeout_seconds=30, changed_only=False)
     updater.push_weights(model)  # joins; the next push keeps every slot
     updater.push_weights(model)
-    seconds = []
-    for _ in range(args.rounds):
-        started = time.perf_counter()
-        updater.push_weights(model)
-        seconds.append(time.perf_counter() - started)
+    seconds = wall_seconds(lambda: updater.push_weights(model), args.rounds)
     tensors = len(list(model.parameters()))
     print(f"tensors={tensors}")
     print(f"push_median_seconds={statistics.median(seconds):.6f}")

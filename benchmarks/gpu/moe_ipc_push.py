@@ -11,7 +11,7 @@ experts of 768, 8 per token; 16 layers: 10.59B parameters, 21.2 GB) in bf16 on t
 its experts fused as transformers 5 holds them, and a real ``vllm.LLM`` of the same shape from dummy weights
 (the GPU tier's engine settings). A push sends the experts one tensor per expert and projection (6,291 tensors),
 views of the fused ones (``weights/checkpoint_layout.py``). Medians of ``--rounds``, as ``ipc_push.py`` times
-them (its helpers, reused):
+them (``push_timeline.py``):
 
 * ``copy``: ``copy_`` of every parameter as the trainer holds it into a buffer of its own (the floor: one copy of
   the bytes); ``sent_tensors_copy``: the same over the tensors a push sends (a ``copy_`` per expert projection);
@@ -22,15 +22,13 @@ After the pushes the engine's parameters are read back (float64 sums on its GPU)
 Prints one JSON line (``moe_ipc_push_over_copy``: the push over the copy; the seconds of each, the tensors sent,
 the handles the trainer exported, the loads the worker replayed from its recorded copies, the worker's own
 ``update_weights`` and device time, and where a push's seconds go: ``timeline``, the marks of
-``ipc_push.mark_stages``, and ``calls``, the engine calls), writes ``moe_ipc_push.json`` into ``--out``
+``push_timeline.mark_stages``, and ``calls``, the engine calls), writes ``moe_ipc_push.json`` into ``--out``
 (default ``$OUT`` or ``.``), and exits 1 if a push did not land exactly.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,19 +37,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
-from ipc_push import copy_floor, mark_stages, push_figures, time_control_calls, time_worker_updates  # noqa: E402
+from figures import options, write_results  # noqa: E402
+from push_timeline import copy_floor, mark_stages, push_figures, time_control_calls, time_worker_updates  # noqa: E402
+from vllm_engine import allow_pickled_rpc  # noqa: E402
 
 BACKEND = "lightning_ipc"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = options(__doc__, rounds=7)
     parser.add_argument("--layers", type=int, default=16, help="decoder layers (16: 10.59B parameters)")
     parser.add_argument("--checked", action="store_true", help="also push with the check after every push")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's RPC carries the handles as pickle
+    allow_pickled_rpc()  # vLLM's RPC carries the handles as pickle
 
     from gpu_helpers import dummy_bf16_llm, qwen3_moe_bf16, stop_llm
 
@@ -96,8 +94,7 @@ def main() -> None:
     results = {"figures": figures, "copy_seconds_all": copy_seconds, "sent_copy_seconds_all": sent_copy_seconds}
     results |= {f"{BACKEND}_{label}": result for label, result in pushes.items()}
     print(json.dumps({**figures, **pushes}), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_ipc_push.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, "moe_ipc_push.json", results)
     if not all(result["landed_exactly"] for result in pushes.values()):
         sys.exit(1)
 

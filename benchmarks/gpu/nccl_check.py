@@ -8,7 +8,7 @@ On the GPU host, with ``.gpu-carry`` beside the checkout (``make gpu-carry`` her
 The one-GPU nccl setup of the tier (``tests/gpu/nccl/nccl_hosts.py``): this process and the engine core are NCCL
 hosts of their own, and NCCL's bytes go through loopback sockets, so the push's seconds say nothing of NVLink; only
 the ratio ``checked_over_unchecked`` is read from it (target 1.10). It builds Llama-3-8B's shape in bf16 on the GPU
-(random weights, ``ipc_push.build_model``) and, for each backend of ``--backends``, a real ``vllm.LLM`` of the same
+(random weights, ``vllm_engine.build_model``) and, for each backend of ``--backends``, a real ``vllm.LLM`` of the same
 shape from dummy weights, then times, as medians of ``--rounds`` after one untimed push each:
 
 * ``checked``: ``VLLMUpdater.push_weights`` of every tensor (``changed_only=False``), checked after each push;
@@ -21,30 +21,19 @@ pushes the engine's parameters are read back and must equal the trainer's. Print
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1] / "tests"), str(HERE.parents[1] / "tests" / "gpu"),
-                str(HERE.parents[1] / "tests" / "gpu" / "nccl")]  # fmt: skip
+sys.path[:0] = [str(HERE), str(HERE.parents[1] / "tests" / "gpu" / "nccl")]
 
-
-def timed_push(updater: Any, model: torch.nn.Module) -> tuple[float, Any]:
-    """Seconds of one push of ``model``, the GPU idle before and after, and its stats."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    stats = updater.push_weights(model)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, stats
+from figures import options, print_figures, timed_once, write_results  # noqa: E402
+from vllm_engine import build_model, dummy_llm, landed_exactly  # noqa: E402
 
 
 def check_figures(llm: Any, model: torch.nn.Module, rounds: int) -> dict[str, Any]:
@@ -53,8 +42,6 @@ def check_figures(llm: Any, model: torch.nn.Module, rounds: int) -> dict[str, An
     One updater, one group: a second updater would make the workers join a group of its own. Its connection's
     check is set aside for the unchecked pushes, which then run as with ``verify_pushes=False``.
     """
-    from gpu_helpers import digests_equal, engine_digest, model_digest
-
     from lightning_vllm import VLLMUpdater
 
     updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False, verify_pushes=True)
@@ -66,24 +53,22 @@ def check_figures(llm: Any, model: torch.nn.Module, rounds: int) -> dict[str, An
         check = connection.landing
         assert check is not None, "the engine's pushes are not checked: the figure would compare nothing"
         for _ in range(rounds):
-            spent, stats = timed_push(updater, model)
+            spent, stats = timed_once(lambda: updater.push_weights(model))
             seconds["checked"].append(spent)
             check_seconds.append(stats.timing.check_seconds)
             connection.landing = None
             try:
-                seconds["unchecked"].append(timed_push(updater, model)[0])
+                seconds["unchecked"].append(timed_once(lambda: updater.push_weights(model))[0])
             finally:
                 connection.landing = check
-        landed = digests_equal(engine_digest(llm), model_digest(model))
+        landed = landed_exactly(llm, model)
     finally:
         updater.close()
     return {"seconds": seconds, "check_seconds": check_seconds, "landed_exactly": landed}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser = options(__doc__, rounds=3)
     parser.add_argument("--backends", default="lightning_nccl", help="weight_transfer_config backends, one engine each")
     args = parser.parse_args()
 
@@ -91,8 +76,7 @@ def main() -> None:
 
     become_trainer_host()  # before any NCCL communicator in this process; digests need cloudpickled RPCs
 
-    from gpu_helpers import gpu_llm, stop_llm
-    from ipc_push import build_model
+    from gpu_helpers import stop_llm
 
     model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
     model = build_model(model_dir)
@@ -101,10 +85,7 @@ def main() -> None:
     figures: dict[str, float] = {"bytes": float(num_bytes)}
     for backend in args.backends.split(","):
         with starting_as(f"engine-{backend}"):
-            llm = gpu_llm(
-                model_dir, backend=backend, dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.3,
-                max_model_len=256, max_num_seqs=4,
-            )  # fmt: skip
+            llm = dummy_llm(model_dir, backend=backend)
         try:
             results[backend] = check_figures(llm, model, args.rounds)
         finally:
@@ -118,12 +99,10 @@ def main() -> None:
     first = args.backends.split(",")[0]
     figures["checked_over_unchecked"] = figures[f"{first}_checked_over_unchecked"]
     results["figures"] = figures
-    for name, value in figures.items():
-        print(f"{name}={value:.4g}")
+    print_figures(figures)
     for backend in args.backends.split(","):
         print(f"{backend}_landed_exactly={results[backend]['landed_exactly']}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "nccl_check.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, "nccl_check.json", results)
     if not all(results[backend]["landed_exactly"] for backend in args.backends.split(",")):
         sys.exit(1)
 

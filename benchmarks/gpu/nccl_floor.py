@@ -1,6 +1,7 @@
 """The floor of an nccl push: bare broadcasts of its bytes over vLLM's ``PyNcclCommunicator``, no packing, no loading.
 
-Used by ``runs.py`` (into the Hugging Face receiver) and ``nccl_push.py`` (into vLLM's own worker).
+Used by ``runs.py`` (into the Hugging Face receiver) and ``nccl_push.py`` (into vLLM's own worker); both receive
+with :func:`receive_broadcasts`.
 """
 
 from __future__ import annotations
@@ -46,3 +47,22 @@ def timed_broadcasts(
     del buffer
     torch.cuda.empty_cache()
     return seconds[1:]
+
+
+def receive_broadcasts(address: str, port: int, num_bytes: int, rounds: int, device: torch.device) -> list[float]:
+    """Join the bare group of :func:`timed_broadcasts` as rank 1 on ``device`` and receive ``rounds`` broadcasts of
+    ``num_bytes`` from rank 0; returns the seconds of each round as seen here."""
+    from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+    comm = stateless_init_process_group(address, port, 1, 2, device.index)
+    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    seconds = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream(device))
+        torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    comm.destroy()
+    del buffer
+    torch.cuda.empty_cache()
+    return seconds

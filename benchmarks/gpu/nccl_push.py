@@ -6,7 +6,7 @@ beside the checkout (``make gpu-carry`` here)::
 
     source .gpu-carry/setup.sh && python3 benchmarks/gpu/nccl_push.py [--rounds 7] [--out DIR]
 
-It builds Llama-3-8B's shape in bf16 on GPU 0 (random weights, ``ipc_push.build_model``) and a real
+It builds Llama-3-8B's shape in bf16 on GPU 0 (random weights, ``vllm_engine.build_model``) and a real
 ``vllm.LLM`` of the same shape from dummy weights whose engine core sees GPU 1 only, built with
 ``weight_transfer_config={"backend": "nccl"}``. Then, as medians of ``--rounds`` (after one untimed round):
 
@@ -23,38 +23,29 @@ land exactly, 2 with fewer than two GPUs.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1] / "tests"), str(HERE.parents[1] / "tests" / "gpu")]
+sys.path[:0] = [str(HERE)]
 
-from nccl_floor import timed_broadcasts  # noqa: E402
+from figures import options, print_figures, timed, write_results  # noqa: E402
+from nccl_floor import timed_broadcasts  # noqa: E402  # (vLLM spawns its engine core with this sys.path)
+from vllm_engine import allow_pickled_rpc, build_model, dummy_llm, landed_exactly  # noqa: E402
 
 
-def receive_broadcasts(worker: Any, address: str, port: int, num_bytes: int, rounds: int) -> None:
-    """In vLLM's worker (cloudpickled): receive ``rounds`` broadcasts of ``num_bytes`` from rank 0."""
+def receive_broadcasts(worker: Any, address: str, port: int, num_bytes: int, rounds: int) -> list[float]:
+    """In vLLM's worker (cloudpickled): ``nccl_floor.receive_broadcasts`` on the worker's GPU."""
+    import nccl_floor
     import torch
-    from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
-    device = torch.cuda.current_device()
-    comm = stateless_init_process_group(address, port, 1, 2, device)
-    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    for _ in range(rounds):
-        comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-    torch.cuda.synchronize()
-    comm.destroy()
-    del buffer
-    torch.cuda.empty_cache()
+    device = torch.device("cuda", torch.cuda.current_device())
+    return nccl_floor.receive_broadcasts(address, port, num_bytes, rounds, device)
 
 
 def raw_broadcast(llm: Any, num_bytes: int, rounds: int) -> list[float]:
@@ -66,24 +57,8 @@ def raw_broadcast(llm: Any, num_bytes: int, rounds: int) -> list[float]:
     return timed_broadcasts(receive, num_bytes, rounds, torch.device("cuda", 0))
 
 
-def timed_pushes(updater: Any, model: torch.nn.Module, rounds: int) -> list[float]:
-    """Seconds of ``rounds`` pushes of ``model`` (the group joined by a first, untimed one)."""
-    updater.push_weights(model)
-    seconds = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        updater.push_weights(model)
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    args = parser.parse_args()
+    args = options(__doc__, rounds=7).parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         print(
@@ -91,10 +66,9 @@ def main() -> None:
             f"GPU of its own; this host has {gpus}."
         )
         sys.exit(2)
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the raw floor's receiver is a function
+    allow_pickled_rpc()  # the raw floor's receiver is a function
 
-    from gpu_helpers import digests_equal, engine_digest, engines_start_on_second_gpu, gpu_llm, model_digest, stop_llm
-    from ipc_push import build_model
+    from gpu_helpers import engines_start_on_second_gpu, stop_llm
 
     from lightning_vllm import VLLMUpdater
 
@@ -103,15 +77,13 @@ def main() -> None:
     model = build_model(model_dir)  # on cuda:0
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     with engines_start_on_second_gpu():
-        llm = gpu_llm(
-            model_dir, backend="nccl", dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.3,
-            max_model_len=256, max_num_seqs=4,
-        )  # fmt: skip
+        llm = dummy_llm(model_dir, backend="nccl")
     try:
         updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False)
-        push_seconds = timed_pushes(updater, model, args.rounds)
+        updater.push_weights(model)  # joins the group; untimed
+        push_seconds = timed(lambda: updater.push_weights(model), args.rounds)
         stats = updater.push_weights(model)
-        landed = digests_equal(engine_digest(llm), model_digest(model))
+        landed = landed_exactly(llm, model)
         updater.close()
         raw_seconds = raw_broadcast(llm, num_bytes, args.rounds)
     finally:
@@ -127,12 +99,10 @@ def main() -> None:
         "transfer_seconds": stats.timing.transfer_seconds,
         "commit_seconds": stats.timing.commit_seconds,
     }
-    for name, value in figures.items():
-        print(f"{name}={value:.4g}")
+    print_figures(figures)
     print(f"nccl_push_landed_exactly={landed}")
-    args.out.mkdir(parents=True, exist_ok=True)
     results = {"figures": figures, "push_seconds": push_seconds, "raw_seconds": raw_seconds, "landed_exactly": landed}
-    (args.out / "nccl_push.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, "nccl_push.json", results)
     if not landed:
         sys.exit(1)
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from hf_models import build_model, load_weights, loaded_metadata, model_digests, tensor_from_bytes, tensor_to_bytes
+from nccl_floor import receive_broadcasts
 from transformers import PretrainedConfig
 
 BACKENDS = ("nccl", "ipc", "gloo", "pipe")
@@ -235,22 +236,9 @@ class Receiver:
         """Receive ``rounds`` broadcasts of ``num_bytes`` from rank 0 over vLLM's bare ``PyNcclCommunicator``.
 
         The floor our pushes are compared with: the same two processes, the same bytes, no packing,
-        no loading. Returns the seconds of each round as seen here.
+        no loading. Returns the seconds of each round as seen here (``nccl_floor.receive_broadcasts``).
         """
-        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
-        comm = stateless_init_process_group(master_address, master_port, 1, 2, self.device.index)
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        seconds = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-            torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-        comm.destroy()
-        del buffer
-        torch.cuda.empty_cache()
-        return seconds
+        return receive_broadcasts(master_address, master_port, num_bytes, rounds, self.device)
 
 
 def error_payload(error: BaseException) -> tuple[bytes | None, str, str]:

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent.parent)]  # our modules, and lightning_vllm (also for re-launched ranks)
+# Our modules, the CPU benchmarks' (training.py, models.py), and lightning_vllm (also for re-launched ranks).
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
@@ -41,7 +42,9 @@ from engine import ReceiverEngine  # noqa: E402
 from hf_models import MODELS, build_model, mismatches, model_digests  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
+from models import fully_shard_layers  # noqa: E402
 from nccl_floor import MASTER_ADDRESS, timed_broadcasts  # noqa: E402
+from training import MetricsInMemory, quiet_trainer  # noqa: E402
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
 
@@ -85,12 +88,7 @@ class Policy(pl.LightningModule):
             return
         self.model = build_model(self.config, self.trainer.strategy.root_device, self.seed)
         if self.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            for layer in self.model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
+            fully_shard_layers(self.model, self.device_mesh["data_parallel"])
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch).loss
@@ -113,7 +111,7 @@ def make_trainer(
     strategy: Any = "auto",
     logger: Logger | None = None,
 ) -> pl.Trainer:
-    return pl.Trainer(
+    return quiet_trainer(
         accelerator="gpu" if profile.gpu else "cpu",
         devices=gpus if profile.gpu else len(gpus),
         strategy=strategy,
@@ -121,9 +119,6 @@ def make_trainer(
         max_steps=steps,
         callbacks=callbacks,
         logger=logger or False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
 
@@ -187,7 +182,7 @@ class PushCheck(Callback):
                 }
             )
 
-    def summary(self, logger: MemoryLogger, expected_pushes: int | None = None) -> dict[str, Any]:
+    def summary(self, logger: MetricsInMemory, expected_pushes: int | None = None) -> dict[str, Any]:
         """Versions (as logged by VLLMWeightSync and as the receiver reports them), bit-exactness, push figures."""
         logged = [int(v) for v in logger.values("vllm/weight_version")]
         checked = [record["version"] for record in self.records]
@@ -239,30 +234,6 @@ class StepTimer(Callback):
         return statistics.median(steps[skip:] or steps)
 
 
-class MemoryLogger(Logger):
-    """Keeps what VLLMWeightSync logs (``vllm/sync_stall_seconds``, ...) in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.metrics.append(dict(metrics))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None: ...
-
-    def values(self, key: str) -> list[float]:
-        return [m[key] for m in self.metrics if key in m]
-
-
 def raw_broadcast(engine: ReceiverEngine, num_bytes: int, rounds: int, device: torch.device) -> list[float]:
     """Seconds of ``rounds`` bare ``PyNcclCommunicator`` broadcasts of ``num_bytes`` to the receiver (after one
     untimed), in a group of their own: the floor of a push of that many bytes between these two processes."""
@@ -304,7 +275,7 @@ def train_and_check(
             timeout_seconds=args.timeout,
             changed_only=not args.send_all,
         )
-        check, logger = PushCheck(sync, engine, per_push=per_push or args.check_every_push), MemoryLogger()
+        check, logger = PushCheck(sync, engine, per_push=per_push or args.check_every_push), MetricsInMemory()
         callbacks = [sync, check] + ([extra(engine)] if extra else [])
         trainer = make_trainer(profile, gpus, callbacks, steps, fsdp2(gpus) if sharded else "auto", logger)
         policy = Policy(model, fsdp=sharded)
@@ -349,7 +320,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
     modes: dict[str, dict[str, Any]] = {}
     try:
         for mode in ("none", "blocking", "background"):
-            timer, logger = StepTimer(), MemoryLogger()
+            timer, logger = StepTimer(), MetricsInMemory()
             callbacks: list[Callback] = [timer]
             check = None
             if mode != "none":
