@@ -70,8 +70,7 @@ def save(model: Qwen2ForCausalLM, directory: Path) -> Path:
 
 def fully_shard_layers(model: torch.nn.Module, mesh: Any) -> None:
     """Shard a Hugging Face causal LM with FSDP2 over ``mesh``: each decoder layer, then the whole model (its
-    embeddings, final norm and head), as a trainer wraps it (``sharded_memory.py``, ``multihost_node.py``,
-    ``gpu/runs.py``)."""
+    embeddings, final norm and head), as a trainer wraps it (``sharded_memory.py``, ``multihost_node.py``)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:

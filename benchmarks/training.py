@@ -1,6 +1,5 @@
 """The training side the benchmarks time: a short ``Trainer.fit`` of a policy that samples from the engine in
-every step (``callback_cost.py``, ``stall.py``), and a logger that keeps what ``VLLMWeightSync`` logs (those two and
-``gpu/runs.py``)."""
+every step (``callback_cost.py``, ``stall.py``), and a logger that keeps what ``VLLMWeightSync`` logs."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The floor of an nccl push: bare broadcasts of its bytes over vLLM's ``PyNcclCommunicator``, no packing, no loading.
 
-Used by ``runs.py`` (into the Hugging Face receiver) and ``nccl_push.py`` (into vLLM's own worker); both receive
-with :func:`receive_broadcasts`.
+Used by ``nccl_push.py``: the trainer's side here, vLLM's worker's with :func:`receive_broadcasts`.
 """
 
 from __future__ import annotations

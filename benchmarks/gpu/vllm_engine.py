@@ -18,7 +18,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
-from hf_models import LLAMA_3_8B  # noqa: E402
+LLAMA_3_8B: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+    tie_word_embeddings=False,
+)  # fmt: skip
+"""Llama-3-8B's shape (8.03 B parameters, 16.1 GB in bfloat16, untied embeddings): the model :func:`build_model`
+pushes into vLLM's own engine."""
 
 
 def allow_pickled_rpc() -> None:
