@@ -46,7 +46,8 @@ LAYERS: dict[str, list[str]] = {
     "fronts": [
         "fronts", "fronts.lightning", "fronts.lightning.ranks", "fronts.lightning.every_rank",
         "fronts.lightning.background", "fronts.lightning.rollouts", "fronts.lightning.push_points",
-        "fronts.lightning.callback", "fronts.torchrl", "fronts.torchrl.updater", "fronts.torchrl.scheme",
+        "fronts.lightning.callback", "fronts.torchrl", "fronts.torchrl.collectors", "fronts.torchrl.updater",
+        "fronts.torchrl.scheme",
     ],
     "the package": ["", "torchrl"],
 }  # fmt: skip

@@ -49,7 +49,7 @@ def check_figures(llm: Any, model: torch.nn.Module, rounds: int) -> dict[str, An
     check_seconds: list[float] = []
     try:
         updater.push_weights(model)  # joins the group; untimed
-        connection = updater._engine_set.connections[0]
+        connection = updater.weight_sync._engine_set.connections[0]
         check = connection.landing
         assert check is not None, "the engine's pushes are not checked: the figure would compare nothing"
         for _ in range(rounds):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,10 +35,33 @@ from lightning_vllm.weights.survey import Surveys
 
 _OPTION_NAMES = frozenset(field.name for field in fields(UpdaterOptions))
 
+
+def refuse_option_attribute(owner: object, name: str) -> None:
+    """Raise if ``name`` is one of the options, which ``owner`` keeps once, in ``owner.options``: set as an
+    attribute it would be a stray one no push reads.
+
+    Raises:
+        AttributeError: it is (says how to change it).
+    """
+    if name in _OPTION_NAMES:
+        raise AttributeError(
+            f"{name} is one of the options, stored once in {type(owner).__name__}.options: "
+            f"call set_options({name}=...) to change it."
+        )
+
+
 NO_WEIGHTS = (
     "A push needs the weights: pass the policy (a Hugging Face model or a LightningModule holding one), "
     "a dict of tensors or a TensorDict. This updater does not fetch weights by itself."
 )
+
+
+@runtime_checkable
+class HoldsWeightSync(Protocol):
+    """A front end that has a core (TorchRL's ``VLLMUpdater``): another front end (the Lightning callback) pushes
+    through the same core, so both count the same versions and run the same post hooks."""
+
+    weight_sync: WeightSync
 
 
 class WeightSync:
@@ -86,6 +109,10 @@ class WeightSync:
         self._post_hooks: list[Callable[[], Any]] = []
         self.last_sync: SyncStats | None = None
         self._kept: KeptChoice | None = None  # the last push's choice and checks, for the next push of its model
+        # Why something outside this package that samples from the engines could not sample from a pushed LoRA
+        # adapter (said by the front end that knows it: TorchRL's, of its collector's policy); lora="auto" then
+        # pushes merged weights.
+        self.adapter_consumer_problems: list[str] = []
 
     @property
     def options(self) -> UpdaterOptions:
@@ -109,24 +136,8 @@ class WeightSync:
         self._options = options
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OPTION_NAMES:  # (it would be a stray attribute no push reads)
-            raise AttributeError(
-                f"{name} is one of the options, stored once in {type(self).__name__}.options: "
-                f"call set_options({name}=...) to change it."
-            )
+        refuse_option_attribute(self, name)
         super().__setattr__(name, value)
-
-    # -- where a front end may know more than the core ---------------------------
-
-    def find_engines(self) -> list[EngineTarget]:
-        """The engines to push to when none was given: none. A front end may know where they are
-        (TorchRL's, the engine of its collector's policy)."""
-        return []
-
-    def adapter_consumer_problems(self) -> list[str]:
-        """Why something that samples from the engines outside this package could not sample from a
-        pushed LoRA adapter (a front end's consumers): nothing here."""
-        return []
 
     # -- engines and groups -----------------------------------------------------
 
@@ -193,8 +204,6 @@ class WeightSync:
             self._follow(self._engine_set.open(index, self.model_metadata, self._options))
 
     def _require_engines(self) -> None:
-        if not self._engine_set.targets:
-            self._engine_set = EngineSet(self.find_engines())
         if not self._engine_set.targets:
             raise EngineConfigError("No vLLM engine to push to: pass engine=... (e.g. a vllm.LLM) to VLLMUpdater.")
 
@@ -367,7 +376,7 @@ class WeightSync:
                 if self.model_metadata is None:  # what the groups are formed for
                     self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
                 facts = list(self.engine_facts(engines).values())
-            return choose_view(weights, policy, self._options, facts, self.adapter_consumer_problems())
+            return choose_view(weights, policy, self._options, facts, self.adapter_consumer_problems)
 
         return payload_for(weights, policy, decide() if agree is None else agree(decide), self._options, surveys)
 

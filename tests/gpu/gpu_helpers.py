@@ -151,8 +151,11 @@ def dummy_bf16_llm(model_dir: Path, num_bytes: int, backend: str, headroom_bytes
 
 def trainer_engine(updater: Any) -> Any:
     """The updater's trainer-side transfer engine for its one engine (``KeptHandlesIPCTrainerEngine`` over
-    ``lightning_ipc``)."""
-    return updater._engine_set.connections[0].sender.engine
+    ``lightning_ipc``); ``updater`` a ``WeightSync`` or a ``VLLMUpdater``, which has one."""
+    from lightning_vllm.core.weight_sync import HoldsWeightSync
+
+    core = updater.weight_sync if isinstance(updater, HoldsWeightSync) else updater
+    return core._engine_set.connections[0].sender.engine
 
 
 def worker_state(llm: Any) -> tuple[int, int]:

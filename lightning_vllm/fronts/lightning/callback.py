@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import Unpack, override
 
 from lightning_vllm.backends.registry import check_requested
-from lightning_vllm.core.weight_sync import WeightSync
+from lightning_vllm.core.weight_sync import HoldsWeightSync, WeightSync
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
@@ -101,8 +101,9 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         max_staleness: the most versions a rollout may lag the trainer; ``None`` for no limit.
         generate_timeout_seconds: the longest one :meth:`generate` may take (10 minutes by
             default: long rollouts are legitimate, a frozen engine is not).
-        updater: a ready ``WeightSync`` (a ``VLLMUpdater``, say) to use instead of building one from the arguments above
-            (which must then stay at their defaults).
+        updater: a ready ``WeightSync``, or a front end that has one (a ``VLLMUpdater``: the callback pushes through
+            its core), to use instead of building one from the arguments above (which must then stay at their
+            defaults).
         blocking: ``True`` (default): a push point holds the training step until the engine
             has the weights. ``False``: the push point copies the weights into memory kept
             between pushes and training goes on while a background thread sends them; the
@@ -161,7 +162,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         lora: LoraMode = "auto",
         max_staleness: int | None = None,
         generate_timeout_seconds: float = DEFAULT_GENERATE_TIMEOUT_SECONDS,
-        updater: WeightSync | None = None,
+        updater: WeightSync | HoldsWeightSync | None = None,
         on_sync_error: Literal["raise", "warn"] = "raise",
         blocking: bool = True,
         when_busy: WhenBusy = "skip",
@@ -170,6 +171,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         push_from: PushFrom = "rank0",
     ) -> None:
         updater_options = UpdaterOptions.among(locals())
+        if isinstance(updater, HoldsWeightSync):  # (TorchRL's updater: the callback pushes through its core)
+            updater = updater.weight_sync
         num_engines = len(engine) if isinstance(engine, (list, tuple)) else int(engine is not None)
         ignored = check_options(
             SyncOptions(

@@ -20,7 +20,8 @@ from torchrl.weight_update import WeightSyncScheme
 
 from lightning_vllm.core.push import SyncStats
 from lightning_vllm.errors import EngineConfigError
-from lightning_vllm.fronts.torchrl.updater import VLLMUpdater, policy_engine
+from lightning_vllm.fronts.torchrl.collectors import policy_engine
+from lightning_vllm.fronts.torchrl.updater import VLLMUpdater
 from lightning_vllm.weights.model import ModelMetadata
 
 log = logging.getLogger(__name__)

@@ -11,21 +11,25 @@ callback is the other front end, beside this one. See ``docs/torchrl.md``.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from typing_extensions import Self
 
 from lightning_vllm.core.push import EngineSelection, SyncStats
-from lightning_vllm.core.weight_sync import WeightSync
+from lightning_vllm.core.versions import WeightVersions
+from lightning_vllm.core.weight_sync import WeightSync, refuse_option_attribute
 from lightning_vllm.engines import EngineTarget, as_engine_targets
 from lightning_vllm.errors import EngineConfigError
+from lightning_vllm.fronts.torchrl.collectors import (
+    CollectorVersion,
+    adapter_consumer_problems,
+    policy_engine,
+    register_with_torchrl,
+)
 from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights import source_metadata, weights_from
@@ -35,99 +39,12 @@ from lightning_vllm.weights.model import ModelMetadata
 log = logging.getLogger(__name__)
 
 
-@functools.cache
-def torchrl_updater_base() -> type | None:
-    """TorchRL's ``WeightUpdaterBase`` when torchrl is installed and imports, else ``None``.
-
-    Looked up once per process, and only when an updater is built: vLLM imports this
-    package in each of its processes (the transport plugin), which need no torchrl.
-    """
-    if importlib.util.find_spec("torchrl") is None:
-        return None
-    try:
-        from torchrl.collectors import WeightUpdaterBase
-    except Exception as error:  # a broken torchrl must not stop pushes that do not use it
-        log.warning(
-            "torchrl is installed but does not import (%s: %s); VLLMUpdater is not registered as a TorchRL "
-            "WeightUpdaterBase, so TorchRL's collectors will not take it. docs/torchrl.md lists the tested versions.",
-            type(error).__name__,
-            error,
-        )
-        return None
-    return cast(type, WeightUpdaterBase)
-
-
-def register_with_torchrl(updater_class: type) -> None:
-    """Register ``updater_class`` as a (virtual) subclass of TorchRL's ``WeightUpdaterBase``.
-
-    Registered rather than inherited: a subclass would import torchrl with this package
-    (in every vLLM process too) and TorchRL warns at the creation of each subclass that
-    the base is deprecated. Collectors check ``isinstance``; registration satisfies it.
-    """
-    base = torchrl_updater_base()
-    if base is not None and not issubclass(updater_class, base):
-        cast(Any, base).register(updater_class)
-
-
-def policy_engine(collector: Any) -> Any:
-    """The engine ``collector``'s policy generates with (a TorchRL ``vLLMWrapper`` keeps it as ``policy.model``), or
-    ``None``."""
-    return getattr(getattr(collector, "policy", None), "model", None)
-
-
-class CollectorVersion:
-    """Moves a registered collector's policy version by exactly one per successful push.
-
-    A push made through the collector's ``update_policy_weights_`` may be counted by the
-    collector itself (TorchRL's single-process collectors bump their version after calling
-    the updater; its multi-process ones do not), so during such a call the push is only
-    noted, and the version is bumped after the call if the collector did not move it. A
-    push made by calling the updater directly bumps the version at once. The collector is
-    held weakly; its ``update_policy_weights_`` is wrapped on the instance.
-    """
-
-    def __init__(self, collector: Any) -> None:
-        self._collector = weakref.ref(collector)
-        self._in_call = threading.local()  # per thread: a collector's call and our push share one
-        update = getattr(collector, "update_policy_weights_", None)
-        if callable(update):
-            collector.update_policy_weights_ = self._counted(update)
-
-    def __call__(self) -> None:
-        """The post hook: count one successful push."""
-        if getattr(self._in_call, "active", False):
-            self._in_call.pushes += 1
-            return
-        collector = self._collector()
-        if collector is not None:
-            collector.increment_version()
-
-    def _counted(self, update: Callable[..., Any]) -> Callable[..., Any]:
-        collector_ref = self._collector  # not the collector itself: the wrapper lives on it
-
-        @functools.wraps(update)
-        def update_policy_weights_(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self._in_call, "active", False):  # nested: the outer call counts
-                return update(*args, **kwargs)
-            collector = collector_ref()
-            before = getattr(collector, "policy_version", None)
-            self._in_call.active, self._in_call.pushes = True, 0
-            try:
-                result = update(*args, **kwargs)
-            finally:
-                self._in_call.active = False
-            if self._in_call.pushes and collector is not None and getattr(collector, "policy_version", None) == before:
-                collector.increment_version()
-            return result
-
-        return update_policy_weights_
-
-
-class VLLMUpdater(WeightSync):
-    """TorchRL's front end on :class:`~lightning_vllm.core.weight_sync.WeightSync`: the same pushes, under
-    the names of TorchRL's ``torchrl.collectors.llm.vLLMUpdater`` (its constructor, ``init``,
+class VLLMUpdater:
+    """TorchRL's front end: a :class:`~lightning_vllm.core.weight_sync.WeightSync` (:attr:`weight_sync`, the core) and
+    its pushes under the names of TorchRL's ``torchrl.collectors.llm.vLLMUpdater`` (its constructor, ``init``,
     ``push_weights``, worker ids, collectors, version counting), so code written for TorchRL finds
-    the names it knows. Registered as TorchRL's ``WeightUpdaterBase`` (docs/torchrl.md).
+    the names it knows. Registered as TorchRL's ``WeightUpdaterBase`` (docs/torchrl.md). The Lightning callback
+    given this updater (``VLLMWeightSync(updater=...)``) pushes through the same core.
 
     For each engine the updater joins one collective group with its workers, checks before any
     byte moves that the engine and the weights fit, and after each successful push commits a new
@@ -205,9 +122,92 @@ class VLLMUpdater(WeightSync):
         verify_pushes: bool = True,
     ) -> None:
         options = UpdaterOptions.among(locals())
-        super().__init__(engine, options=options, model_metadata=model_metadata)
+        self.weight_sync = WeightSync(engine, options=options, model_metadata=model_metadata)
         self._collector_ref: weakref.ref[Any] | None = None
         register_with_torchrl(type(self))  # TorchRL's collectors then take it (docs/torchrl.md)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        refuse_option_attribute(self, name)
+        super().__setattr__(name, value)
+
+    # -- the core's, under the names our docs and TorchRL's use --------------------
+
+    @property
+    def options(self) -> UpdaterOptions:
+        """The settings this pushes with (``WeightSync.options``; change them with :meth:`set_options`)."""
+        return self.weight_sync.options
+
+    def set_options(self, **changes: Any) -> None:
+        """``WeightSync.set_options``: push with ``changes`` to the options from now on."""
+        self.weight_sync.set_options(**changes)
+
+    @property
+    def engine(self) -> EngineTarget | None:
+        """The target of the first engine (the only one, usually)."""
+        return self.weight_sync.engine
+
+    @property
+    def engines(self) -> list[EngineTarget]:
+        """The targets of every engine, in worker-id order."""
+        return self.weight_sync.engines
+
+    def set_engine(self, engine: Any) -> None:
+        """Replace the engine(s) this pushes to (leaving any group formed with the old ones)."""
+        self.weight_sync.set_engine(engine)
+
+    @property
+    def initialized(self) -> bool:
+        """Whether a group is formed with every engine."""
+        return self.weight_sync.initialized
+
+    def engine_versions(self) -> dict[int, str | None]:
+        """The weight version each engine reports, by worker id."""
+        return self.weight_sync.engine_versions()
+
+    @property
+    def model_metadata(self) -> ModelMetadata | None:
+        """``{name: (dtype, shape)}`` of what is sent (``None`` until given or taken from the first push)."""
+        return self.weight_sync.model_metadata
+
+    @property
+    def versions(self) -> WeightVersions:
+        """The weight versions (``core/versions.py``)."""
+        return self.weight_sync.versions
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights last pushed (0 before the first push)."""
+        return self.weight_sync.weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        self.weight_sync.weight_version = value
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        """The figures of the last push that landed as sent (``None`` before one)."""
+        return self.weight_sync.last_sync
+
+    def register_post_hook(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook()`` after every push that commits a version, in registration order (``WeightSync``'s)."""
+        self.weight_sync.register_post_hook(hook)
+
+    @property
+    def post_hooks(self) -> list[Callable[[], Any]]:
+        """The hooks run after each push that commits a version."""
+        return self.weight_sync.post_hooks
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` to pass to ``llm.generate`` to sample from the policy's adapter (``None`` before an
+        adapter push, and when merged weights are pushed)."""
+        return self.weight_sync.lora_request
+
+    def close(self) -> None:
+        """Leave every group and release the engines' side of them; the engines keep serving."""
+        self.weight_sync.close()
+
+    # -- TorchRL's names ------------------------------------------------------------
 
     @property
     def master_address(self) -> str:
@@ -227,11 +227,12 @@ class VLLMUpdater(WeightSync):
     def init(self, model_metadata: Mapping[str, tuple[torch.dtype, Any]] | None = None) -> None:
         """TorchRL's name of :meth:`~lightning_vllm.core.weight_sync.WeightSync.connect`: check the metadata
         against each engine's model and join a group with each engine's workers."""
-        self.connect(model_metadata)
+        self._find_engines()
+        self.weight_sync.connect(model_metadata)
 
     def all_worker_ids(self) -> list[int]:
         """Ids of the engines this updater can push to: their positions in ``engine`` (TorchRL's name)."""
-        return self.engine_indices()
+        return self.weight_sync.engine_indices()
 
     def push_weights(self, policy_or_weights: Any = None, worker_ids: EngineSelection = None) -> SyncStats:
         """Send weights to vLLM and commit them as a new version (TorchRL's name of ``WeightSync.push``).
@@ -251,7 +252,8 @@ class VLLMUpdater(WeightSync):
             WeightSyncError: no engine took it; every engine keeps its previous version.
         """
         weights = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
-        return self.push(weights, worker_ids)
+        self._find_engines()
+        return self.weight_sync.push(weights, worker_ids)
 
     def __call__(self, policy_or_weights: Any = None, worker_ids: EngineSelection = None) -> SyncStats:
         """Same as :meth:`push_weights`: TorchRL's collectors call their updater with these keywords."""
@@ -285,9 +287,9 @@ class VLLMUpdater(WeightSync):
         per-worker step of ``WeightUpdaterBase.push_weights``: the same push as :meth:`push_weights`, with
         its checks, its commit and its post hooks. The version is the updater's next; ``version``, if
         given, must be that one (a version names one set of weights)."""
-        if version is not None and version != self.versions.next:
+        if version is not None and version != self.weight_sync.versions.next:
             raise ValueError(
-                f"version={version} cannot be committed: the next weight version is {self.versions.next} "
+                f"version={version} cannot be committed: the next weight version is {self.weight_sync.versions.next} "
                 "(versions only move one push at a time). Leave version=None, or set updater.weight_version first."
             )
         self.push_weights(server_weights, worker_id)
@@ -297,14 +299,15 @@ class VLLMUpdater(WeightSync):
         push goes to every engine it names; one that fails joins again at the next push)."""
         return False
 
-    def find_engines(self) -> list[EngineTarget]:
-        """The engine of the registered collector's policy (a TorchRL ``vLLMWrapper`` keeps it as
-        ``policy.model``), as TorchRL's own vLLMUpdater finds it; none without a collector."""
-        engine = policy_engine(self.collector)
+    def _find_engines(self) -> None:
+        """Without an engine given: push to the engine of the registered collector's policy (a TorchRL
+        ``vLLMWrapper`` keeps it as ``policy.model``), as TorchRL's own vLLMUpdater finds it; none without a
+        collector (a push then says to pass one)."""
+        engine = None if self.weight_sync.engines else policy_engine(self.collector)
         if engine is None:
-            return []
+            return
         try:
-            return as_engine_targets(engine)
+            self.weight_sync.set_engine(as_engine_targets(engine))
         except TypeError as error:
             raise EngineConfigError(
                 f"The collector's policy generates with a {type(engine).__name__}, which this updater cannot push "
@@ -364,6 +367,7 @@ class VLLMUpdater(WeightSync):
         self._collector_ref = weakref.ref(collector)
         if hasattr(collector, "increment_version"):
             self.register_post_hook(CollectorVersion(collector))
+        self.weight_sync.adapter_consumer_problems = adapter_consumer_problems(collector)
 
     @property
     def collector(self) -> Any:
@@ -374,17 +378,6 @@ class VLLMUpdater(WeightSync):
     def collectors(self) -> list[Any] | None:
         """The registered collector in a list (TorchRL's spelling), or ``None`` before one registers."""
         return None if self._collector_ref is None else [self._collector_ref()]
-
-    def adapter_consumer_problems(self) -> list[str]:
-        """Why the registered collector cannot sample from a pushed LoRA adapter: its policy (a
-        TorchRL ``vLLMWrapper``, say) calls vLLM itself, without the adapter's ``LoRARequest``."""
-        policy = getattr(self.collector, "policy", None)
-        if policy is None:
-            return []
-        return [
-            f"the registered collector's policy ({type(policy).__name__}) generates without the adapter's "
-            "LoRA request, so it would sample from the base weights"
-        ]
 
 
 vLLMUpdater = VLLMUpdater

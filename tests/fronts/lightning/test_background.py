@@ -22,8 +22,10 @@ from helpers import (
 )
 from lightning.pytorch.callbacks import Callback
 
-from lightning_vllm import VLLMUpdater, VLLMWeightSync, WeightSyncError, WeightSyncTimeoutError, generate
+from lightning_vllm import VLLMWeightSync, WeightSyncError, WeightSyncTimeoutError, generate
+from lightning_vllm.core.weight_sync import WeightSync
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
+from lightning_vllm.options import UpdaterOptions
 
 GATE_SECONDS = 20  # the longest a gated fake waits for its gate (the test is broken if it does)
 
@@ -75,7 +77,7 @@ def scalars(trainer, tag: str) -> list[tuple[int, float]]:
 
 def test_bad_when_busy_is_named():
     with pytest.raises(ValueError, match="when_busy='later'"):
-        BackgroundPusher(VLLMUpdater(), when_busy="later")  # type: ignore[arg-type]
+        BackgroundPusher(WeightSync(), when_busy="later")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="when_busy='later'"):
         VLLMWeightSync(blocking=False, when_busy="later")  # type: ignore[arg-type]
 
@@ -83,7 +85,7 @@ def test_bad_when_busy_is_named():
 def test_a_push_in_flight_commits_its_version_when_the_engine_finishes():
     model = tiny_qwen2(seed=0)
     engine = GatedEngine(model)
-    pusher = BackgroundPusher(VLLMUpdater(engine=engine, timeout_seconds=10))
+    pusher = BackgroundPusher(WeightSync(engine, options=UpdaterOptions(timeout_seconds=10)))
     engine.gate.clear()
     submitted = pusher.submit(model)
     assert submitted.started and submitted.version == 1 and pusher.updater.versions.in_flight == 1

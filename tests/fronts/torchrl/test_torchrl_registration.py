@@ -16,7 +16,7 @@ import torch
 from helpers import FakeEngine, tiny_qwen2
 
 from lightning_vllm import EngineConfigError, VLLMUpdater, WeightsMismatchError, vLLMUpdater
-from lightning_vllm.fronts.torchrl.updater import register_with_torchrl, torchrl_updater_base
+from lightning_vllm.fronts.torchrl.collectors import register_with_torchrl, torchrl_updater_base
 
 torchrl = pytest.importorskip("torchrl", reason="the torchrl extra (make test installs it)")
 
