@@ -28,7 +28,7 @@ class FloorWorkerExtension(WeightCheckExtension):
         """
         engine = self.weight_transfer_engine
         start = time.perf_counter()
-        segments = engine.receiver.post_update(engine.parse_update_info(update_info)).landed()
+        segments = engine.receiver.post_update(engine.parse_update_info(update_info)).arrived()
         received = [tensor for segment in segments for tensor in segment]
         transported = time.perf_counter()
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)  # type: ignore[attr-defined]
@@ -48,6 +48,6 @@ class FloorWorkerExtension(WeightCheckExtension):
         engine = self.weight_transfer_engine
         with tied_embeddings_refreshed(engine.model):
             initialize_layerwise_reload(engine.model)
-            for tensors in engine.receiver.post_update(engine.parse_update_info(update_info)).landed():
+            for tensors in engine.receiver.post_update(engine.parse_update_info(update_info)).arrived():
                 engine.model.load_weights(tensors)
             finalize_layerwise_reload(engine.model, engine.model_config)

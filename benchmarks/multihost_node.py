@@ -36,8 +36,8 @@ from helpers import PROMPTS, engine_prompt_logprobs, hf_prompt_logprobs, max_abs
 from models import SIZES, build_model, fully_shard_layers  # noqa: E402
 
 from lightning_vllm import HTTPEngine, VLLMUpdater  # noqa: E402
-from lightning_vllm.fronts.lightning.every_rank import EveryRankShares  # noqa: E402
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.roles import EveryRankShares, LockstepGathers  # noqa: E402
 
 NUM_RANKS = 2
 MODES = ("rank0", "every_rank")
@@ -82,7 +82,7 @@ class Pushes:
         dist.barrier()  # both ranks start together, so rank 0's clock covers the whole push
         before = sent_bytes()
         start = time.perf_counter()
-        stats = self.plans[mode].push(self.updater, self.model)
+        stats = self.plans[mode].push(self.updater.weight_sync, self.model)
         seconds = time.perf_counter() - start
         sent = [0] * NUM_RANKS
         dist.all_gather_object(sent, sent_bytes() - before)

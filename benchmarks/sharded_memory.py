@@ -35,8 +35,8 @@ from methods import peak_extra_rss_bytes  # noqa: E402
 from models import SIZES, build_model, fully_shard_layers, save  # noqa: E402
 
 from lightning_vllm import VLLMUpdater  # noqa: E402
-from lightning_vllm.fronts.lightning.every_rank import EveryRankShares  # noqa: E402
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.roles import EveryRankShares, LockstepGathers  # noqa: E402
 from lightning_vllm.weights import weights_from  # noqa: E402
 
 NUM_RANKS = 2
@@ -88,10 +88,10 @@ def rank_main(rank: int, size_name: str, bucket_size_bytes: int, workdir: str, p
     ranks = TrainerRanks(timeout_seconds=600)
     updater = VLLMUpdater(engine=llm, bucket_size_bytes=bucket_size_bytes, timeout_seconds=600)
     plan = EveryRankShares(ranks) if push_from == "every_rank" else LockstepGathers(ranks)
-    plan.push(updater, model)  # connects, and touches the staging buffer
+    plan.push(updater.weight_sync, model)  # connects, and touches the staging buffer
     dist.barrier()
     gc.collect()
-    peak = peak_extra_rss_bytes(lambda: plan.push(updater, model))
+    peak = peak_extra_rss_bytes(lambda: plan.push(updater.weight_sync, model))
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     print(
         json.dumps(

@@ -564,7 +564,7 @@ class FakeEngine:
         from lightning_vllm.backends.gloo.messages import GlooWeightTransferUpdateInfo
 
         assert self.receiver is not None, "init_weight_transfer_engine first"
-        for segment in self.receiver.post_update(GlooWeightTransferUpdateInfo(**update_info)).landed():
+        for segment in self.receiver.post_update(GlooWeightTransferUpdateInfo(**update_info)).arrived():
             self._pending.update((name, tensor.clone()) for name, tensor in segment)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -674,7 +674,8 @@ def expected_rollouts(rank: int, versions: list[int], staleness: int = 0) -> lis
 def push_in_lockstep_and_record(result: dict, key: str, updater, ranks, sharded, reference, llm) -> None:
     """Push ``sharded`` with every rank taking part; record the version and, on rank 0 (which holds
     ``llm``), how close vLLM comes to the unsharded ``reference`` and the bytes sent."""
-    from lightning_vllm.fronts.lightning.ranks import LockstepGathers, is_sharded
+    from lightning_vllm.fronts.lightning.ranks import is_sharded
+    from lightning_vllm.fronts.lightning.roles import LockstepGathers
 
     assert is_sharded(sharded)
     stats = LockstepGathers(ranks).push(updater, sharded)

@@ -42,8 +42,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from sharded_run import ShardedCausalLM, full_model  # noqa: E402
 
 from lightning_vllm import EngineConfigError, HTTPEngine, VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.fronts.lightning.every_rank import EveryRankShares, send_address  # noqa: E402
+from lightning_vllm.fronts.lightning.every_rank import send_address  # noqa: E402
 from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.roles import EveryRankShares  # noqa: E402
 from lightning_vllm.weights.shares import RankShares  # noqa: E402
 
 STEPS = 3

@@ -48,7 +48,9 @@ from helpers import (  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, TrainerRanks  # noqa: E402
+from lightning_vllm.core.weight_sync import WeightSync  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.roles import LockstepGathers  # noqa: E402
 
 
 class ShardedCausalLM(RolloutCausalLM):
@@ -160,7 +162,7 @@ def by_hand_run(llm, rank: int, build=tiny_qwen2) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the group FSDP1 uses too
     ranks = TrainerRanks(timeout_seconds=30)
-    updater = VLLMUpdater(engine=llm, timeout_seconds=30)
+    updater = VLLMUpdater(engine=llm, timeout_seconds=30).weight_sync  # (the core: the roles push through it)
     result: dict = {}
     fsdp1_cases(result, updater, ranks, llm, build)
     zero3_cases(result, updater, ranks, llm, build)
@@ -169,7 +171,7 @@ def by_hand_run(llm, rank: int, build=tiny_qwen2) -> dict:
     return result
 
 
-def fsdp1_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm, build=tiny_qwen2) -> None:
+def fsdp1_cases(result: dict, updater: WeightSync, ranks: TrainerRanks, llm, build=tiny_qwen2) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -187,7 +189,7 @@ def fsdp1_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm, bu
         push_in_lockstep_and_record(result, f"FSDP1 {case}", updater, ranks, model, reference, llm)
 
 
-def zero3_cases(result: dict, updater: VLLMUpdater, ranks: TrainerRanks, llm, build=tiny_qwen2) -> None:
+def zero3_cases(result: dict, updater: WeightSync, ranks: TrainerRanks, llm, build=tiny_qwen2) -> None:
     import deepspeed
 
     # A Hugging Face model, then a LightningModule holding one, as DeepSpeedStrategy wraps it.

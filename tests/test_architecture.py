@@ -44,7 +44,7 @@ LAYERS: dict[str, list[str]] = {
         "core.payload_choice", "core.kept_choice", "core.landing_check", "core.push", "core.weight_sync",
     ],
     "fronts": [
-        "fronts", "fronts.lightning", "fronts.lightning.ranks", "fronts.lightning.every_rank",
+        "fronts", "fronts.lightning", "fronts.lightning.ranks", "fronts.lightning.every_rank", "fronts.lightning.roles",
         "fronts.lightning.background", "fronts.lightning.rollouts", "fronts.lightning.push_points",
         "fronts.lightning.callback", "fronts.torchrl", "fronts.torchrl.collectors", "fronts.torchrl.updater",
         "fronts.torchrl.scheme",
@@ -126,7 +126,7 @@ def test_our_own_objects_are_not_probed():
     ours = {
         "adapter", "adapter_config", "adapter_message", "stamps", "loads_at_finish", "follow_timeout",
         "lora_limits", "serve_adapter", "check_serves_adapters", "background_push_problem", "lora_request",
-        "rollouts", "iter_groups",
+        "rollouts", "iter_groups", "llm", "async_llm", "handle", "base_url", "engine_key",
     }  # fmt: skip
     probes = []
     for path in PACKAGE.rglob("*.py"):

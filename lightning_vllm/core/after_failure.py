@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Hashable
 
 from lightning_vllm._waits import BackgroundCall
-from lightning_vllm.engines.base import EngineTarget
+from lightning_vllm.engines.base import EngineTarget, NamesItsEngine
 from lightning_vllm.engines.client import TimedClient
 from lightning_vllm.errors import WeightSyncTimeoutError
 
@@ -28,18 +28,9 @@ _RUNNING: dict[Hashable, BackgroundCall[None]] = {}
 
 
 def engine_key(engine: EngineTarget) -> Hashable:
-    """What identifies the vLLM engine under a target: the ``vllm.LLM`` or ``AsyncLLM`` object, the Ray actor, the
-    server's URL. Two targets of one engine (two updaters given the same ``vllm.LLM``) are one engine here: seen on
-    an H200, a second updater's group was formed while the first one's cleanup ran, whose release then tore down
-    the new group on the worker."""
-    for attribute in ("llm", "async_llm", "handle"):
-        inner = getattr(engine, attribute, None)
-        if inner is not None:
-            return attribute, id(inner)
-    base_url = getattr(engine, "base_url", None)
-    if isinstance(base_url, str):
-        return "url", base_url
-    return "target", id(engine)  # (a target need not be hashable)
+    """What identifies the vLLM engine under a target (``engines/base.NamesItsEngine``); a target that does not
+    name it is an engine of its own."""
+    return engine.engine_key() if isinstance(engine, NamesItsEngine) else ("target", id(engine))
 
 
 def started(engine: EngineTarget, cleanup: BackgroundCall[None]) -> None:

@@ -267,7 +267,7 @@ class EngineConnection:
             self.sender.send(outgoing)
         except BaseException:
             if self.landing:
-                self.landing.landed(committed=False)
+                self.landing.push_ended(committed=False)
             # The engine may be frozen or gone: release its side without waiting, so the error reaches the caller
             # within timeout_seconds. vLLM's engines may be left inside the update, with some of it loaded if any
             # was sent: then they report the mix (after_failure.py).
@@ -330,9 +330,9 @@ class EngineConnection:
             self.has_policy_base = False  # merged weights replaced the base
         elif any(not name.startswith(ADAPTER_PREFIX) for name in names):
             self.has_policy_base = True  # the base weights went with the adapter
-        self.sent.landed(names, payload.stamps if self.options.changed_only else None)
+        self.sent.record(names, payload.stamps if self.options.changed_only else None)
         if self.landing:
-            self.landing.landed(committed=True)
+            self.landing.push_ended(committed=True)
         return self._all_bytes if names is self.engine_metadata else metadata_bytes(names)
 
     def differing_layers(self) -> list[str]:

@@ -134,11 +134,11 @@ class LandingCheck:
         self._pending = True
         return self.sent
 
-    def landed(self, committed: bool) -> None:
+    def push_ended(self, committed: bool) -> None:
         """The push committed (what was tallied is held now) or did not.
 
         After a commit that is to be checked, the engine's workers are asked for their sums at once, on a thread
-        of their own, while this thread finishes the trainer's (``SentSums.landed``): the two overlap, on a CPU
+        of their own, while this thread finishes the trainer's (``SentSums.commit``): the two overlap, on a CPU
         host as on a GPU.
         """
         if committed:
@@ -148,7 +148,7 @@ class LandingCheck:
                     what=f"{self.engine.description} to sum the weights it holds",
                     waited_until=time.monotonic() + self.timeout_seconds,
                 )
-            self.sent.landed(others=self._every_rank.share_sums if self._every_rank is not None else None)
+            self.sent.commit(others=self._every_rank.share_sums if self._every_rank is not None else None)
         else:
             self.sent.dropped()
             self._pending = False

@@ -187,8 +187,9 @@ class Push:
         metadata, so the checks made still hold."""
         return replace(self, payload=payload)
 
-    def send(self, version: InFlight) -> Sent:
-        """Send this push to each of its engines and end ``version``: committed once any engine has it.
+    def send(self, in_flight: InFlight) -> Sent:
+        """Send this push to each of its engines and end its version, ``in_flight``: committed once any engine has
+        it.
 
         Every engine is tried, whatever happened to the others; an engine that fails keeps its
         previous weights and joins again at the next push. Once committed, each engine's per-layer sums
@@ -208,7 +209,7 @@ class Push:
         try:
             for position, index in enumerate(indices):
                 try:
-                    pushed = self._push_one(index, version.version)
+                    pushed = self._push_one(index, in_flight.version)
                 except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
                     failures.update(dict.fromkeys(indices[position:], error))
                     break
@@ -219,9 +220,9 @@ class Push:
                 committed.append(index)
         finally:
             if committed:
-                version.commit()
+                in_flight.commit()
             else:
-                version.abandon()
+                in_flight.abandon()
         if not committed:
             raise next(iter(failures.values()))
         checked_at = time.perf_counter()
@@ -233,7 +234,7 @@ class Push:
         checked_layers = (sum(compared for compared, _ in checked), sum(layers for _, layers in checked))
         elapsed = time.perf_counter() - start
         stats = SyncStats(
-            version.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing, checked_layers
+            in_flight.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing, checked_layers
         )
         return Sent(stats, mismatched, failures, self.engines)
 

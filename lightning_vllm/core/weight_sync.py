@@ -247,14 +247,14 @@ class WeightSync:
         """The hooks run after each push that commits a version."""
         return list(self._post_hooks)
 
-    def send(self, push: Push, version: InFlight) -> SyncStats:
-        """Send a prepared push (:meth:`prepare`) as ``version``; once every engine that committed it holds what
-        was sent, the post hooks run (before a push that failed on some engines raises).
+    def send(self, push: Push, in_flight: InFlight) -> SyncStats:
+        """Send a prepared push (:meth:`prepare`), ending the version ``in_flight``; once every engine that committed it
+        holds what was sent, the post hooks run (before a push that failed on some engines raises).
 
         Raises:
             LandedWeightsMismatchError, PartialPushError, WeightSyncError: as :meth:`push`.
         """
-        sent = push.send(version)
+        sent = push.send(in_flight)
         if not sent.mismatched:
             self.last_sync = sent.stats
             for hook in self._post_hooks:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from typing import Any, TypeVar
 
 from vllm.distributed.weight_transfer.base import (
@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
 from lightning_vllm.engines.base import (
     ChecksIPCHandles,
     Generation,
+    NamesItsEngine,
     PauseMode,
     ReportsLayerSums,
     UpdatesInOneCall,
@@ -40,7 +41,7 @@ _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, UpdatesInOneCall):
+class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, UpdatesInOneCall):
     """Engine target for a ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     Args:
@@ -76,6 +77,9 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, ReportsLayerSums, Upda
     @property
     def description(self) -> str:
         return "in-process AsyncLLM"
+
+    def engine_key(self) -> Hashable:
+        return "async_llm", id(self.async_llm)
 
     def is_dead(self) -> bool:
         return engine_core_died(self.async_llm.engine_core)

@@ -1,8 +1,7 @@
 """What the updater and rollouts need from a vLLM engine, wherever it runs.
 
 :class:`EngineTarget` is the contract every engine target keeps. What only some can do is a capability, a small
-``Protocol`` the target declares, which the core asks with ``isinstance``. One question is still asked by probing
-for names: ``core/after_failure.engine_key`` tells two targets of one engine apart by the object they wrap.
+``Protocol`` the target declares, which the core asks with ``isinstance``; nothing is asked by probing for a name.
 
 - :class:`ServesLoraAdapters`: it generates through a LoRA adapter a push staged;
 - :class:`FollowsUpdaterTimeout`: its requests have a timeout of their own, which follows the updater's;
@@ -10,13 +9,14 @@ for names: ``core/after_failure.engine_key`` tells two targets of one engine apa
 - :class:`GeneratesOnlyInCalls`: it generates only inside its own ``generate`` calls, so nothing needs pausing;
 - :class:`ChecksIPCHandles`: it can tell, before any byte moves, whether it will take CUDA IPC handles;
 - :class:`UpdatesInOneCall`: its workers start, load and finish an update in one call;
-- :class:`ReportsLayerSums`: its workers sum, per layer, the weights they hold (the check after a push).
+- :class:`ReportsLayerSums`: its workers sum, per layer, the weights they hold (the check after a push);
+- :class:`NamesItsEngine`: it names the engine under it, so two targets of one engine are known as one.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -148,6 +148,18 @@ class UpdatesInOneCall(Protocol):
     ) -> None:
         """Run ``update_on_worker(worker, update_info=update_info)`` on every worker (it starts an update, loads
         and finishes it), then commit ``weight_version`` (``None``: no version)."""
+        ...
+
+
+@runtime_checkable
+class NamesItsEngine(Protocol):
+    """Capability of an engine target that names the vLLM engine under it: two targets of one engine (two updaters
+    given the same ``vllm.LLM``) are one engine to what a failed push leaves running (``core/after_failure.py``).
+    Seen on an H200: a second updater's group was formed while the first one's cleanup ran, whose release then tore
+    down the new group on the worker."""
+
+    def engine_key(self) -> Hashable:
+        """What identifies the engine: the ``vllm.LLM`` or ``AsyncLLM`` object, the Ray actor, the server's URL."""
         ...
 
 

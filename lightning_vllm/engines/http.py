@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -27,6 +27,7 @@ from lightning_vllm.engines.base import (
     ChecksIPCHandles,
     FollowsUpdaterTimeout,
     Generation,
+    NamesItsEngine,
     PauseMode,
     PolicyAdapter,
     ReportsLayerSums,
@@ -55,7 +56,7 @@ _NO_ADAPTER_MIDDLEWARE = (
 )
 
 
-class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, ReportsLayerSums):
+class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, NamesItsEngine, ReportsLayerSums):
     """Engine target for a vLLM server.
 
     Args:
@@ -97,6 +98,9 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, Reports
     @property
     def description(self) -> str:
         return f"vLLM server at {self.base_url}"
+
+    def engine_key(self) -> Hashable:
+        return "url", self.base_url
 
     def follow_timeout(self, timeout_seconds: float) -> None:
         """Use ``timeout_seconds`` for control requests unless the adapter was given its own."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
@@ -13,6 +13,7 @@ from lightning_vllm.engines.base import (
     ChecksIPCHandles,
     GeneratesOnlyInCalls,
     Generation,
+    NamesItsEngine,
     PauseMode,
     ReportsLayerSums,
     UpdatesInOneCall,
@@ -30,6 +31,7 @@ class LocalLLMEngine(
     ChecksBackgroundPushes,
     ChecksIPCHandles,
     GeneratesOnlyInCalls,
+    NamesItsEngine,
     ReportsLayerSums,
     UpdatesInOneCall,
 ):
@@ -60,6 +62,9 @@ class LocalLLMEngine(
     @property
     def description(self) -> str:
         return "in-process vllm.LLM"
+
+    def engine_key(self) -> Hashable:
+        return "llm", id(self.llm)
 
     def is_dead(self) -> bool:
         return engine_core_died(self.llm.llm_engine.engine_core)

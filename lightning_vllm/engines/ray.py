@@ -15,13 +15,20 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import cached_property
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
-from lightning_vllm.engines.base import Generation, PauseMode, PolicyAdapter, ReportsLayerSums, ServesAdapter
+from lightning_vllm.engines.base import (
+    Generation,
+    NamesItsEngine,
+    PauseMode,
+    PolicyAdapter,
+    ReportsLayerSums,
+    ServesAdapter,
+)
 from lightning_vllm.engines.local import LocalLLMEngine
 from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.lora.serving import LoraLimits
@@ -67,11 +74,14 @@ def is_actor_handle(engine: Any) -> bool:
     return isinstance(engine, ActorHandle)
 
 
-class RayEngine(ServesAdapter, ReportsLayerSums):
+class RayEngine(ServesAdapter, NamesItsEngine, ReportsLayerSums):
     """Engine target for a Ray actor running :class:`VLLMActor` (or any actor with the same methods)."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+
+    def engine_key(self) -> Hashable:
+        return "handle", id(self.handle)
 
     def _call(self, method: str, *args: Any, timeout_seconds: float | None = None) -> Any:
         """Call the actor's ``method`` and wait for its answer (at most ``timeout_seconds``; callers of

@@ -283,7 +283,7 @@ class SentStamps:
             return set()
         return unchanged_names(groups, stamps, self.stamps)
 
-    def landed(self, sent_names: Iterable[str], stamps: Mapping[str, Stamp] | None) -> None:
+    def record(self, sent_names: Iterable[str], stamps: Mapping[str, Stamp] | None) -> None:
         """Record a push that landed: the engine now holds ``stamps`` for ``sent_names``."""
         if stamps is None:
             self.stamps = {}

@@ -5,7 +5,7 @@ keeps its parameters flattened and sharded, so ``named_parameters()`` shows each
 a 1-D slice. The full names and shapes are read from each unit's flat parameter
 (no gather), and a unit is gathered with ``FSDP.summon_full_params(unit,
 recurse=False, writeback=False)`` only while its tensors are read: a collective,
-so every rank must walk the units in the same order (``ranks.LockstepWeights``).
+so every rank must walk the units in the same order (``fronts/lightning/roles.LockstepWeights``).
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class SentSums:
     some tensors, and the engine holds the others from earlier pushes.
 
     :meth:`tally` is given each tensor as it goes on the wire (summed on its device, no sync);
-    :meth:`landed` keeps the push's sums once it committed, :meth:`dropped` forgets them. A tensor that the
+    :meth:`commit` keeps the push's sums once it committed, :meth:`dropped` forgets them. A tensor that the
     trainer's model holds and leaves as it is until the push returns (``held``) is summed apart, from
     :meth:`sum_held_meanwhile` on, on a thread of its own, while the trainer otherwise waits for the engine to
     receive and load the push (on a GPU in one launch per dtype; measured at 400M on 2 CPU cores: the check's cost
@@ -152,7 +152,7 @@ class SentSums:
 
         >>> sent = SentSums()
         >>> sent.tally("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))
-        >>> sent.landed()
+        >>> sent.commit()
         >>> sent.by_layer()
         {'model.layers.0.mlp': LayerSums(total=4261412864, squares=4261412864, finite=True)}
     """
@@ -160,7 +160,7 @@ class SentSums:
     def __init__(self) -> None:
         self.unverifiable: set[str] = set()  # layers the engine cannot verify (said once): not summed
         self._pending: dict[str, torch.Tensor] = {}
-        self._later: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # held tensors, summed in landed()
+        self._later: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # held tensors, summed in commit()
         self._held: dict[str, tuple[int, int, int]] = {}  # bits, squares, not finite
         self._meanwhile: _HeldSumsThread | None = None  # the held tensors' sums, running beside the push
 
@@ -179,14 +179,14 @@ class SentSums:
 
     def sum_held_meanwhile(self) -> None:
         """Start summing the held tensors now, before the push sends them (see the class docstring): on a thread if
-        they are all on a CPU; on a GPU queued on its stream (nothing waits for them until :meth:`landed`). The push
+        they are all on a CPU; on a GPU queued on its stream (nothing waits for them until :meth:`commit`). The push
         holds them unchanged until it returns."""
         later = list(self._later.items())
         devices = {tensor.device for _, (tensor, _) in later}
-        if len(devices) == 1:  # (a model over several GPUs is summed in landed())
+        if len(devices) == 1:  # (a model over several GPUs is summed in commit())
             self._meanwhile = _HeldSumsThread(later, devices.pop())
 
-    def landed(self, others: Mapping[str, Sequence[int]] | None = None) -> None:
+    def commit(self, others: Mapping[str, Sequence[int]] | None = None) -> None:
         """The push committed: the engine now holds what was tallied (the held tensors summed: on a GPU in one
         launch; then one device sync). ``others``: the other trainer ranks' sums of their shares of the tensors
         tallied here (a push every rank sends a share of), added to this rank's."""

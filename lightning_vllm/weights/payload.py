@@ -4,7 +4,7 @@ engine (:class:`Outgoing`).
 A push is chosen once (``core/payload_choice.py``) and then handed down unchanged:
 the connection checks it against each engine, a background push copies its tensors
 (``weights/snapshot.py``) and a sharded push walks them in lockstep
-(``fronts/lightning/ranks.LockstepWeights``), each replacing ``weights`` only. Whatever else the
+(``fronts/lightning/roles.LockstepWeights``), each replacing ``weights`` only. Whatever else the
 engine needs (the LoRA adapter's config, what each tensor was computed from, the other trainer ranks sending their
 shares alongside) stays in the :class:`Payload`, so no wrapper of the weights, and no layer between the front end and
 the backend, must remember to forward it.

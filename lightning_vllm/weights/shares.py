@@ -19,7 +19,7 @@ sent whole by the rank that holds it, and nothing by the others.
 Anything else (FSDP1 flat parameters, ZeRO-3 partitions, a 2-D mesh, ``Shard(1)``, a LoRA
 policy, whose merged weights are computed from several tensors, a checkpoint tensor that
 transformers' conversion computes rather than cuts out) has no such share: the push then
-gathers on every rank and rank 0 sends (``ranks.LockstepWeights``).
+gathers on every rank and rank 0 sends (``fronts/lightning/roles.LockstepWeights``).
 """
 
 from __future__ import annotations

@@ -269,8 +269,8 @@ class SnapshotWeights(Weights):
     def groups(self) -> list[list[str]]:
         return [list(group) for group in self._groups]
 
-    def landed(self) -> bool:
-        """Whether every copy has landed (asked without waiting)."""
+    def copies_done(self) -> bool:
+        """Whether every copy has finished (asked without waiting)."""
         return all(event.query() for event in self._copied)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ placeholder whose full shape is ``param.ds_shape``. Names and shapes are read fr
 the placeholders (no gather); a layer group is gathered with
 ``deepspeed.zero.GatheredParameters(group, modifier_rank=None)`` only while its
 tensors are read: a collective, so every rank must walk the groups in the same
-order (``ranks.LockstepWeights``).
+order (``fronts/lightning/roles.LockstepWeights``).
 """
 
 from __future__ import annotations

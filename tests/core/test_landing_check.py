@@ -83,7 +83,7 @@ def _pushed(check, tensors: dict, held: bool = False) -> None:
     sums = check.tally_for(carries_base=True, every_rank=None)
     for name, tensor in tensors.items():
         sums.tally(name, tensor, tensor.dtype, held)
-    check.landed(committed=True)
+    check.push_ended(committed=True)
 
 
 def test_a_check_that_is_off_or_cannot_ask_sums_nothing(caplog):
@@ -160,6 +160,6 @@ def test_the_trainers_sums_of_held_tensors_run_while_the_engine_sums_its_own(mon
     sums = check.tally_for(carries_base=True, every_rank=None)
     sums.tally(norm, torch.ones(3), torch.float32, True)
     assert summed_after_asked == [] and not asked.is_set()  # held: not summed on the wire
-    check.landed(committed=True)
+    check.push_ended(committed=True)
     assert summed_after_asked == [True]  # summed once the engine had been asked for its sums
     assert check.differing_layers() == [] and engine.asked == 1

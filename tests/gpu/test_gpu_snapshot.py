@@ -50,13 +50,13 @@ def test_a_device_snapshot_is_queued_and_keeps_its_push_points_weights_though_th
     dict(memory.take(MappingWeights(tensors)))  # the buffers are allocated (cudaMalloc may wait for the GPU)
     torch.cuda._sleep(BUSY_CYCLES)  # the training stream is busy: copies queued behind it cannot have run
     snapshot = memory.take(MappingWeights(tensors))
-    assert not snapshot.landed()  # take did not wait for the GPU
+    assert not snapshot.copies_done()  # take did not wait for the GPU
     with torch.no_grad():
         for tensor in tensors.values():  # the next optimizer step, queued as soon as take returned
             tensor.mul_(-3.0).add_(1.0)
     assert memory.where == "device"
     copied = dict(snapshot)  # waits for the copies
-    assert snapshot.landed()
+    assert snapshot.copies_done()
     for name, buffer in copied.items():
         assert buffer.device == tensors[name].device
         assert torch.equal(buffer, expected[name]), f"{name}: the snapshot does not hold its push point's weights"

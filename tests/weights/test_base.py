@@ -148,15 +148,15 @@ def test_one_written_tensor_sends_its_whole_layer_group():
     source = ModuleWeights(model)
     sent = SentStamps()
     assert sent.unchanged(source.groups(), source.stamps()) == set()  # nothing sent yet: all of it
-    sent.landed([meta.name for meta in source.metadata()], source.stamps())
+    sent.record([meta.name for meta in source.metadata()], source.stamps())
     with torch.no_grad():
         model.model.layers[1].self_attn.q_proj.weight.mul_(2)
     unchanged = sent.unchanged(source.groups(), source.stamps())
     layer_1 = {name for name, _ in model.named_parameters() if name.startswith("model.layers.1.")}
     assert unchanged == {name for name, _ in model.named_parameters()} - layer_1
-    sent.landed(layer_1, source.stamps())
+    sent.record(layer_1, source.stamps())
     assert len(sent.unchanged(source.groups(), source.stamps())) == len(list(model.parameters()))
-    sent.landed([], None)  # a push without stamps (an adapter, a sharded policy): what the engine holds is unknown
+    sent.record([], None)  # a push without stamps (an adapter, a sharded policy): what the engine holds is unknown
     assert sent.unchanged(source.groups(), source.stamps()) == set()
 
 

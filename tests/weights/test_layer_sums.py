@@ -129,7 +129,7 @@ def _sent(hf: dict[str, torch.Tensor]) -> SentSums:
     sent = SentSums()
     for name, tensor in hf.items():
         sent.tally(name, tensor)
-    sent.landed()
+    sent.commit()
     return sent
 
 
@@ -213,12 +213,12 @@ def test_sums_sent_earlier_count_until_sent_again_and_a_failed_push_leaves_them(
     sent = SentSums()
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.ones(3))
     sent.tally("model.layers.0.mlp.down_proj.weight", torch.ones(3))
-    sent.landed()
+    sent.commit()
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.full((3,), 2.0))  # a changed-only push: one tensor
     sent.dropped()  # ... that did not commit
     assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(2 * one[0], 2 * one[1])
     sent.tally("model.layers.0.mlp.up_proj.weight", torch.full((3,), 2.0))
-    sent.landed()
+    sent.commit()
     assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(one[0] + two[0], one[1] + two[1])
 
 

@@ -46,7 +46,7 @@ class PostedUpdate:
     def __len__(self) -> int:
         return len(self._posted)
 
-    def landed(self) -> Iterator[NamedTensors]:
+    def arrived(self) -> Iterator[NamedTensors]:
         """Yield the named tensors in order, each once its bytes have landed (every wait bounded)."""
         timeout = datetime.timedelta(seconds=self.timeout_seconds)
         index = 0
@@ -70,7 +70,7 @@ class PostedUpdate:
                 trainer stopped or the network broke); nothing has been loaded.
         """
         try:
-            return list(self.landed())
+            return list(self.arrived())
         except RuntimeError as error:
             raise RuntimeError(
                 f"The weight update did not arrive in full ({error}); the model keeps its previous weights. "

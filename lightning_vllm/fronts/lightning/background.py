@@ -43,7 +43,7 @@ class Submitted:
     started: bool  # a push went on its way (False: the push point was skipped)
     stall_seconds: float  # how long the caller's thread was held: waiting, checking, copying (or queuing copies)
     version: int | None = None  # the version the push commits if it lands
-    landed: SyncStats | None = None  # the previous push, if this push point waited for it to land
+    waited_for: SyncStats | None = None  # the previous push, if this push point waited for it to land
 
 
 class BackgroundPusher:
@@ -57,7 +57,7 @@ class BackgroundPusher:
 
         >>> pusher = BackgroundPusher(WeightSync(engine=llm))  # doctest: +SKIP
         >>> pusher.submit(model)  # returns once the copy is taken (on a GPU: queued)  # doctest: +SKIP
-        Submitted(started=True, stall_seconds=0.04, version=1, landed=None)
+        Submitted(started=True, stall_seconds=0.04, version=1, waited_for=None)
         >>> pusher.wait(timeout=60); pusher.collect()  # doctest: +SKIP
         SyncStats(weight_version=1, seconds=0.41, num_bytes=209715200)
     """
@@ -100,7 +100,7 @@ class BackgroundPusher:
             WeightSyncTimeoutError: ``when_busy="wait"`` and the push in flight outlived ``timeout_seconds``.
         """
         start = time.perf_counter()
-        landed = None
+        waited_for = None
         if self._push is not None:
             if self.when_busy == "skip":
                 with self.updater.versions.push_point():  # it begins no push: the push point is skipped
@@ -114,14 +114,14 @@ class BackgroundPusher:
                 return Submitted(False, time.perf_counter() - start)
             self.wait_or_raise("at a push point (when_busy='wait')")  # a push still running stays in flight
             waited, self._push = self._push, None
-            landed = waited.result(0)
+            waited_for = waited.result(0)
         with self.updater.versions.push_point() as point:  # (skipped if the weights cannot even be copied)
             prepared = self.updater.prepare(weights, worker_ids)
             snapshot = self.memory.take(prepared.payload.weights, prepared.payload.stamps)
-            version = point.begin(hand_off=True)  # committed or abandoned by the push's own thread
+            in_flight = point.begin(hand_off=True)  # committed or abandoned by the push's own thread
         push = prepared.with_payload(prepared.payload.with_weights(snapshot))
-        self._push = BackgroundCall(self.updater.send, push, version, what=f"weight version {version.version}")
-        return Submitted(True, time.perf_counter() - start, version.version, landed)
+        self._push = BackgroundCall(self.updater.send, push, in_flight, what=f"weight version {in_flight.version}")
+        return Submitted(True, time.perf_counter() - start, in_flight.version, waited_for)
 
     def collect(self) -> SyncStats | None:
         """The figures of the push that ended since the last call (``None``: none did).

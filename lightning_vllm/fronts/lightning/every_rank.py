@@ -35,15 +35,12 @@ import logging
 import os
 import socket
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar, cast
-
-import torch
-from typing_extensions import override
+from typing import TYPE_CHECKING, Any, cast
 
 from lightning_vllm.backends.registry import AUTO, backend_named, carrying
 from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankRoles, TrainerRanks
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares, ShareSender
 
@@ -79,46 +76,6 @@ def send_address(master_address: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((target, 9))  # a UDP connect only picks the route: nothing is sent
         return str(probe.getsockname()[0])
-
-
-class EveryRankShares(RankRoles):
-    """``push_from="every_rank"``: each rank sends its own share of every tensor when every rank holds
-    one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy): a
-    :class:`ranks.LockstepGathers` given this as its every-rank interface (``ranks.SendsShares``).
-
-    Args:
-        ranks: the trainer's ranks.
-    """
-
-    every_rank_walks: ClassVar[bool] = True
-
-    def __init__(self, ranks: TrainerRanks) -> None:
-        self.ranks = ranks
-        self._lockstep = LockstepGathers(ranks, shares=self)
-
-    @override
-    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        return self._lockstep.push(sync, module)
-
-    def shares_of(self, payload: Payload) -> RankShares | None:
-        """This rank's shares of ``payload``, if every rank has its own (a collective); else ``None``,
-        with a warning (once) that says why the push is gathered and sent by rank 0 instead."""
-        ranks = self.ranks
-        shares: RankShares | str = "a LoRA adapter push is gathered"
-        if not payload.carries_adapter:
-            shares = RankShares.of(payload.weights, ranks.rank, ranks.world_size)
-        if ranks.every_rank(isinstance(shares, RankShares)):
-            return shares if isinstance(shares, RankShares) else None
-        if not ranks.warned_gathered:
-            ranks.warned_gathered = True
-            why = shares if isinstance(shares, str) else "another rank's policy has no share of its own"
-            log.warning("push_from='every_rank': this push is gathered and sent by rank 0 instead, as %s.", why)
-        return None
-
-    def push_shares(
-        self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
-    ) -> SyncStats | None:
-        return push_in_shares(sync, payload, shares, self.ranks, point)
 
 
 def push_in_shares(

@@ -1,8 +1,8 @@
 """What happens at a push point, once the callback has decided one is due (``callback.PushSchedule``).
 
 A push point pushes blocking, or in the background (``background.py``), with the trainer's ranks in the roles chosen
-at fit start (a ``ranks.RankRoles``: :class:`RankZeroAlone`, the roles of a policy every rank holds whole, here;
-lockstep gathers of a sharded policy, ``ranks.py``; or every rank's own share, ``every_rank.py``). Under DDP the ranks
+at fit start (a ``roles.RankRoles``: ``RankZeroAlone``, the roles of a policy every rank holds whole;
+lockstep gathers of a sharded policy; or every rank's own share: ``roles.py``). Under DDP the ranks
 that do not push then receive rank 0's versions. A failed push is raised or, with ``on_sync_error="warn"``, counted
 and warned about. Every push's figures go to the Lightning loggers. The callback (``callback.py``) only calls in at
 its hooks.
@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import ClassVar, cast
+from typing import cast
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_vllm.core.push import SyncStats
@@ -30,21 +29,11 @@ from lightning_vllm.errors import (
     WeightSyncTimeoutError,
 )
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
-from lightning_vllm.fronts.lightning.every_rank import EveryRankShares
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, RankRoles, TrainerRanks, is_sharded
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks, is_sharded
+from lightning_vllm.fronts.lightning.roles import RankRoles, RankZeroAlone, choose_rank_roles
 from lightning_vllm.options import PushFrom, WhenBusy
 
 log = logging.getLogger(__name__)
-
-
-class RankZeroAlone(RankRoles):
-    """One process, or every rank holding the full weights: rank 0 sends; no other rank takes part in
-    the push itself (they take rank 0's versions at each push point: ``PushPoints.share_versions``)."""
-
-    every_rank_walks: ClassVar[bool] = False
-
-    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        return sync.push(module)  # (called on global rank 0 only: PushPoints._push_from_rank_zero)
 
 
 class PushPoints:
@@ -171,8 +160,8 @@ class PushPoints:
         assert self.pusher is not None
         self.collect(trainer)  # a push that ended says how it went before the next one starts
         submitted = self.pusher.submit(pl_module)
-        if submitted.landed is not None:  # when_busy="wait": the push waited for
-            self._log(trainer, submitted.landed)
+        if submitted.waited_for is not None:  # when_busy="wait": the push waited for
+            self._log(trainer, submitted.waited_for)
         metrics = {"vllm/sync_stall_seconds": submitted.stall_seconds}
         if not submitted.started:
             metrics["vllm/sync_skipped"] = float(self.updater.versions.skipped)
@@ -222,11 +211,3 @@ class PushPoints:
             metrics["vllm/sync_stall_seconds"] = stall_seconds
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-
-
-def choose_rank_roles(ranks: TrainerRanks, sharded: bool, push_from: PushFrom) -> RankRoles:
-    """The rank roles of every push of a fit: rank 0 alone unless the policy is sharded; then lockstep
-    gathers, or every rank's own share with ``push_from="every_rank"``."""
-    if not sharded:
-        return RankZeroAlone()
-    return EveryRankShares(ranks) if push_from == "every_rank" else LockstepGathers(ranks)

@@ -35,6 +35,7 @@ from sharded_run import ZERO3_CONFIG, ShardedCausalLM, by_hand_run, full_model, 
 
 import lightning_vllm.core.landing_check as landing_check  # noqa: E402
 import lightning_vllm.fronts.lightning.every_rank as every_rank  # noqa: E402
+import lightning_vllm.fronts.lightning.roles as roles  # noqa: E402
 from lightning_vllm import VLLMUpdater, VLLMWeightSync  # noqa: E402
 from lightning_vllm.backends.gloo.shares import GlooShareSender  # noqa: E402
 from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
@@ -58,12 +59,12 @@ class Heard(logging.Handler):
         self.messages: list[str] = []
 
     def __enter__(self) -> Heard:
-        for name in (every_rank.__name__, landing_check.__name__):
+        for name in (every_rank.__name__, roles.__name__, landing_check.__name__):
             logging.getLogger(name).addHandler(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        for name in (every_rank.__name__, landing_check.__name__):
+        for name in (every_rank.__name__, roles.__name__, landing_check.__name__):
             logging.getLogger(name).removeHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -119,7 +120,7 @@ def zero3_every_rank(llm, rank: int) -> dict:
     ranks = TrainerRanks(timeout_seconds=30)
     updater = VLLMUpdater(engine=llm, timeout_seconds=30)
     with Heard() as heard:
-        every_rank.EveryRankShares(ranks).push(updater, engine)
+        roles.EveryRankShares(ranks).push(updater.weight_sync, engine)
     result: dict = {"warnings": heard.messages, "weight_version": updater.weight_version}
     if rank == 0:
         result["max_logprob_diff"] = max_abs_diff(vllm_prompt_logprobs(llm), hf_prompt_logprobs(reference))

@@ -34,7 +34,7 @@ def layers_differing(engine: HTTPEngine, model: torch.nn.Module) -> tuple[list[s
     sent = SentSums()
     for name, parameter in model.named_parameters():
         sent.tally(name, parameter.detach(), torch.float32)
-    sent.landed()
+    sent.commit()
     expected = sent.by_layer()
     held = HeldSums.combine(engine.layer_sums())
     return held.differing(expected), len(set(expected) & set(held.layers))

@@ -42,7 +42,8 @@ from sharded_run import ShardedCausalLM, failed_fit, full_model  # noqa: E402
 import lightning_vllm.fronts.lightning.ranks as ranks_module  # noqa: E402
 from lightning_vllm import HTTPEngine, VLLMWeightSync  # noqa: E402
 from lightning_vllm._waits import call_with_timeout  # noqa: E402
-from lightning_vllm.fronts.lightning.ranks import LockstepGathers, LockstepWeights, TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
+from lightning_vllm.fronts.lightning.roles import LockstepGathers, LockstepWeights  # noqa: E402
 from lightning_vllm.weights.base import Weights  # noqa: E402
 
 STEPS = 3
