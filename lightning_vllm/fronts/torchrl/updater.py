@@ -1,17 +1,17 @@
-"""TorchRL's front end: ``VLLMUpdater``, the core (``core/weight_sync.py``) under TorchRL's names.
+"""TorchRL's front end: ``VLLMUpdater``, which has a core (``core/weight_sync.py``) and speaks TorchRL's names.
 
 The names TorchRL's collectors and ``WeightUpdaterBase`` call (the constructor's
 ``master_address``/``master_port``/``model_metadata``/``vllm_tp_size``, ``init``,
 ``push_weights`` with worker ids, construction from a policy, the registered collector,
 TorchRL's version counting, ``__call__`` and the private ``_get_server_weights`` /
 ``_maybe_map_weights`` / ``_sync_weights_with_worker`` / ``_skip_update``), each one a push or
-a question of the core; and the updater's place among TorchRL's updaters. The Lightning
-callback is the other front end, beside this one. See ``docs/torchrl.md``.
+a question of its core; its registration among TorchRL's updaters and what it needs of its collector are
+``collectors.py``'s. The Lightning callback is the other front end, beside this one, and may push through the same
+core. See ``docs/torchrl.md``.
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,8 +35,6 @@ from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_S
 from lightning_vllm.weights import source_metadata, weights_from
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import ModelMetadata
-
-log = logging.getLogger(__name__)
 
 
 class VLLMUpdater:
