@@ -34,8 +34,8 @@ class HeldSums:
     """What an engine reported, its workers' reports combined.
 
     Attributes:
-        layers: ``{layer: (bits, squares)}`` (:func:`tensor_sums`): tensor-parallel shards added up, tensors
-            every rank holds whole counted once.
+        layers: ``{layer: (bits, squares)}`` (``weights/layer_sums.tensor_sums``): tensor-parallel shards added
+            up, tensors every rank holds whole counted once.
         unverifiable: ``{layer: why}`` for layers held in a form the trainer's sums cannot be held against.
         stale: ``{layer: why}`` for layers that compute with other values than they hold (a pack built from
             earlier values: ``packed_sums.py``), whatever was sent.

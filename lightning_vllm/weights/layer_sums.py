@@ -168,7 +168,7 @@ class SentSums:
         """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``;
         ``held``: the model holds it, unchanged until the push returns (see the class docstring). A LoRA adapter's
         tensor, or one of a layer in :attr:`unverifiable`, is not counted."""
-        if name.startswith(ADAPTER_PREFIX) or layer_of(name) in self.unverifiable:
+        if name.startswith(ADAPTER_PREFIX) or (self.unverifiable and layer_of(name) in self.unverifiable):
             return
         if held:
             self._pending.pop(name, None)
