@@ -98,26 +98,6 @@ _fused_sums = _FusedSums()
 
 
 @triton.jit  # type: ignore[misc]
-def _sums_of_spans(addresses, numels, span_owner, span_start, out, BLOCK: tl.constexpr, STEPS: tl.constexpr,
-                   DTYPE: tl.constexpr):  # fmt: skip
-    """Program ``i`` sums span ``i``: ``STEPS`` blocks of ``BLOCK`` values of tensor ``span_owner[i]``, from
-    ``span_start[i]``, and adds its sums into that tensor's row of ``out``."""
-    span = tl.program_id(0)
-    owner = tl.load(span_owner + span)
-    start = tl.load(span_start + span)
-    numel = tl.load(numels + owner)
-    base = tl.load(addresses + owner).to(tl.pointer_type(DTYPE))
-    bits = tl.zeros([BLOCK], dtype=tl.int64)
-    squares = tl.zeros([BLOCK], dtype=tl.int64)
-    not_finite = tl.zeros([BLOCK], dtype=tl.int32)
-    for step in range(STEPS):
-        offsets = start + step * BLOCK + tl.arange(0, BLOCK)
-        values = tl.load(base + offsets, mask=offsets < numel, other=0.0)
-        bits, squares, not_finite = _summed(values, bits, squares, not_finite)
-    _add_into_row(out, owner, bits, squares, not_finite)
-
-
-@triton.jit  # type: ignore[misc]
 def _summed(values, bits, squares, not_finite):  # fmt: skip
     """``bits``, ``squares`` and ``not_finite``, each lane's, with ``values`` (as float32) added (a masked lane holds
     0.0, which adds nothing)."""
@@ -150,8 +130,9 @@ def _span_table(numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Spans:
-    """The launch table of one list of tensors (addresses, sizes, each span's tensor and start), kept for the next
-    call with the same tensors: a model's parameters stay where they are between pushes."""
+    """The launch table of one list of tensors (addresses, sizes, each tensor's row of the sums, each span's tensor
+    and start), kept for the next call with the same tensors: a model's parameters stay where they are between
+    pushes."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
@@ -161,9 +142,10 @@ class _Spans:
         key = tuple((tensor.data_ptr(), tensor.numel()) for tensor in tensors)
         if key != self._key:
             numels = torch.tensor([tensor.numel() for tensor in tensors], dtype=torch.int64)
-            owner, start = _span_table(numels)
+            item, start = _span_table(numels)
             addresses = torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64)
-            self._table = tuple(t.to(device, non_blocking=True) for t in (addresses, numels, owner, start))
+            rows_of = torch.arange(len(tensors), dtype=torch.int64)
+            self._table = tuple(t.to(device, non_blocking=True) for t in (addresses, numels, rows_of, item, start))
             self._key = key
         return self._table
 
@@ -172,18 +154,18 @@ _tables: dict[tuple[torch.device, torch.dtype, int], _Spans] = {}
 
 
 @triton.jit  # type: ignore[misc]
-def _copy_and_sum_spans(sources, destinations, numels, owners, span_item, span_start, out, BLOCK: tl.constexpr,
-                        STEPS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """Program ``i`` copies span ``i`` (``STEPS`` blocks of ``BLOCK`` values of copy ``span_item[i]``, from
-    ``span_start[i]``) and adds the sums of the values it wrote into row ``owners[item]`` of ``out``: the sums
-    ``_sums_of_spans`` takes, of the same values, from the registers that store them."""
+def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out, BLOCK: tl.constexpr,
+               STEPS: tl.constexpr, DTYPE: tl.constexpr, COPY: tl.constexpr):  # fmt: skip
+    """Program ``i`` reads span ``i`` (``STEPS`` blocks of ``BLOCK`` values of item ``span_item[i]``, from
+    ``span_start[i]``) and adds its sums into row ``owners[item]`` of ``out``; with ``COPY`` it also stores the values
+    at ``destinations[item]``, so the sums are those of the values it wrote, taken from the registers that store
+    them."""
     span = tl.program_id(0)
     item = tl.load(span_item + span)
     start = tl.load(span_start + span)
     numel = tl.load(numels + item)
     owner = tl.load(owners + item)
     source = tl.load(sources + item).to(tl.pointer_type(DTYPE))
-    destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE))
     bits = tl.zeros([BLOCK], dtype=tl.int64)
     squares = tl.zeros([BLOCK], dtype=tl.int64)
     not_finite = tl.zeros([BLOCK], dtype=tl.int32)
@@ -191,7 +173,9 @@ def _copy_and_sum_spans(sources, destinations, numels, owners, span_item, span_s
         offsets = start + step * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         values = tl.load(source + offsets, mask=mask, other=0.0)
-        tl.store(destination + offsets, values, mask=mask)
+        if COPY:
+            destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE))
+            tl.store(destination + offsets, values, mask=mask)
         bits, squares, not_finite = _summed(values, bits, squares, not_finite)
     _add_into_row(out, owner, bits, squares, not_finite)
 
@@ -249,9 +233,9 @@ class SummedCopies:
         on the GPU (nothing synchronizes)."""
         out = torch.zeros(self.owners, 3, dtype=torch.int64, device=self.device)
         for dtype, (sources, destinations, numels, owners, item, start) in self._launches:
-            _copy_and_sum_spans[(item.numel(),)](
+            _sum_spans[(item.numel(),)](
                 sources, destinations, numels, owners, item, start, out, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype),
+                DTYPE=_triton_dtype(dtype), COPY=True,
             )  # fmt: skip
         return out
 
@@ -265,7 +249,7 @@ def batched_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if not _USABLE or not tensors:
         return None
     device = tensors[0].device
-    if device.type != "cuda" or any(
+    if device.type != _KERNEL_DEVICE or any(
         t.device != device or t.dtype not in _DTYPES or not t.is_contiguous() for t in tensors
     ):
         return None
@@ -277,11 +261,12 @@ def batched_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         for dtype, positions in by_dtype.items():
             group = [tensors[p] for p in positions]
             spans = _tables.setdefault((device, dtype, len(by_dtype)), _Spans())
-            addresses, numels, owner, start = spans.table(group, device)
+            addresses, numels, rows_of, item, start = spans.table(group, device)
             rows = out if len(by_dtype) == 1 else torch.zeros(len(group), 3, dtype=torch.int64, device=device)
-            _sums_of_spans[(owner.numel(),)](
-                addresses, numels, owner, start, rows, BLOCK=_BLOCK, STEPS=_STEPS, DTYPE=_triton_dtype(dtype)
-            )
+            _sum_spans[(item.numel(),)](
+                addresses, addresses, numels, rows_of, item, start, rows, BLOCK=_BLOCK, STEPS=_STEPS,
+                DTYPE=_triton_dtype(dtype), COPY=False,
+            )  # fmt: skip
             if rows is not out:
                 out[torch.tensor(positions, device=device)] = rows
         return out
