@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast
 
 from lightning_vllm.backends.lightning_ipc.recorded_loads import RecordedLoads, Replay
 from lightning_vllm.backends.lightning_ipc.worker import loads_as_held, summing_replays
-from lightning_vllm.backends.nccl.worker import GroupWatch, PeerFailedError, WatchedNCCLWeightTransferEngine
+from lightning_vllm.backends.nccl.worker import GroupWatch, WatchedNCCLWeightTransferEngine
 
 if TYPE_CHECKING:
     from lightning_vllm.weights.held_sums import WrittenSums
@@ -128,16 +128,12 @@ class StagedNCCLWeightTransferEngine(WatchedNCCLWeightTransferEngine):
             raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
         if update_info.names:
             self._expected = list(zip(update_info.names, update_info.dtype_names, update_info.shapes))
-        with GroupWatch(group) as watch:
-            try:
+        try:
+            with self._watched(group):
                 self._receive(group)
-            except Exception as error:
-                self.staged = {}
-                if not watch.failed:
-                    raise
-                raise PeerFailedError(self._failure(watch)) from error
-        if watch.failed:
-            raise PeerFailedError(self._failure(watch))
+        except Exception:
+            self.staged = {}  # (nothing of a failed push is committed)
+            raise
 
     def _receive(self, group: Any) -> None:
         if self.packed:

@@ -128,9 +128,16 @@ class WatchedNCCLWeightTransferEngine(NCCLWeightTransferEngine):
         if group is None or getattr(group, "disabled", True):
             super().receive_weights(update_info)  # (vLLM's error for a group never joined)
             return
-        with GroupWatch(group) as watch, self._loads_checked(watch):
+        with self._watched(group) as watch, self._loads_checked(watch):
+            super().receive_weights(update_info)
+
+    @contextmanager
+    def _watched(self, group: Any) -> Iterator[GroupWatch]:
+        """Inside, ``group`` is watched (:class:`GroupWatch`); once NCCL reported a failure on it, the body's error, or
+        its end, becomes a :class:`PeerFailedError` that says what this engine did about it (``_failure``)."""
+        with GroupWatch(group) as watch:
             try:
-                super().receive_weights(update_info)
+                yield watch
             except Exception as error:
                 if not watch.failed:
                     raise
