@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from vllm.distributed.weight_transfer.base import (
@@ -21,27 +21,15 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 
-from lightning_vllm.engines.base import (
-    ChecksIPCHandles,
-    Generation,
-    NamesItsEngine,
-    PauseMode,
-    ReportsLayerSums,
-    UpdatesInOneCall,
-    as_prompt,
-    generations_from_outputs,
-    parse_weight_version,
-)
-from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
-from lightning_vllm.engines.serialization import ipc_handles_problem
-from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD
+from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs, parse_weight_version
+from lightning_vllm.engines.in_process import InProcessEngine
 
 _T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, UpdatesInOneCall):
+class AsyncLLMEngine(InProcessEngine):
     """Engine target for a ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     Args:
@@ -59,8 +47,8 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, NamesItsEngine, Report
     """
 
     def __init__(self, async_llm: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(async_llm, async_llm.vllm_config, async_llm.engine_core)
         self.async_llm = async_llm
-        self._config = async_llm.vllm_config
         if loop is None:
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="lightning-vllm: AsyncLLM loop", daemon=True).start()
@@ -78,20 +66,8 @@ class AsyncLLMEngine(EngineConfigFacts, ChecksIPCHandles, NamesItsEngine, Report
     def description(self) -> str:
         return "in-process AsyncLLM"
 
-    def engine_key(self) -> Hashable:
-        return "async_llm", id(self.async_llm)
-
-    def is_dead(self) -> bool:
-        return engine_core_died(self.async_llm.engine_core)
-
-    def ipc_handles_problem(self) -> str | None:
-        return ipc_handles_problem(self.async_llm.engine_core, self.description)
-
     def _ask_workers(self, method: str) -> list[Any]:
         return list(self.run(self.async_llm.collective_rpc(method)))
-
-    def layer_sums(self) -> list[dict[str, Any]]:
-        return self._ask_workers(LAYER_SUMS_METHOD)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.run(self.async_llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))

@@ -1,27 +1,54 @@
-"""The facts the updater checks, read from an in-process engine's ``VllmConfig``."""
+"""What the engines in the training process (``vllm.LLM``, ``AsyncLLM``) share: the facts the updater checks, read
+from the engine's ``VllmConfig``, and what its engine-core client and workers are asked."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
-from lightning_vllm.engines.base import ServesAdapter
-from lightning_vllm.engines.worker_check import layer_sums_problem
+from lightning_vllm.engines.base import (
+    ChecksIPCHandles,
+    NamesItsEngine,
+    ReportsLayerSums,
+    ServesAdapter,
+    UpdatesInOneCall,
+)
+from lightning_vllm.engines.serialization import ipc_handles_problem
+from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, layer_sums_problem
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights, engine_weights
 
 
-class EngineConfigFacts(ServesAdapter):
-    """What the updater checks, read from an in-process engine's ``VllmConfig`` (``self._config``), and
-    its workers' per-layer sums, asked by name through the engine's ``collective_rpc`` (:meth:`_ask_workers`)."""
+class InProcessEngine(ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, ServesAdapter, UpdatesInOneCall):
+    """An engine in the training process: what the updater checks, read from its ``VllmConfig``; whether it died
+    or carries CUDA IPC handles, asked of its engine-core client; its workers' per-layer sums, asked by name
+    through its ``collective_rpc`` (:meth:`_ask_workers`).
 
-    _config: Any
+    Args:
+        engine: the ``vllm.LLM`` or ``AsyncLLM`` (what :meth:`engine_key` names).
+        config: its ``VllmConfig``.
+        engine_core: its engine-core client.
+    """
+
+    def __init__(self, engine: Any, config: Any, engine_core: Any) -> None:
+        self._config = config
+        self._engine_core = engine_core
+        self._key = (type(self).__name__, id(engine))
 
     @property
     def description(self) -> str:
         return "in-process engine"  # (each engine class names itself)
+
+    def engine_key(self) -> Hashable:
+        return self._key
+
+    def is_dead(self) -> bool:
+        return engine_core_died(self._engine_core)
+
+    def ipc_handles_problem(self) -> str | None:
+        return ipc_handles_problem(self._engine_core, self.description)
 
     @abstractmethod
     def _ask_workers(self, method: str) -> Sequence[Any]:
@@ -29,6 +56,9 @@ class EngineConfigFacts(ServesAdapter):
 
     def layer_sums_problem(self) -> str | None:
         return layer_sums_problem(self._ask_workers, self.description)
+
+    def layer_sums(self) -> list[dict[str, Any]]:
+        return list(self._ask_workers(LAYER_SUMS_METHOD))
 
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config

@@ -3,38 +3,24 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 
 from lightning_vllm.engines.base import (
     ChecksBackgroundPushes,
-    ChecksIPCHandles,
     GeneratesOnlyInCalls,
     Generation,
-    NamesItsEngine,
     PauseMode,
-    ReportsLayerSums,
-    UpdatesInOneCall,
     as_prompt,
     generations_from_outputs,
     parse_weight_version,
 )
-from lightning_vllm.engines.config_facts import EngineConfigFacts, engine_core_died
-from lightning_vllm.engines.serialization import ipc_handles_problem
-from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD
+from lightning_vllm.engines.in_process import InProcessEngine
 
 
-class LocalLLMEngine(
-    EngineConfigFacts,
-    ChecksBackgroundPushes,
-    ChecksIPCHandles,
-    GeneratesOnlyInCalls,
-    NamesItsEngine,
-    ReportsLayerSums,
-    UpdatesInOneCall,
-):
+class LocalLLMEngine(InProcessEngine, ChecksBackgroundPushes, GeneratesOnlyInCalls):
     """Engine target for a ``vllm.LLM``.
 
     ``vllm.LLM`` generates only inside ``generate`` calls, so there is nothing to pause.
@@ -54,20 +40,14 @@ class LocalLLMEngine(
     """
 
     def __init__(self, llm: Any) -> None:
+        super().__init__(llm, llm.llm_engine.vllm_config, llm.llm_engine.engine_core)
         self.llm = llm
-        self._config = llm.llm_engine.vllm_config
         self._generating = threading.RLock()
         self._thread_safe = _guard_request_socket(llm.llm_engine.engine_core)
 
     @property
     def description(self) -> str:
         return "in-process vllm.LLM"
-
-    def engine_key(self) -> Hashable:
-        return "llm", id(self.llm)
-
-    def is_dead(self) -> bool:
-        return engine_core_died(self.llm.llm_engine.engine_core)
 
     def background_push_problem(self) -> str | None:
         """Why a push may not run on another thread than generation (``None``: it may)."""
@@ -78,14 +58,8 @@ class LocalLLMEngine(
             "which only one thread may drive"
         )
 
-    def ipc_handles_problem(self) -> str | None:
-        return ipc_handles_problem(self.llm.llm_engine.engine_core, self.description)
-
     def _ask_workers(self, method: str) -> list[Any]:
         return list(self.llm.collective_rpc(method))
-
-    def layer_sums(self) -> list[dict[str, Any]]:
-        return self._ask_workers(LAYER_SUMS_METHOD)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

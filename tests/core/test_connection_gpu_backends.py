@@ -277,11 +277,13 @@ def test_a_new_connection_waits_for_the_end_of_what_a_failed_push_left_running()
 
 def test_a_second_updater_of_the_same_vllm_llm_waits_for_what_the_first_ones_failed_push_left_running():
     """Each updater wraps the ``vllm.LLM`` in a target of its own; the engine under them is one."""
+    from lightning_vllm.engines.in_process import InProcessEngine
     from lightning_vllm.engines.local import LocalLLMEngine
 
     llm = object()  # (the targets are only asked what they wrap)
     first, second = LocalLLMEngine.__new__(LocalLLMEngine), LocalLLMEngine.__new__(LocalLLMEngine)
-    first.llm = second.llm = llm
+    InProcessEngine.__init__(first, llm, config=None, engine_core=None)
+    InProcessEngine.__init__(second, llm, config=None, engine_core=None)
     release = threading.Event()
     after_failure.started(first, BackgroundCall(release.wait, what="the first updater's cleanup"))
     with pytest.raises(WeightSyncTimeoutError, match="has not ended the update a failed push left open"):
