@@ -12,12 +12,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 128
@@ -29,19 +30,20 @@ PROMPTS = [[1, 5, 9, 33, 7, 2], [100, 200, 300, 400], [7, 7, 7, 8, 9, 10, 11, 12
 
 def tiny_qwen2(seed: int = 0, tie_word_embeddings: bool = False) -> Qwen2ForCausalLM:
     """A 2-layer float32 Qwen2 with hidden size 128 and 2 heads of 64."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie_word_embeddings,
-        torch_dtype="float32",
+    return tiny_model(
+        "qwen2", seed, intermediate_size=256, num_key_value_heads=1, tie_word_embeddings=tie_word_embeddings
     )
-    return Qwen2ForCausalLM(config).float().eval()
+
+
+def tiny_model(model_type: str, seed: int = 0, **config: Any) -> Any:
+    """A random 2-layer float32 model of ``model_type`` with hidden size 128 and 2 heads, seeded: the tests' engines
+    take its head size, 64, on vLLM's CPU build; ``config`` gives the family's sizes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=2, num_attention_heads=2)
+    config = AutoConfig.for_model(model_type, **common, max_position_embeddings=256, torch_dtype="float32", **config)
+    return AutoModelForCausalLM.from_config(config).float().eval()
 
 
 NUM_EXPERTS = 4
@@ -68,24 +70,8 @@ MOE_FAMILIES = {
 def tiny_moe(family: str = "qwen3_moe", seed: int = 0):
     """A 2-layer float32 MoE model of ``family`` (a ``model_type`` of :data:`MOE_FAMILIES`): hidden size 128, 2
     heads of 64, 4 experts of 64, 2 of them per token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(
-        family,
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        **MOE_FAMILIES[family],
-    )
-    return AutoModelForCausalLM.from_config(config).float().eval()
+    sizes = dict(intermediate_size=64, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
+    return tiny_model(family, seed, **sizes, **MOE_FAMILIES[family])
 
 
 def lora_policy(seed: int = 0):
