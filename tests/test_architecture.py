@@ -23,7 +23,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "where vLLM lives": [
         "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.worker_check",
-        "engines.base", "engines.in_process", "engines.local", "engines.async_local", "engines.http", "engines.ray",
+        "engines.base", "engines.local", "engines.async_local", "engines.http", "engines.ray",
         "engines.failures", "server", "engines.client",
     ],
     "backends": [

@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from lightning_vllm.engines.base import Generation, PauseMode, as_prompt, generations_from_outputs, parse_weight_version
-from lightning_vllm.engines.in_process import InProcessEngine
+from lightning_vllm.engines.local import InProcessEngine
 
 _T = TypeVar("_T")
 

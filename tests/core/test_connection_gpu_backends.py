@@ -277,8 +277,7 @@ def test_a_new_connection_waits_for_the_end_of_what_a_failed_push_left_running()
 
 def test_a_second_updater_of_the_same_vllm_llm_waits_for_what_the_first_ones_failed_push_left_running():
     """Each updater wraps the ``vllm.LLM`` in a target of its own; the engine under them is one."""
-    from lightning_vllm.engines.in_process import InProcessEngine
-    from lightning_vllm.engines.local import LocalLLMEngine
+    from lightning_vllm.engines.local import InProcessEngine, LocalLLMEngine
 
     llm = object()  # (the targets are only asked what they wrap)
     first, second = LocalLLMEngine.__new__(LocalLLMEngine), LocalLLMEngine.__new__(LocalLLMEngine)
