@@ -680,11 +680,12 @@ class StartedExample:
     Its output goes to temporary files, not pipes, so that it never stops for a reader while the test
     waits for another example."""
 
-    def __init__(self, args: list[str], cwd: Path) -> None:
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
         self.outputs = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen(
-            [sys.executable, *args], cwd=cwd, env=dict(os.environ), stdout=self.outputs[0], stderr=self.outputs[1]
-        )
+            [sys.executable, *args], cwd=cwd, env=dict(os.environ) if env is None else env, stdout=self.outputs[0],
+            stderr=self.outputs[1],
+        )  # fmt: skip
 
     def finish(self) -> subprocess.CompletedProcess:
         """Wait for the example (10 minutes at most); fails the test if it fails."""

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import TOLERANCE, expected_rollouts, save_model, tiny_moe
+from helpers import TOLERANCE, StartedExample, expected_rollouts, save_model, tiny_moe
 
 pytestmark = pytest.mark.engine
 
@@ -25,31 +23,42 @@ EXPERT_ELEMENTS = 64 * 128  # one expert's projection of the tiny MoE: [64, 128]
 
 
 @pytest.fixture(scope="module")
-def ranks_seen(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    """What each rank of one ``sharded_run.py`` saw (``rank0.json``, ``rank1.json``)."""
-    script = Path(__file__).parents[2] / "sharded_run.py"  # (tests/: it imports the helpers)
-    return run_two_ranks(script, model_dir, tmp_path_factory.mktemp("sharded_run"))
+def two_rank_runs(request, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """The two-rank runs the selected tests need, started side by side when the first is needed: each is two
+    processes and an engine, mostly starting (importing torch and vLLM on one core), which two cores do side by side
+    in little more than the time of one. By fixture name: the run and its folder."""
+    here = Path(__file__).parent
+    scripts = {"ranks_seen": here.parents[1] / "sharded_run.py", "moe_ranks_seen": here / "moe_sharded_run.py"}
+    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ()) if name in scripts}
+    runs = {}
+    for name in sorted(wanted):
+        model = model_dir
+        if name == "moe_ranks_seen":
+            model = save_model(tiny_moe("qwen3_moe", seed=0), tmp_path_factory.mktemp("tiny-qwen3-moe"))
+        out_dir = tmp_path_factory.mktemp(name)
+        env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+        runs[name] = StartedExample([str(scripts[name]), str(model), str(out_dir)], out_dir, env=env), out_dir
+    yield runs
+    for run, _ in runs.values():
+        run.kill()
 
 
 @pytest.fixture(scope="module")
-def moe_ranks_seen(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def ranks_seen(two_rank_runs: dict[str, tuple]) -> tuple[dict, dict]:
+    """What each rank of one ``sharded_run.py`` (tests/: it imports the helpers) saw (``rank0.json``,
+    ``rank1.json``)."""
+    return ranks_of(*two_rank_runs["ranks_seen"])
+
+
+@pytest.fixture(scope="module")
+def moe_ranks_seen(two_rank_runs: dict[str, tuple]) -> tuple[dict, dict]:
     """What each rank of one ``moe_sharded_run.py`` saw, its engine started from a tiny Qwen3-MoE."""
-    model_dir = save_model(tiny_moe("qwen3_moe", seed=0), tmp_path_factory.mktemp("tiny-qwen3-moe"))
-    script = Path(__file__).parent / "moe_sharded_run.py"
-    return run_two_ranks(script, model_dir, tmp_path_factory.mktemp("moe_sharded_run"))
+    return ranks_of(*two_rank_runs["moe_ranks_seen"])
 
 
-def run_two_ranks(script: Path, model_dir: Path, out_dir: Path) -> tuple[dict, dict]:
-    """Run ``script MODEL_DIR OUT_DIR``, whose Lightning launcher starts rank 1; what each rank wrote."""
-    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    completed = subprocess.run(
-        [sys.executable, str(script), str(model_dir), str(out_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
+def ranks_of(run: StartedExample, out_dir: Path) -> tuple[dict, dict]:
+    """Wait for ``run`` (``script MODEL_DIR OUT_DIR``, whose Lightning launcher starts rank 1); what each rank wrote."""
+    run.finish()
     return tuple(json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1))
 
 
