@@ -29,6 +29,10 @@ def two_rank_runs(request, model_dir: Path, tmp_path_factory: pytest.TempPathFac
     in little more than the time of one. By fixture name: the run and its folder."""
     here = Path(__file__).parent
     scripts = {"ranks_seen": here.parents[1] / "sharded_run.py", "moe_ranks_seen": here / "moe_sharded_run.py"}
+    # Each run's torch rendezvous on a port of its own, below the kernel's ephemeral range: a port Lightning finds
+    # free is bound only later, and meanwhile the other run's connections may take it as their local port
+    # (EADDRINUSE, seen once the runs went side by side).
+    master_ports = {"ranks_seen": 29641, "moe_ranks_seen": 29642}
     wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ()) if name in scripts}
     runs = {}
     for name in sorted(wanted):
@@ -37,6 +41,7 @@ def two_rank_runs(request, model_dir: Path, tmp_path_factory: pytest.TempPathFac
             model = save_model(tiny_moe("qwen3_moe", seed=0), tmp_path_factory.mktemp("tiny-qwen3-moe"))
         out_dir = tmp_path_factory.mktemp(name)
         env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+        env["MASTER_PORT"] = str(master_ports[name])
         runs[name] = StartedExample([str(scripts[name]), str(model), str(out_dir)], out_dir, env=env), out_dir
     yield runs
     for run, _ in runs.values():
