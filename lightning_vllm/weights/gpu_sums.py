@@ -166,6 +166,8 @@ def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out
     numel = tl.load(numels + item)
     owner = tl.load(owners + item)
     source = tl.load(sources + item).to(tl.pointer_type(DTYPE))
+    if COPY:
+        destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE))
     bits = tl.zeros([BLOCK], dtype=tl.int64)
     squares = tl.zeros([BLOCK], dtype=tl.int64)
     not_finite = tl.zeros([BLOCK], dtype=tl.int32)
@@ -174,7 +176,6 @@ def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out
         mask = offsets < numel
         values = tl.load(source + offsets, mask=mask, other=0.0)
         if COPY:
-            destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE))
             tl.store(destination + offsets, values, mask=mask)
         bits, squares, not_finite = _summed(values, bits, squares, not_finite)
     _add_into_row(out, owner, bits, squares, not_finite)
