@@ -62,14 +62,14 @@ class InProcessEngine(ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, Serves
         return ipc_handles_problem(self._engine_core, self.description)
 
     @abstractmethod
-    def _ask_workers(self, method: str) -> Sequence[Any]:
+    def _ask_workers(self, method: str) -> list[Any]:
         """Every worker's answer to the worker method ``method`` (``collective_rpc`` by name)."""
 
     def layer_sums_problem(self) -> str | None:
         return layer_sums_problem(self._ask_workers, self.description)
 
     def layer_sums(self) -> list[dict[str, Any]]:
-        return list(self._ask_workers(LAYER_SUMS_METHOD))
+        return self._ask_workers(LAYER_SUMS_METHOD)
 
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config
