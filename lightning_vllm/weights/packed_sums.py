@@ -18,18 +18,26 @@ check does not read them a second time (as on a GPU the sums the copies took, ``
 the last load did not process, or whose weight was replaced since, is read live: whatever wrote it since its load is
 caught.
 
-The fingerprint costs one read of the weight, while the loader has just written it; packing then reads it again.
+The fingerprint costs one read of the weight, while the loader has just written it; packing then reads it again. That
+read runs on a thread of its own (:func:`_fingerprinter`), beside the packing and the loading of the layers after it,
+on the cores vLLM did not bind the worker to (a trainer waits for the load meanwhile): the load waits for the last
+fingerprints only as it ends. The thread holds the weight until it has read it, so a weight the pack replaces is read
+as the loader wrote it.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 from weakref import WeakKeyDictionary, ref
 
 import torch
 
+from lightning_vllm.settings import DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights.layer_sums import tensor_sums
 
 # Kept beside the layer, not on it: dropped with the layer, and a fingerprint is a fact of the pack, which the layer
@@ -79,22 +87,26 @@ def packing_fingerprinted(fingerprint: bool = True) -> Iterator[None]:
 
     dispatch = utils.dispatch_cpu_unquantized_gemm
 
-    processed: WeakKeyDictionary[torch.nn.Module, tuple[int, torch.Tensor]] = WeakKeyDictionary()  # (numel, sums)
+    # The layers this load packed, and those it left computing with their live weight (its numel), with the
+    # fingerprints being taken beside the load.
+    packed: WeakKeyDictionary[torch.nn.Module, Future[torch.Tensor]] = WeakKeyDictionary()
+    processed: WeakKeyDictionary[torch.nn.Module, tuple[int, Future[torch.Tensor]]] = WeakKeyDictionary()
 
     def fingerprint_then_pack(layer: torch.nn.Module, remove_weight: bool) -> Any:
         weight = getattr(layer, "weight", None)
         processed.pop(layer, None)
+        packed.pop(layer, None)
+        _PACKED_FROM.pop(layer, None)
         if not fingerprint:
-            _PACKED_FROM.pop(layer, None)
             return dispatch(layer, remove_weight)
         if not (isinstance(weight, torch.Tensor) and not weight.is_meta and weight.dim() == 2 and weight.numel()):
-            _PACKED_FROM.pop(layer, None)  # (nothing we can fingerprint: vLLM leaves it unpacked or computes otherwise)
-            return dispatch(layer, remove_weight)
-        sums = _PACKED_FROM[layer] = tensor_sums(weight)
+            return dispatch(layer, remove_weight)  # (nothing to fingerprint: vLLM leaves it or computes otherwise)
+        sums = _fingerprinter().submit(tensor_sums, weight.detach())  # (held by the thread until it has read it)
         done = dispatch(layer, remove_weight)
         if remove_weight and layer.weight is weight and weight.numel():  # not packed: computes with the live weight
-            del _PACKED_FROM[layer]
             processed[layer] = (weight.numel(), sums)
+        else:
+            packed[layer] = sums
         return done
 
     _LOADED_AS.clear()  # (a weight of an earlier load may be written by this one, even if this one fails)
@@ -103,7 +115,32 @@ def packing_fingerprinted(fingerprint: bool = True) -> Iterator[None]:
         yield
     finally:
         utils.dispatch_cpu_unquantized_gemm = dispatch
+        # (Also when the load failed: the packs it built stand, and a check names what they hold.)
+        for layer, sums in packed.items():
+            _PACKED_FROM[layer] = sums.result(timeout=DEFAULT_TIMEOUT_SECONDS)  # (sums of tensors in memory: end)
     for layer, (numel, sums) in processed.items():  # (the load ended: bound to the weights vLLM copied back)
         weight = getattr(layer, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.numel() == numel:
-            _LOADED_AS[layer] = (ref(weight), weight.data_ptr(), sums)
+            _LOADED_AS[layer] = (ref(weight), weight.data_ptr(), sums.result(timeout=DEFAULT_TIMEOUT_SECONDS))
+
+
+@functools.cache
+def _fingerprinter() -> ThreadPoolExecutor:
+    """The one thread of this process that fingerprints weights beside the load (see the module docstring)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="lightning-vllm: fingerprints", initializer=_off_the_bound_cores)
+
+
+def _off_the_bound_cores() -> None:
+    """Move the calling thread to the cores its process may use that vLLM did not bind the worker's thread to.
+
+    vLLM's CPU worker binds its thread to its cores (``VLLM_CPU_OMP_THREADS_BIND``, ``auto``: one per worker, here
+    1 of 2), and a thread starts bound as its starter is. While a load runs, the trainer waits for it, so another core
+    is idle. Where there is none (the worker was given every core), the thread stays where it started.
+    """
+    bound = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - bound
+    if others:
+        try:
+            os.sched_setaffinity(0, others)
+        except OSError:  # (none of them is this process's to use: its cgroup's cpuset)
+            pass

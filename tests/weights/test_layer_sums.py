@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_vllm.core.landing_check import HeldSums
+from lightning_vllm.weights import layer_sums
 from lightning_vllm.weights.held_sums import NOT_PACKED_HERE, held_layer_sums
 from lightning_vllm.weights.layer_sums import (
     SQUARES_MODULUS,
@@ -255,3 +256,32 @@ def test_the_sums_beside_a_push_leave_a_core_to_it_and_the_pushing_thread_keeps_
     thread.join(timeout=10)
     assert seen == [max(1, threads - 1)]
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rounded_to", [None, torch.bfloat16, torch.float16])
+def test_the_compiled_pass_and_torchs_passes_give_the_fingerprint_by_its_definition(dtype, rounded_to):
+    # Lengths past a chunk (2**18) with a tail; special values (a square that overflows, NaN, infinities, subnormals,
+    # minus zero) placed in the first chunk and in the tail.
+    values = torch.randn(2**18 + 4099, generator=torch.Generator().manual_seed(3)).to(dtype)
+    special = torch.tensor([math.nan, math.inf, -math.inf, 3e19, -0.0, 1e-40, -2e-39, 60000.0], dtype=dtype)
+    values[100 : 100 + len(special)] = special
+    values[-len(special) :] = special
+    expected = tensor_sums(values.to(rounded_to) if rounded_to is not None else values)
+    assert layer_sums._compiled_sums() is not None  # (numba comes with vLLM, which the tests install)
+    assert layer_sums.cpu_sums(values, rounded_to).tolist() == expected.tolist()
+    assert layer_sums._torch_cpu_sums(values, rounded_to).tolist() == expected.tolist()
+    small = torch.tensor([1.5, -0.0, 1e-40, -2e-39, 60000.0, -3.25], dtype=dtype)  # (numpy's few calls, in torch's)
+    reference = _reference(small.to(rounded_to) if rounded_to is not None else small)
+    assert layer_sums.cpu_sums(small, rounded_to).tolist() == reference
+    assert layer_sums._torch_cpu_sums(small, rounded_to).tolist() == reference
+
+
+def test_vllms_kernel_scan_at_a_cpu_workers_start_reads_every_module_after_the_sums_imported_numba():
+    """vLLM's CPU build, as a worker starts, reads ``vars()`` of every module-level value that has a ``__dict__``;
+    numba's LLVM library wrapper answered ``__dict__`` with a C function, and the worker failed to start
+    (``layer_sums._no_dunders_from``)."""
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    layer_sums.tensor_sums(torch.ones(3, dtype=torch.bfloat16))  # (imports numba)
+    _rebind_kernels([])  # (the scan, with no kernel to replace)
