@@ -39,7 +39,7 @@ import helpers  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 from sharded_run import ShardedCausalLM, failed_fit, full_model  # noqa: E402
 
-import lightning_vllm.fronts.lightning.ranks as ranks_module  # noqa: E402
+import lightning_vllm.fronts.lightning.roles as roles_module  # noqa: E402
 from lightning_vllm import HTTPEngine, VLLMWeightSync  # noqa: E402
 from lightning_vllm._waits import call_with_timeout  # noqa: E402
 from lightning_vllm.fronts.lightning.ranks import TrainerRanks  # noqa: E402
@@ -149,12 +149,12 @@ def rank_failures(
 def walking_with(lockstep: type[LockstepWeights]) -> Iterator[None]:
     """Inside, this rank's pushes in lockstep walk their weights with ``lockstep`` (``LockstepGathers`` builds one
     per push)."""
-    original = ranks_module.LockstepWeights
-    ranks_module.LockstepWeights = lockstep  # type: ignore[misc]
+    original = roles_module.LockstepWeights
+    roles_module.LockstepWeights = lockstep  # type: ignore[misc]
     try:
         yield
     finally:
-        ranks_module.LockstepWeights = original  # type: ignore[misc]
+        roles_module.LockstepWeights = original  # type: ignore[misc]
 
 
 class FailsAfterFirstGroup(LockstepWeights):
