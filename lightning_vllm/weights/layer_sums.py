@@ -15,7 +15,7 @@ device. A *layer* is what :func:`layer_of` names: a decoder layer's attention or
 (``model.layers.3.self_attn``), the embedding, the final norm, the head.
 
 What they cost: on a CPU one compiled pass over the values (:func:`cpu_sums`, numba: 0.30 ns a bfloat16 value on one
-thread, against 0.82 for torch's passes over chunks the core's cache holds, which remain where numba is missing); on
+thread, against 0.82 for the torch passes over cached chunks it replaced; numpy's passes where numba is missing); on
 a GPU one fused Triton kernel reads each tensor once (``weights/gpu_sums.py``).
 
 The engine's side (``held_sums.held_layer_sums``) runs inside vLLM's worker; the trainer asks for it through
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +40,11 @@ from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 # The parts of a MoE block vLLM holds as modules of their own: each is a layer of its own here, so that a check
 # names the routed experts (one fused tensor per projection in vLLM) apart from the router and the shared experts.
 MOE_PARTS = frozenset({"experts", "gate", "shared_expert", "shared_experts", "shared_expert_gate"})
-# 1 MiB of float32, about a core's L2 cache: the passes over a chunk (convert, square, integer sums) read it from
-# there. Measured on 2 cores of an AMD EPYC (1 MiB L2 a core), bfloat16, one thread: 0.74 ns a value against 1.15 at
-# 2**16 (torch's per-call cost, paid more often) and 1.9 at 2**22 (each pass from memory).
+# A chunk, 1 MiB of float32 (about a core's L2 cache): what a conversion to the summed dtype writes before the loop
+# reads it, and what numpy's passes (where numba is missing) read several times.
 _CPU_CHUNK_ELEMENTS = 1 << 18
-# The squares' sums are compared modulo this: a CPU keeps them so, in int32 sums that wrap around (cheaper than int64).
+# The squares' sums are compared modulo this: a CPU keeps them so (cheaper than exact).
 SQUARES_MODULUS = 1 << 32
-_EXACT_INT16_SUM = 1 << 16  # 16-bit patterns an int32 sum holds exactly
-_SMALL_ELEMENTS = 1 << 14  # a tensor this small is summed in numpy's few calls, not in chunks
-_COUNT_CHUNK_ELEMENTS = 1 << 22  # the rare recount of non-finite squares: 16 MiB of float32 at a time
 
 
 @dataclass(frozen=True)
@@ -222,7 +218,7 @@ class SentSums:
 
 class _HeldSumsThread:
     """The sums of held tensors (``(name, (tensor, dtype))``, :func:`sums_of_many`), computed on a thread of their
-    own while the pushing thread waits for the engine: on a CPU torch's operations release the GIL; on a GPU the
+    own while the pushing thread waits for the engine: on a CPU the compiled loops release the GIL; on a GPU the
     thread's Python (a launch table, a kernel launch per dtype) runs while the pushing thread waits on the engine's
     sockets and events, and the kernels queue on the device (nothing here waits for them)."""
 
@@ -236,7 +232,7 @@ class _HeldSumsThread:
 
     def _run(self) -> None:
         try:
-            with torch.cuda.device(self._on[0]) if self._on else _one_core_left_to_the_push():
+            with torch.cuda.device(self._on[0]) if self._on else nullcontext():
                 with torch.cuda.stream(self._on[1]) if self._on else nullcontext():
                     self._sums = sums_of_many([t for _, (t, _) in self._later], [d for _, (_, d) in self._later])
         except Exception:  # noqa: BLE001  # (summed again where it is asked for, which raises then)
@@ -248,27 +244,6 @@ class _HeldSumsThread:
         self._thread.join()
         same = [name for name, _ in later] == [name for name, _ in self._later]
         return self._sums if same else None
-
-
-@contextmanager
-def _one_core_left_to_the_push() -> Iterator[None]:
-    """On a CPU, the calling thread's torch operations use one thread fewer than the process does (at least one), so
-    the sums leave a core to the pushing thread. Torch's thread count is the calling thread's own (OpenMP's), so the
-    pushing thread keeps its count; threads that start meanwhile take this one. Measured at 400M on 2 CPU cores: the
-    sums took 1.5 to 1.9 s beside a push with two threads (each of their small operations split over both cores,
-    whose other thread then waits for a core the push holds), 0.76 to 0.93 s with one; 0.5 s alone.
-
-    Where vLLM's CPU worker runs in this process (an engine core in the trainer's process), it has bound torch's
-    threads to its cores and replaced ``torch.set_num_threads`` with a warning: the count is left as it is."""
-    if torch.set_num_threads is not torch._C.set_num_threads:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def add_sums(sums: dict[str, list[int]], layer: str, values: Sequence[int]) -> None:
@@ -291,42 +266,29 @@ def sums_as_ints(sums: list[torch.Tensor]) -> list[list[int]]:
 
 
 def cpu_sums(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """:func:`tensor_sums` on a CPU: one compiled pass over the values (:func:`_compiled_sums`, numba), or where numba
-    is missing (a trainer without vLLM, which brings it) torch's passes over chunks (:func:`_torch_cpu_sums`)."""
-    kernels = _compiled_sums()
-    if kernels is None:
-        return _torch_cpu_sums(flat, dtype)
-    bits = squares = not_finite = 0
+    """:func:`tensor_sums` on a CPU: one compiled pass over the values (:func:`_cpu_loops`), a chunk at a time, each
+    chunk rounded to ``dtype`` first and held as float32 unless bfloat16 (buffers made once, where that is needed)."""
     kept = flat.dtype if dtype is None else dtype
     short = kept == torch.bfloat16
-    # (Else converted a chunk at a time, into buffers made once.)
-    whole = dtype in (None, flat.dtype) and kept in (torch.bfloat16, torch.float32)
-    size = flat.numel() if whole else min(flat.numel(), _CPU_CHUNK_ELEMENTS)
-    rounded = None if whole or kept in (torch.float32, torch.bfloat16) else torch.empty(size, dtype=kept)
-    values = None if whole else torch.empty(size, dtype=torch.bfloat16 if short else torch.float32)
-    for chunk in flat.split(size) if flat.numel() else ():
-        count = chunk.numel()
+    as_is = dtype in (None, flat.dtype) and kept in (torch.bfloat16, torch.float32)
+    size = max(1, min(flat.numel(), _CPU_CHUNK_ELEMENTS))
+    rounded = None if as_is or kept in (torch.float32, torch.bfloat16) else torch.empty(size, dtype=kept)
+    values = None if as_is else torch.empty(size, dtype=torch.bfloat16 if short else torch.float32)
+    loop = _cpu_loops()[0 if short else 1]
+    bits = squares = not_finite = 0
+    for chunk in flat.split(size):
         if rounded is not None:
-            chunk = rounded[:count].copy_(chunk)
+            chunk = rounded[: chunk.numel()].copy_(chunk)
         if values is not None:
-            chunk = values[:count].copy_(chunk)
-        patterns = chunk.view(torch.int16 if short else torch.int32).numpy()
-        found = (kernels.bfloat16 if short else kernels.float32)(patterns)
+            chunk = values[: chunk.numel()].copy_(chunk)
+        found = loop(chunk.view(torch.int16 if short else torch.int32).numpy())
         bits, squares, not_finite = bits + int(found[0]), squares + int(found[1]), not_finite + int(found[2])
     return torch.tensor([bits << 16 if short else bits, squares % SQUARES_MODULUS, not_finite])
 
 
-@dataclass(frozen=True)
-class _Kernels:
-    """:func:`tensor_sums`'s one pass on a CPU, compiled: ``(bits, squares, not finite)`` of a numpy array of bit
-    patterns (``bfloat16``: int16, its bits' sum not yet shifted left by 16; ``float32``: int32)."""
-
-    bfloat16: Any
-    float32: Any
-
-
-# numba's bit casts between an uint32 and a float32, set by _compiled_sums before it compiles the two loops below,
-# which are plain Python until then (and read them as globals when they compile).
+# The loops below take a chunk's bit patterns (bfloat16: int16, its bits' sum not yet shifted left by 16; float32:
+# int32) and give (bits, squares, not finite). They read numba's bit casts between an uint32 and a float32 as
+# globals, set by _cpu_loops before it compiles them.
 _as_float32: Any = None
 _bits_of: Any = None
 
@@ -356,18 +318,19 @@ def _float32_sums(patterns: np.ndarray) -> tuple[Any, Any, Any]:
 
 
 @functools.cache
-def _compiled_sums() -> _Kernels | None:
-    """The two loops above, compiled by numba (a dependency of vLLM, both builds) on first use in a process, and
-    cached on disk beside this module: one pass a value, every sum in registers, where torch's passes read each chunk
-    five times. Measured on 2 cores of an AMD EPYC, one thread, 64M bfloat16 values: 0.30 ns a value against 0.82.
-    ``None`` where numba is not installed (then torch's passes, :func:`_torch_cpu_sums`)."""
+def _cpu_loops() -> tuple[Callable[[np.ndarray], tuple[Any, Any, Any]], Callable[[np.ndarray], tuple[Any, Any, Any]]]:
+    """The bfloat16 and the float32 loop above, compiled by numba (a dependency of vLLM, both builds) on first use in
+    a process, and cached on disk beside this module: one pass a value, every sum in registers. Measured on 2 cores of
+    an AMD EPYC, one thread, 64M bfloat16 values: 0.30 ns a value, against 0.82 for torch's five passes over chunks
+    the core's cache holds (before 2026-12-07). Where numba is missing (a trainer without vLLM, pushing to a
+    ``vllm serve``): numpy's passes (:func:`_numpy_sums`), slower."""
     try:
         import numba
         from llvmlite import ir
         from llvmlite.binding import ffi
         from numba.extending import intrinsic
     except ImportError:
-        return None
+        return _numpy_sums, _numpy_sums
     _no_dunders_from(type(ffi.lib))
 
     @intrinsic
@@ -385,9 +348,18 @@ def _compiled_sums() -> _Kernels | None:
     global _as_float32, _bits_of
     _as_float32, _bits_of = as_float32, bits_of
     try:  # (nogil: the trainer's sums run on a thread beside the push)
-        return _Kernels(*(numba.njit(nogil=True, cache=True)(loop) for loop in (_bfloat16_sums, _float32_sums)))
+        return numba.njit(nogil=True, cache=True)(_bfloat16_sums), numba.njit(nogil=True, cache=True)(_float32_sums)
     except RuntimeError:  # (numba finds no folder it may write its cache to: compiled in each process)
-        return _Kernels(*(numba.njit(nogil=True)(loop) for loop in (_bfloat16_sums, _float32_sums)))
+        return numba.njit(nogil=True)(_bfloat16_sums), numba.njit(nogil=True)(_float32_sums)
+
+
+def _numpy_sums(patterns: np.ndarray) -> tuple[int, int, int]:
+    """What the loops above give, in numpy's passes over the chunk."""
+    values = (patterns.astype(np.int32) << 16 if patterns.dtype == np.int16 else patterns).view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # (an inf or NaN square is counted, not warned of)
+        squared = values * values
+    not_finite = int((~np.isfinite(squared)).sum())
+    return int(patterns.sum(dtype=np.int64)), int(squared.view(np.uint32).sum(dtype=np.uint64)), not_finite
 
 
 def _no_dunders_from(library_class: type) -> None:
@@ -411,66 +383,3 @@ def _no_dunders_from(library_class: type) -> None:
 
     __getattr__.no_dunders = True  # type: ignore[attr-defined]
     library_class.__getattr__ = __getattr__  # type: ignore[attr-defined]
-
-
-def _torch_cpu_sums(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """:func:`cpu_sums` in torch's operations: the passes over a chunk read it from the core's cache, into buffers
-    made once.
-
-    Two shortcuts keep it under a nanosecond a value on one core: a bfloat16 value's float32 bit pattern is its
-    own shifted left by 16, so the first sum adds the 16-bit patterns (exactly, in int32 over rows of 2**16 of
-    them); and the squares' sum is kept modulo 2**32 (int32 sums that wrap), which is all
-    ``LayerSums.matches`` compares.
-    """
-
-    if flat.numel() <= _SMALL_ELEMENTS:
-        return _small_cpu_sums(flat, dtype)
-    size = min(flat.numel(), _CPU_CHUNK_ELEMENTS)
-    rounded = torch.empty(size, dtype=dtype) if dtype not in (None, flat.dtype, torch.float32) else None
-    short = (flat.dtype if rounded is None else dtype) == torch.bfloat16
-    values = torch.empty(size)
-    squared = torch.empty(size)
-    bits = torch.zeros((), dtype=torch.int64)
-    square_bits = torch.zeros((), dtype=torch.int64)
-    square_total = torch.zeros(())  # float32: inf or NaN iff a square is, or the total overflows
-    for chunk in flat.split(size):
-        count = chunk.numel()
-        if rounded is not None:
-            chunk = rounded[:count].copy_(chunk)
-        chunk_values = chunk if chunk.dtype == torch.float32 else values[:count].copy_(chunk)
-        if short:
-            patterns = chunk.view(torch.int16)
-            if count % _EXACT_INT16_SUM == 0:  # (int32 sums of rows, each exact; far cheaper than int64 over all)
-                bits += patterns.view(-1, _EXACT_INT16_SUM).sum(dim=1, dtype=torch.int32).sum(dtype=torch.int64)
-            else:
-                bits += patterns.sum(dtype=torch.int64)
-        else:
-            bits += chunk_values.view(torch.int32).sum(dtype=torch.int64)
-        chunk_squared = torch.mul(chunk_values, chunk_values, out=squared[:count])
-        square_bits += chunk_squared.view(torch.int32).sum(dtype=torch.int32)
-        square_total += chunk_squared.sum()
-    if short:
-        bits <<= 16
-    not_finite = 0 if bool(square_total.isfinite()) else _not_finite(flat, dtype)
-    return torch.stack([bits, square_bits % SQUARES_MODULUS, torch.tensor(not_finite)])
-
-
-def _small_cpu_sums(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """:func:`cpu_sums` of a small tensor (a norm's weight), in a few numpy calls: a model has dozens of them, and
-    torch's calls cost microseconds each."""
-    values = (flat if dtype is None else flat.to(dtype)).float().numpy()
-    with np.errstate(over="ignore", invalid="ignore"):  # (an inf or NaN square is counted below, not warned of)
-        squared = values * values
-    bits = int(values.view(np.int32).sum(dtype=np.int64))
-    squares = int(squared.view(np.uint32).sum(dtype=np.uint32))  # (wraps: modulo 2**32)
-    not_finite = 0 if np.isfinite(squared.sum()) else int((~np.isfinite(squared)).sum())
-    return torch.tensor([bits, squares, not_finite])
-
-
-def _not_finite(flat: torch.Tensor, dtype: torch.dtype | None) -> int:
-    """How many of ``flat``'s values, rounded to ``dtype``, have a square that is not finite (the rare case)."""
-    count = 0
-    for chunk in flat.split(_COUNT_CHUNK_ELEMENTS):
-        values = (chunk if dtype is None else chunk.to(dtype)).float()
-        count += int((~torch.isfinite(values * values)).sum())
-    return count

@@ -239,42 +239,27 @@ def test_values_rounded_to_the_serving_dtype_a_chunk_at_a_time_sum_as_the_rounde
     assert torch.equal(master.to(torch.bfloat16), rounded)  # the master weights were not written
 
 
-def test_the_sums_beside_a_push_leave_a_core_to_it_and_the_pushing_thread_keeps_its_threads():
-    import threading
-
-    from lightning_vllm.weights.layer_sums import _one_core_left_to_the_push
-
-    threads = torch.get_num_threads()
-    seen: list[int] = []
-
-    def sums() -> None:
-        with _one_core_left_to_the_push():
-            seen.append(torch.get_num_threads())
-
-    thread = threading.Thread(target=sums)
-    thread.start()
-    thread.join(timeout=10)
-    assert seen == [max(1, threads - 1)]
-    assert torch.get_num_threads() == threads
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rounded_to", [None, torch.bfloat16, torch.float16])
-def test_the_compiled_pass_and_torchs_passes_give_the_fingerprint_by_its_definition(dtype, rounded_to):
+def test_the_compiled_pass_and_numpys_passes_give_the_fingerprint_by_its_definition(dtype, rounded_to, monkeypatch):
     # Lengths past a chunk (2**18) with a tail; special values (a square that overflows, NaN, infinities, subnormals,
-    # minus zero) placed in the first chunk and in the tail.
+    # minus zero) in the first chunk and in the tail; a small tensor against the definition, value by value.
     values = torch.randn(2**18 + 4099, generator=torch.Generator().manual_seed(3)).to(dtype)
     special = torch.tensor([math.nan, math.inf, -math.inf, 3e19, -0.0, 1e-40, -2e-39, 60000.0], dtype=dtype)
     values[100 : 100 + len(special)] = special
     values[-len(special) :] = special
-    expected = tensor_sums(values.to(rounded_to) if rounded_to is not None else values)
-    assert layer_sums._compiled_sums() is not None  # (numba comes with vLLM, which the tests install)
-    assert layer_sums.cpu_sums(values, rounded_to).tolist() == expected.tolist()
-    assert layer_sums._torch_cpu_sums(values, rounded_to).tolist() == expected.tolist()
-    small = torch.tensor([1.5, -0.0, 1e-40, -2e-39, 60000.0, -3.25], dtype=dtype)  # (numpy's few calls, in torch's)
+    small = torch.tensor([1.5, -0.0, 1e-40, -2e-39, 60000.0, -3.25], dtype=dtype)
     reference = _reference(small.to(rounded_to) if rounded_to is not None else small)
-    assert layer_sums.cpu_sums(small, rounded_to).tolist() == reference
-    assert layer_sums._torch_cpu_sums(small, rounded_to).tolist() == reference
+    compiled, numpys = layer_sums._cpu_loops(), (layer_sums._numpy_sums, layer_sums._numpy_sums)
+    assert compiled != numpys  # (numba comes with vLLM, which the tests install)
+    found = []
+    for loops in (compiled, numpys):
+        monkeypatch.setattr(layer_sums, "_cpu_loops", lambda loops=loops: loops)
+        found.append([layer_sums.cpu_sums(tensor, rounded_to).tolist() for tensor in (values, small)])
+        assert found[-1][1] == reference
+    assert found[0] == found[1]
+    if rounded_to is not None:  # (a rounded copy's sums are the rounded values')
+        assert found[0][0] == layer_sums.cpu_sums(values.to(rounded_to), None).tolist()
 
 
 def test_vllms_kernel_scan_at_a_cpu_workers_start_reads_every_module_after_the_sums_imported_numba():
@@ -283,5 +268,5 @@ def test_vllms_kernel_scan_at_a_cpu_workers_start_reads_every_module_after_the_s
     (``layer_sums._no_dunders_from``)."""
     from vllm.triton_utils.dispatcher import _rebind_kernels
 
-    layer_sums.tensor_sums(torch.ones(3, dtype=torch.bfloat16))  # (imports numba)
+    layer_sums.tensor_sums(torch.ones(3, dtype=torch.bfloat16))  # (imports numba, on first use in this process)
     _rebind_kernels([])  # (the scan, with no kernel to replace)
