@@ -179,8 +179,7 @@ class TimedClient:
         self._call("finish_weight_update", weight_version, what="vLLM to close an open weight update")
 
     def shutdown_weight_transfer_engine(self) -> None:
-        if hasattr(self.inner, "shutdown_weight_transfer_engine"):
-            self._call("shutdown_weight_transfer_engine", what="vLLM to release its weight-transfer engine")
+        self._call("shutdown_weight_transfer_engine", what="vLLM to release its weight-transfer engine")
 
 
 class AbandonedClient:
@@ -196,3 +195,6 @@ class AbandonedClient:
 
     init_weight_transfer_engine = start_weight_update = update_weights = finish_weight_update = _refuse
     update_weights_in_one_call = _refuse
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Nothing to release: the failure that abandoned this client closed the engine's side."""
