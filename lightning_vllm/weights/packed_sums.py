@@ -101,7 +101,8 @@ def packing_fingerprinted(fingerprint: bool = True) -> Iterator[None]:
             return dispatch(layer, remove_weight)
         if not (isinstance(weight, torch.Tensor) and not weight.is_meta and weight.dim() == 2 and weight.numel()):
             return dispatch(layer, remove_weight)  # (nothing to fingerprint: vLLM leaves it or computes otherwise)
-        sums = _fingerprinter().submit(tensor_sums, weight.detach())  # (held by the thread until it has read it)
+        # (Held by the thread until it has read it; a process forked from one that had the thread has none.)
+        sums = _fingerprinter(os.getpid()).submit(tensor_sums, weight.detach())
         done = dispatch(layer, remove_weight)
         if remove_weight and layer.weight is weight and weight.numel():  # not packed: computes with the live weight
             processed[layer] = (weight.numel(), sums)
@@ -125,8 +126,9 @@ def packing_fingerprinted(fingerprint: bool = True) -> Iterator[None]:
 
 
 @functools.cache
-def _fingerprinter() -> ThreadPoolExecutor:
-    """The one thread of this process that fingerprints weights beside the load (see the module docstring)."""
+def _fingerprinter(process: int) -> ThreadPoolExecutor:
+    """The one thread of ``process`` (this one's id) that fingerprints weights beside the load (see the module
+    docstring)."""
     return ThreadPoolExecutor(1, thread_name_prefix="lightning-vllm: fingerprints", initializer=_off_the_bound_cores)
 
 
