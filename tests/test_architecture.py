@@ -18,7 +18,7 @@ LAYERS: dict[str, list[str]] = {
         "weights", "weights.base", "weights.model", "weights.lora_merge", "weights.fsdp",
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
         "weights.layer_sums", "weights.packed_sums", "weights.held_sums",
-        "weights.gpu_sums", "weights.survey", "weights.hf_conversion", "weights.checkpoint_layout",
+        "weights.cpu_loops", "weights.gpu_sums", "weights.survey", "weights.hf_conversion", "weights.checkpoint_layout",
         "lora", "lora.adapter", "lora.serving",
     ],
     "where vLLM lives": [

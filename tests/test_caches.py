@@ -30,6 +30,7 @@ NOT_CACHES = {
     "backends/gloo/group.py:StagingRing._buffer": "the staging memory, allocated on first use (bounded: one bucket)",
     "backends/lightning_ipc/trainer.py:KeptHandlesIPCTrainerEngine._landed": "the event of the last push's copies",
     "backends/registry.py:_REGISTRY": "the backends by name, registered at import as vLLM's factory does",
+    "core/landing_check.py:LandingCheck._report": "the engine's answer to this push's question, asked once a push",
     "core/versions.py:WeightVersions._oldest_sampled": "the oldest version rollouts used since the last look",
     "core/weight_sync.py:WeightSync.model_metadata": "what the user or the first push declared",
     "engines/client.py:CommitWindow._paused_at": "when generation was paused",

@@ -57,7 +57,8 @@ def python_speed(model: torch.nn.Module, rounds: int) -> dict[str, float]:
 
 def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
     """Seconds of the trainer's half of the check over ``tensors`` (``tensor_sums`` of each, one sync), the
-    fused kernel against float64 chunks; medians of ``rounds`` (warmed first: the kernel compiles once)."""
+    fused kernel against float64 chunks, and all in one launch (``batched``, as a push sums them); medians of
+    ``rounds`` (warmed first: the kernels compile once)."""
     from lightning_vllm.weights import gpu_sums, layer_sums
 
     figures = {}
@@ -71,6 +72,12 @@ def sums_figures(tensors: list[torch.Tensor], rounds: int) -> dict[str, float]:
         figures[f"sums_{label}_first_seconds"] = time.perf_counter() - started
         figures[f"sums_{label}_seconds"] = statistics.median(timed(all_sums, rounds))
     figures["sums_fused_usable"] = float(gpu_sums._fused_sums.usable)
+
+    def batched() -> None:  # the trainer's half as a push takes it: one launch per dtype (gpu_sums.batched_sums)
+        layer_sums.sums_as_ints(layer_sums.sums_of_many(tensors, [None] * len(tensors)))
+
+    batched()
+    figures["sums_batched_seconds"] = statistics.median(timed(batched, rounds))
     return figures
 
 

@@ -63,13 +63,15 @@ STAGES: dict[str, list[float]] = {}  # when each stage of the trainer's side of 
 
 def mark_stages() -> None:
     """Note when a push's trainer side reaches each of its stages (``STAGES``): checked (``WeightSync.prepare``
-    returned), handed to the sender, on the transfer thread, the update info begun and built, the worker's copies
-    known to have landed, the sender and the push returned."""
+    returned), handed to the sender, on the transfer thread, the update info begun and built, the commit's calls made
+    (``6_landed``: ``send_weights`` returned), the sender returned, the worker's copies waited for and landed, the
+    check's trainer sums read, the engine's awaited and held against them, the push returned."""
     from vllm import LLM
 
     from lightning_vllm import VLLMUpdater
     from lightning_vllm.backends.lightning_ipc.trainer import KeptHandlesIPCTrainerEngine
     from lightning_vllm.backends.vllm_engines import VLLMEngineSender
+    from lightning_vllm.core.landing_check import LandingCheck
     from lightning_vllm.core.weight_sync import WeightSync
 
     def marked(owner, name, before=None, after=None):
@@ -89,6 +91,9 @@ def mark_stages() -> None:
     marked(VLLMEngineSender, "send", before="2_sender", after="7_sender_returned")
     marked(KeptHandlesIPCTrainerEngine, "send_weights", before="3_transfer_thread", after="6_landed")
     marked(KeptHandlesIPCTrainerEngine, "_update_info", before="4_update_info", after="5_update_info_built")
+    marked(KeptHandlesIPCTrainerEngine, "wait_until_landed", before="6b_copies_waited_for", after="6c_copies_landed")
+    marked(LandingCheck, "push_ended", before="7b_push_ended", after="7c_trainer_sums_read")
+    marked(LandingCheck, "differing_layers", before="7d_engine_sums_awaited", after="7e_checked")
     marked(VLLMUpdater, "push_weights", after="8_push_returned")
     # The commit's calls, made while the worker's copies run (lightning_ipc's worker returns once they are queued).
     marked(LLM, "update_weight_version", before="5b_version_call", after="5c_version_set")

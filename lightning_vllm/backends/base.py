@@ -71,8 +71,13 @@ class Sender(ABC):
     device: torch.device | None = None
 
     @abstractmethod
-    def send(self, outgoing: Outgoing) -> None:
-        """Send ``outgoing`` and commit it (``outgoing.client.finish_weight_update``); every wait bounded."""
+    def send(self, outgoing: Outgoing) -> Callable[[], None] | None:
+        """Send ``outgoing`` and commit it (``outgoing.client.finish_weight_update``); every wait bounded.
+
+        Returns ``None`` once the engine holds the push, or, where the engine's copies of it still run on its device
+        after the commit (``lightning_ipc``), the wait for them: the caller calls it, before anything else reaches
+        the engine, and the push has landed when it returns (it raises as ``send`` does when they fail).
+        """
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -138,31 +138,46 @@ class VLLMEngineSender(Sender):
         self.engine, self.source, self.client = engine, source, client
         self.device = device
         self.timeout_seconds = timeout_seconds
-        # Copies that outlast send_weights are waited for on the pushing thread: the transfer's thread then ends
-        # while they run, and handing the end of a push back from it, once they were done, cost a quarter of a
-        # millisecond of an 8B push on a GPU host (docs/gpu.md).
+        # Copies that outlast send_weights are waited for by send's caller (see send).
         self._copies_outlast_send = engine if isinstance(engine, CopiesOutlastSend) else None
         if self._copies_outlast_send is not None:
             self._copies_outlast_send.caller_waits = True
         self._refuses_late = engine if isinstance(engine, RefusesLatePushes) else None
 
-    def send(self, outgoing: Outgoing) -> None:
+    def send(self, outgoing: Outgoing) -> Callable[[], None] | None:
+        """See ``Sender.send``: with an engine whose copies outlast ``send_weights``, returns the wait for them, made
+        on the caller's thread (handing the end of a push back from the transfer's thread, once they were done, cost
+        a quarter of a millisecond of an 8B push on a GPU host: docs/gpu.md)."""
         declared, between_pushes = self.source.weights, self.client.client
         self.source.load(outgoing.weights)
         self.client.client = outgoing.client
         deadline = time.monotonic() + self.timeout_seconds  # (for the whole transfer, the copies included)
         if self._refuses_late is not None:
             self._refuses_late.apply_before = deadline - min(LATE_MARGIN_SECONDS, self.timeout_seconds / 10)
-        try:
-            raise_if_dead = outgoing.client.raise_if_dead
-            self._transfer(outgoing.what, raise_if_dead)
-            if self._copies_outlast_send is not None:
-                self._copies_outlast_send.wait_until_landed(raise_if_dead, _DEATH_POLL_SECONDS, deadline)
-        except BaseException:  # its transfer thread may go on: it must not reach the engine
-            self.client.client = AbandonedClient(outgoing.what[0].upper() + outgoing.what[1:])
-            raise
-        self.source.load(declared)
-        self.client.client = between_pushes
+        raise_if_dead = outgoing.client.raise_if_dead
+
+        def bounded(step: Callable[[], None]) -> None:
+            try:
+                step()
+            except BaseException:  # its transfer thread may go on: it must not reach the engine
+                self.client.client = AbandonedClient(outgoing.what[0].upper() + outgoing.what[1:])
+                raise
+
+        def ended() -> None:
+            self.source.load(declared)
+            self.client.client = between_pushes
+
+        bounded(lambda: self._transfer(outgoing.what, raise_if_dead))
+        copies = self._copies_outlast_send
+        if copies is None:
+            ended()
+            return None
+
+        def landed() -> None:
+            bounded(lambda: copies.wait_until_landed(raise_if_dead, _DEATH_POLL_SECONDS, deadline))
+            ended()
+
+        return landed
 
     def _transfer(self, what: str, check_alive: Callable[[], None]) -> None:
         device = self.device

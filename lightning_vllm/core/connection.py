@@ -264,7 +264,11 @@ class EngineConnection:
         outgoing = self._outgoing(payload, names, version, window)
         started = time.perf_counter()
         try:
-            self.sender.send(outgoing)
+            copying = self.sender.send(outgoing)
+            if copying is not None:  # committed, its copies still running on the engine's device
+                if self.landing:
+                    self.landing.ask_engine()  # (answered once they end: the question's round trip overlaps them)
+                copying()
         except BaseException:
             if self.landing:
                 self.landing.push_ended(committed=False)

@@ -26,7 +26,12 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 _BLOCK = 1024  # values a program reads at once
-_STEPS = 16  # blocks a program reads: a span of 16K values
+# Blocks a program reads: a span of 64K values. Measured on an H100 (2026-12-07), an 8B model's bf16 weights: spans of
+# 16K values summed in 6.9 ms and copied summing in 1.083x a copy's time, spans of 64K in 6.5 ms and 1.056x; 4K and 32K
+# (blocks of 512 or 4096) were slower.
+_STEPS = 64
+# A span's bfloat16 patterns (each in [-2**15, 2**15)) add up in int32 (_add_into_row): at most 2**16 of them fit.
+assert _BLOCK * _STEPS <= 1 << 16
 _USABLE = True  # False once building or running the kernel failed here: the per-tensor sums stand in
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Under Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is imported) the kernels run on a CPU's
@@ -98,25 +103,34 @@ _fused_sums = _FusedSums()
 
 
 @triton.jit  # type: ignore[misc]
-def _summed(values, bits, squares, not_finite):  # fmt: skip
-    """``bits``, ``squares`` and ``not_finite``, each lane's, with ``values`` (as float32) added (a masked lane holds
-    0.0, which adds nothing)."""
+def _summed(values, bits, squares, not_finite, SHORT: tl.constexpr):  # fmt: skip
+    """``bits``, ``squares`` and ``not_finite``, each lane's, with ``values`` added (a masked lane holds 0.0, which
+    adds nothing). The squares' bit patterns add up in int32, wrapping: they are compared modulo 2**32. With ``SHORT``
+    (bfloat16 values) ``bits`` adds up the values' own 16-bit patterns in int32 (a float32's pattern is one shifted
+    left by 16: :func:`_add_into_row` shifts the sum once); else float32 patterns, in int64 (an int64 add is two of a
+    GPU's integer operations, and the sums run beside copies that the memory bounds)."""
+    if SHORT:
+        bits += values.to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        bits += values.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
     values = values.to(tl.float32)
-    squared = values * values
-    square_bits = squared.to(tl.int32, bitcast=True)
+    square_bits = (values * values).to(tl.int32, bitcast=True)
     return (
-        bits + values.to(tl.int32, bitcast=True).to(tl.int64),
-        squares + square_bits.to(tl.int64),
+        bits,
+        squares + square_bits,
         not_finite + ((square_bits & 0x7F800000) == 0x7F800000).to(tl.int32),
     )
 
 
 @triton.jit  # type: ignore[misc]
-def _add_into_row(out, row, bits, squares, not_finite):  # fmt: skip
+def _add_into_row(out, row, bits, squares, not_finite, SHORT: tl.constexpr):  # fmt: skip
     """Add the lanes' sums into ``out[row]`` (``[bits, squares, not finite]``), with integer atomics: exact in any
-    order."""
-    tl.atomic_add(out + row * 3, tl.sum(bits, axis=0))
-    tl.atomic_add(out + row * 3 + 1, tl.sum(squares, axis=0))
+    order (the squares modulo 2**32). A program's bfloat16 patterns, at most ``2**16`` of them, add up within int32."""
+    total = tl.sum(bits, axis=0).to(tl.int64)
+    if SHORT:
+        total = total << 16
+    tl.atomic_add(out + row * 3, total)
+    tl.atomic_add(out + row * 3 + 1, tl.sum(squares, axis=0).to(tl.int64))
     tl.atomic_add(out + row * 3 + 2, tl.sum(not_finite, axis=0).to(tl.int64))
 
 
@@ -155,7 +169,7 @@ _tables: dict[tuple[torch.device, torch.dtype, int], _Spans] = {}
 
 @triton.jit  # type: ignore[misc]
 def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out, BLOCK: tl.constexpr,
-               STEPS: tl.constexpr, DTYPE: tl.constexpr, COPY: tl.constexpr):  # fmt: skip
+               STEPS: tl.constexpr, DTYPE: tl.constexpr, COPY: tl.constexpr, SHORT: tl.constexpr):  # fmt: skip
     """Program ``i`` reads span ``i`` (``STEPS`` blocks of ``BLOCK`` values of item ``span_item[i]``, from
     ``span_start[i]``) and adds its sums into row ``owners[item]`` of ``out``; with ``COPY`` it also stores the values
     at ``destinations[item]``, so the sums are those of the values it wrote, taken from the registers that store
@@ -168,8 +182,11 @@ def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out
     source = tl.load(sources + item).to(tl.pointer_type(DTYPE))
     if COPY:
         destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE))
-    bits = tl.zeros([BLOCK], dtype=tl.int64)
-    squares = tl.zeros([BLOCK], dtype=tl.int64)
+    if SHORT:
+        bits = tl.zeros([BLOCK], dtype=tl.int32)
+    else:
+        bits = tl.zeros([BLOCK], dtype=tl.int64)
+    squares = tl.zeros([BLOCK], dtype=tl.int32)
     not_finite = tl.zeros([BLOCK], dtype=tl.int32)
     for step in range(STEPS):
         offsets = start + step * BLOCK + tl.arange(0, BLOCK)
@@ -177,8 +194,8 @@ def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out
         values = tl.load(source + offsets, mask=mask, other=0.0)
         if COPY:
             tl.store(destination + offsets, values, mask=mask)
-        bits, squares, not_finite = _summed(values, bits, squares, not_finite)
-    _add_into_row(out, owner, bits, squares, not_finite)
+        bits, squares, not_finite = _summed(values, bits, squares, not_finite, SHORT)
+    _add_into_row(out, owner, bits, squares, not_finite, SHORT)
 
 
 class SummedCopies:
@@ -236,7 +253,7 @@ class SummedCopies:
         for dtype, (sources, destinations, numels, owners, item, start) in self._launches:
             _sum_spans[(item.numel(),)](
                 sources, destinations, numels, owners, item, start, out, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype), COPY=True,
+                DTYPE=_triton_dtype(dtype), COPY=True, SHORT=dtype == torch.bfloat16,
             )  # fmt: skip
         return out
 
@@ -266,7 +283,7 @@ def batched_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
             rows = out if len(by_dtype) == 1 else torch.zeros(len(group), 3, dtype=torch.int64, device=device)
             _sum_spans[(item.numel(),)](
                 addresses, addresses, numels, rows_of, item, start, rows, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype), COPY=False,
+                DTYPE=_triton_dtype(dtype), COPY=False, SHORT=dtype == torch.bfloat16,
             )  # fmt: skip
             if rows is not out:
                 out[torch.tensor(positions, device=device)] = rows

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
 from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
+from lightning_vllm.weights.cpu_loops import compiled_loops
 
 # The parts of a MoE block vLLM holds as modules of their own: each is a layer of its own here, so that a check
 # names the routed experts (one fused tensor per projection in vLLM) apart from the router and the shared experts.
@@ -68,6 +66,7 @@ class LayerSums:
         return total == self.total and (squares - self.squares) % SQUARES_MODULUS == 0
 
 
+@functools.lru_cache(maxsize=1 << 17)  # (both sides name every tensor at every check: 291 of them on an 8B model)
 def layer_of(name: str) -> str:
     """The layer a tensor belongs to, in names both sides share: the block after a decoder
     layer's index (in a MoE block, each routed expert, the router or the shared experts), else the
@@ -121,18 +120,17 @@ def sums_of_many(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype |
     """:func:`tensor_sums` of each of ``tensors`` (rounded to its ``dtypes`` entry): on a GPU, those needing no
     rounding in one kernel launch per device and dtype (``weights/gpu_sums.py``); the others one by one."""
     sums: list[torch.Tensor | None] = [None] * len(tensors)
-    flats = [tensor.detach().reshape(-1) for tensor in tensors]
     on_gpus: dict[torch.device, list[int]] = {}
-    for position, (flat, dtype) in enumerate(zip(flats, dtypes)):
-        if flat.is_cuda and dtype in (None, flat.dtype) and flat.is_contiguous():
-            on_gpus.setdefault(flat.device, []).append(position)
+    for position, (tensor, dtype) in enumerate(zip(tensors, dtypes)):
+        if tensor.is_cuda and dtype in (None, tensor.dtype) and tensor.is_contiguous():
+            on_gpus.setdefault(tensor.device, []).append(position)
     for positions in on_gpus.values():
         from lightning_vllm.weights.gpu_sums import batched_sums  # (imports Triton: only where a GPU sums)
 
-        rows = batched_sums([flats[position] for position in positions])
+        rows = batched_sums([tensors[position] for position in positions])  # (by address: no flat view needed)
         for position, row in zip(positions, rows.unbind(0) if rows is not None else ()):
             sums[position] = row
-    return [found if found is not None else tensor_sums(flat, dtype) for found, flat, dtype in zip(sums, flats, dtypes)]
+    return [found if found is not None else tensor_sums(t, dtype) for found, t, dtype in zip(sums, tensors, dtypes)]
 
 
 class SentSums:
@@ -142,9 +140,9 @@ class SentSums:
     :meth:`tally` is given each tensor as it goes on the wire (summed on its device, no sync);
     :meth:`commit` keeps the push's sums once it committed, :meth:`dropped` forgets them. A tensor that the
     trainer's model holds and leaves as it is until the push returns (``held``) is summed apart, from
-    :meth:`sum_held_meanwhile` on, on a thread of its own, while the trainer otherwise waits for the engine to
-    receive and load the push (on a GPU in one launch per dtype; measured at 400M on 2 CPU cores: the check's cost
-    1.80x an unchecked push when summed after the commit).
+    :meth:`sum_held_meanwhile` on, while the trainer otherwise waits for the engine to receive and load the push: on
+    a thread of its own on a CPU (measured at 400M on 2 CPU cores: the check's cost 1.80x an unchecked push when
+    summed after the commit), on a stream of their own in one launch per dtype on a GPU.
 
     Example::
 
@@ -160,7 +158,7 @@ class SentSums:
         self._pending: dict[str, torch.Tensor] = {}
         self._later: dict[str, tuple[torch.Tensor, torch.dtype | None]] = {}  # held tensors, summed in commit()
         self._held: dict[str, tuple[int, int, int]] = {}  # bits, squares, not finite
-        self._meanwhile: _HeldSumsThread | None = None  # the held tensors' sums, running beside the push
+        self._meanwhile: _HeldSumsMeanwhile | None = None  # the held tensors' sums, running beside the push
 
     def tally(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None, held: bool = False) -> None:
         """Count ``tensor``, rounded to ``dtype`` (the engine's serving dtype) when given, as sent under ``name``;
@@ -177,12 +175,12 @@ class SentSums:
 
     def sum_held_meanwhile(self) -> None:
         """Start summing the held tensors now, before the push sends them (see the class docstring): on a thread if
-        they are all on a CPU; on a GPU queued on its stream (nothing waits for them until :meth:`commit`). The push
-        holds them unchanged until it returns."""
+        they are all on a CPU; on a GPU queued on a stream of their own (nothing waits for them until :meth:`commit`).
+        The push holds them unchanged until it returns."""
         later = list(self._later.items())
         devices = {tensor.device for _, (tensor, _) in later}
         if len(devices) == 1:  # (a model over several GPUs is summed in commit())
-            self._meanwhile = _HeldSumsThread(later, devices.pop())
+            self._meanwhile = _HeldSumsMeanwhile(later, devices.pop())
 
     def commit(self, others: Mapping[str, Sequence[int]] | None = None) -> None:
         """The push committed: the engine now holds what was tallied (the held tensors summed: on a GPU in one
@@ -191,13 +189,12 @@ class SentSums:
         meanwhile, self._meanwhile = self._meanwhile, None
         later = list(self._later.items())
         summed = meanwhile.result(later) if meanwhile is not None else None
-        if summed is None:
+        if summed is None and later:
             summed = sums_of_many([t for _, (t, _) in later], [d for _, (_, d) in later])
-        for (name, _), sums in zip(later, summed):
-            self._pending[name] = sums
-        names = list(self._pending)
-        for name, (total, squares, not_finite) in zip(names, sums_as_ints([self._pending[name] for name in names])):
-            more = (others or {}).get(name, (0, 0, 0))
+        names = [name for name, _ in later] + list(self._pending)
+        rows = (sums_as_ints(summed) if summed is not None else []) + sums_as_ints(list(self._pending.values()))
+        for name, (total, squares, not_finite) in zip(names, rows, strict=True):
+            more = others.get(name, (0, 0, 0)) if others else (0, 0, 0)
             self._held[name] = (total + more[0], squares + more[1], not_finite + more[2])
         self._pending, self._later = {}, {}
 
@@ -216,33 +213,55 @@ class SentSums:
         }
 
 
-class _HeldSumsThread:
-    """The sums of held tensors (``(name, (tensor, dtype))``, :func:`sums_of_many`), computed on a thread of their
-    own while the pushing thread waits for the engine: on a CPU the compiled loops release the GIL; on a GPU the
-    thread's Python (a launch table, a kernel launch per dtype) runs while the pushing thread waits on the engine's
-    sockets and events, and the kernels queue on the device (nothing here waits for them)."""
+class _HeldSumsMeanwhile:
+    """The sums of held tensors (``(name, (tensor, dtype))``, :func:`sums_of_many`), computed while the pushing thread
+    goes on. On a CPU on a thread of its own (the compiled loops release the GIL). On a GPU queued at once, from the
+    pushing thread, on a stream of their own that waits for the pushing thread's (the optimizer step that wrote the
+    tensors): the device reads them while the push's first calls go to the engine, and a wait for the pushing thread's
+    stream (vLLM's senders sync it before they send) does not wait for the sums."""
 
     def __init__(self, later: list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]], device: torch.device) -> None:
         self._later = later
-        self._sums: list[torch.Tensor] | None = None
-        # On a GPU, the kernels go on the pushing thread's stream, after whatever it queued that wrote the tensors.
-        self._on = (device, torch.cuda.current_stream(device)) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._run, name="lightning-vllm: sums of the weights sent", daemon=True)
-        self._thread.start()
+        self._sums: torch.Tensor | list[torch.Tensor] | None = None  # one row per tensor
+        self._thread: threading.Thread | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if device.type != "cuda":
+            self._thread = threading.Thread(target=self._run, name="lightning-vllm: sums of the weights sent")
+            self._thread.daemon = True
+            self._thread.start()
+            return
+        self._stream = torch.cuda.Stream(device)  # (from PyTorch's pool of streams)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
+            self._run()
 
     def _run(self) -> None:
+        tensors, dtypes = [t for _, (t, _) in self._later], [d for _, (_, d) in self._later]
         try:
-            with torch.cuda.device(self._on[0]) if self._on else nullcontext():
-                with torch.cuda.stream(self._on[1]) if self._on else nullcontext():
-                    self._sums = sums_of_many([t for _, (t, _) in self._later], [d for _, (_, d) in self._later])
+            rows = None
+            if self._stream is not None and all(d in (None, t.dtype) for t, d in zip(tensors, dtypes)):
+                from lightning_vllm.weights.gpu_sums import batched_sums  # (imports Triton: only where a GPU sums)
+
+                # (One [tensors, 3] tensor, not a view a tensor: an 8B model's 291 took milliseconds to make and read.)
+                rows = batched_sums(tensors)
+            self._sums = rows if rows is not None else sums_of_many(tensors, dtypes)
         except Exception:  # noqa: BLE001  # (summed again where it is asked for, which raises then)
             self._sums = None
 
-    def result(self, later: list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]]) -> list[torch.Tensor] | None:
-        """The sums, once computed (work on tensors held in memory: it ends), or ``None`` if they failed or were
-        taken of other tensors than ``later``."""
-        self._thread.join()
+    def result(
+        self, later: list[tuple[str, tuple[torch.Tensor, torch.dtype | None]]]
+    ) -> torch.Tensor | list[torch.Tensor] | None:
+        """The sums, one row per tensor, once computed (work on tensors held in memory: it ends), or ``None`` if they
+        failed or were taken of other tensors than ``later``. On a GPU, the calling thread's stream waits for them."""
+        if self._thread is not None:
+            self._thread.join()
         same = [name for name, _ in later] == [name for name, _ in self._later]
+        if self._stream is not None and self._sums is not None:
+            current = torch.cuda.current_stream(self._stream.device)
+            current.wait_stream(self._stream)
+            # (Their memory is not reused until the calling stream has read them.)
+            for sums in [self._sums] if isinstance(self._sums, torch.Tensor) else self._sums:
+                sums.record_stream(current)
         return self._sums if same else None
 
 
@@ -253,28 +272,33 @@ def add_sums(sums: dict[str, list[int]], layer: str, values: Sequence[int]) -> N
         totals[position] += value
 
 
-def sums_as_ints(sums: list[torch.Tensor]) -> list[list[int]]:
-    """Sums that may sit on several devices (a model split over GPUs), read with one copy per device."""
+def sums_as_ints(sums: torch.Tensor | list[torch.Tensor]) -> list[list[int]]:
+    """Sums, one row per tensor (one tensor of rows, or rows that may sit on several devices: a model split over
+    GPUs), read with one copy per device; the squares' modulo 2**32, as compared (a GPU kernel's add up in int32
+    lanes, wrapping)."""
+    if isinstance(sums, torch.Tensor):
+        return [[bits, squares % SQUARES_MODULUS, *rest] for bits, squares, *rest in sums.tolist()]
     by_device: dict[torch.device, list[int]] = {}
     for position, values in enumerate(sums):
         by_device.setdefault(values.device, []).append(position)
     ints: list[list[int]] = [[] for _ in sums]
     for positions in by_device.values():
-        for position, values in zip(positions, torch.stack([sums[p] for p in positions]).tolist()):
-            ints[position] = values
+        for position, (bits, squares, *rest) in zip(positions, torch.stack([sums[p] for p in positions]).tolist()):
+            ints[position] = [bits, squares % SQUARES_MODULUS, *rest]
     return ints
 
 
 def cpu_sums(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """:func:`tensor_sums` on a CPU: one compiled pass over the values (:func:`_cpu_loops`), a chunk at a time, each
-    chunk rounded to ``dtype`` first and held as float32 unless bfloat16 (buffers made once, where that is needed)."""
+    """:func:`tensor_sums` on a CPU: one compiled pass over the values (``cpu_loops.compiled_loops``), a chunk at a
+    time, each chunk rounded to ``dtype`` first and held as float32 unless bfloat16 (buffers made once, where that is
+    needed)."""
     kept = flat.dtype if dtype is None else dtype
     short = kept == torch.bfloat16
     as_is = dtype in (None, flat.dtype) and kept in (torch.bfloat16, torch.float32)
     size = max(1, min(flat.numel(), _CPU_CHUNK_ELEMENTS))
     rounded = None if as_is or kept in (torch.float32, torch.bfloat16, flat.dtype) else torch.empty(size, dtype=kept)
     values = None if as_is else torch.empty(size, dtype=torch.bfloat16 if short else torch.float32)
-    loop = _cpu_loops()[0 if short else 1]
+    loop = compiled_loops()[0 if short else 1]
     bits = squares = not_finite = 0
     for chunk in flat.split(size):
         if rounded is not None:
@@ -284,104 +308,3 @@ def cpu_sums(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         found = loop(chunk.view(torch.int16 if short else torch.int32).numpy())
         bits, squares, not_finite = bits + int(found[0]), squares + int(found[1]), not_finite + int(found[2])
     return torch.tensor([bits << 16 if short else bits, squares % SQUARES_MODULUS, not_finite])
-
-
-# The loops below take a chunk's bit patterns (bfloat16: int16, its bits' sum not yet shifted left by 16; float32:
-# int32) and give (bits, squares, not finite). They read numba's bit casts between an uint32 and a float32 as
-# globals, set by _cpu_loops before it compiles them.
-_as_float32: Any = None
-_bits_of: Any = None
-
-
-# Two loops, not one with the shift as an argument: that one took 0.37 to 0.44 ns a bfloat16 value against 0.31 to
-# 0.36 (measured side by side, 2026-12-07).
-def _bfloat16_sums(patterns: np.ndarray) -> tuple[Any, Any, Any]:
-    bits, squares, not_finite = np.int64(0), np.uint64(0), np.int64(0)
-    for index in range(patterns.shape[0]):
-        pattern = patterns[index]
-        bits += np.int64(pattern)
-        value = _as_float32(np.uint32(np.uint16(pattern)) << np.uint32(16))
-        square = _bits_of(value * value)
-        squares += np.uint64(square)
-        not_finite += np.int64(square & np.uint32(0x7F800000) == np.uint32(0x7F800000))
-    return bits, squares, not_finite
-
-
-def _float32_sums(patterns: np.ndarray) -> tuple[Any, Any, Any]:
-    bits, squares, not_finite = np.int64(0), np.uint64(0), np.int64(0)
-    for index in range(patterns.shape[0]):
-        pattern = patterns[index]
-        bits += np.int64(pattern)
-        value = _as_float32(np.uint32(pattern))
-        square = _bits_of(value * value)
-        squares += np.uint64(square)
-        not_finite += np.int64(square & np.uint32(0x7F800000) == np.uint32(0x7F800000))
-    return bits, squares, not_finite
-
-
-@functools.cache
-def _cpu_loops() -> tuple[Callable[[np.ndarray], tuple[Any, Any, Any]], Callable[[np.ndarray], tuple[Any, Any, Any]]]:
-    """The bfloat16 and the float32 loop above, compiled by numba (a dependency of vLLM, both builds) on first use in
-    a process, and cached on disk beside this module: one pass a value, every sum in registers. Measured on 2 cores of
-    an AMD EPYC, one thread, 64M bfloat16 values: 0.30 ns a value, against 0.82 for torch's five passes over chunks
-    the core's cache holds (before 2026-12-07). Where numba is missing (a trainer without vLLM, pushing to a
-    ``vllm serve``): numpy's passes (:func:`_numpy_sums`), slower."""
-    try:
-        import numba
-        from llvmlite import ir
-        from llvmlite.binding import ffi
-        from numba.extending import intrinsic
-    except ImportError:
-        return _numpy_sums, _numpy_sums
-    _no_dunders_from(type(ffi.lib))
-
-    @intrinsic
-    def as_float32(typing_context: Any, bits: Any) -> Any:
-        return numba.float32(numba.uint32), lambda context, builder, signature, args: builder.bitcast(
-            args[0], ir.FloatType()
-        )
-
-    @intrinsic
-    def bits_of(typing_context: Any, value: Any) -> Any:
-        return numba.uint32(numba.float32), lambda context, builder, signature, args: builder.bitcast(
-            args[0], ir.IntType(32)
-        )
-
-    global _as_float32, _bits_of
-    _as_float32, _bits_of = as_float32, bits_of
-    try:  # (nogil: the trainer's sums run on a thread beside the push)
-        return numba.njit(nogil=True, cache=True)(_bfloat16_sums), numba.njit(nogil=True, cache=True)(_float32_sums)
-    except RuntimeError:  # (numba finds no folder it may write its cache to: compiled in each process)
-        return numba.njit(nogil=True)(_bfloat16_sums), numba.njit(nogil=True)(_float32_sums)
-
-
-def _numpy_sums(patterns: np.ndarray) -> tuple[int, int, int]:
-    """What the loops above give, in numpy's passes over the chunk."""
-    values = (patterns.astype(np.int32) << 16 if patterns.dtype == np.int16 else patterns).view(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):  # (an inf or NaN square is counted, not warned of)
-        squared = values * values
-    not_finite = int((~np.isfinite(squared)).sum())
-    return int(patterns.sum(dtype=np.int64)), int(squared.view(np.uint32).sum(dtype=np.uint64)), not_finite
-
-
-def _no_dunders_from(library_class: type) -> None:
-    """Keep ``library_class`` (llvmlite's ``_lib_wrapper``, whose ``__getattr__`` wraps a C function of LLVM's library
-    for any name asked) from answering names of Python's own, ``__dict__`` among them: it has none (``__slots__``).
-
-    vLLM's CPU build (0.32 and 0.33, without Triton), as each worker starts, looks through every module of its process
-    for Triton kernels to replace, and reads ``vars(value)`` of each value that ``hasattr(value, "__dict__")``
-    (``vllm/triton_utils/dispatcher.py``). ``llvmlite.binding.ffi.lib`` answered with a wrapped function, the read
-    raised ``AttributeError``, and a worker started in a process where numba was imported before (an in-process
-    engine started after a checked push) failed to start. C symbols of llvmlite's library never begin with ``__``.
-    """
-    answer = library_class.__getattr__  # type: ignore[attr-defined]
-    if getattr(answer, "no_dunders", False):
-        return
-
-    def __getattr__(self: object, name: str) -> Any:  # noqa: N807
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return answer(self, name)
-
-    __getattr__.no_dunders = True  # type: ignore[attr-defined]
-    library_class.__getattr__ = __getattr__  # type: ignore[attr-defined]

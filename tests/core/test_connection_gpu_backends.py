@@ -382,8 +382,10 @@ def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_a
     assert engine.caller_waits
     client = TimedClient(None, 5.0)
     started = time.monotonic()
-    sender.send(Outgoing(ModuleWeights(model), client=client))
+    landed = sender.send(Outgoing(ModuleWeights(model), client=client))
     assert engine.threads["send"] is not threading.current_thread()  # the transfer's own thread
+    assert "wait" not in engine.threads and landed is not None  # the caller waits, after asking the engine
+    landed()
     assert engine.threads["wait"] is threading.current_thread()
     assert engine.check == client.raise_if_dead and started + 5.0 <= engine.deadline <= time.monotonic() + 5.0
     # The workers stop starting the push half a second (a tenth of the 5 s timeout) before the trainer gives up.

@@ -163,3 +163,27 @@ def test_the_trainers_sums_of_held_tensors_run_while_the_engine_sums_its_own(mon
     check.push_ended(committed=True)
     assert summed_after_asked == [True]  # summed once the engine had been asked for its sums
     assert check.differing_layers() == [] and engine.asked == 1
+
+
+def test_an_engine_asked_as_the_push_committed_is_asked_once_and_its_answer_dropped_if_the_copies_fail():
+    from lightning_vllm.core.landing_check import LandingCheck
+    from lightning_vllm.weights.layer_sums import tensor_sums
+
+    norm = "model.layers.0.input_layernorm.weight"
+    ones = tensor_sums(torch.ones(3)).tolist()
+    engine = ReportingEngine([{"replicated": {"model.layers.0.input_layernorm": ones[:2]}}])
+    check = LandingCheck.for_engine(engine, enabled=True, timeout_seconds=5)
+    assert check is not None
+    sums = check.tally_for(carries_base=True, every_rank=None)
+    sums.tally(norm, torch.ones(3), torch.float32)
+    check.ask_engine()  # committed; the engine's copies still run (lightning_ipc)
+    check.push_ended(committed=True)  # they landed
+    assert check.differing_layers() == [] and engine.asked == 1  # asked once, as it committed
+    sums = check.tally_for(carries_base=True, every_rank=None)
+    sums.tally(norm, torch.full((3,), 2.0), torch.float32)
+    check.ask_engine()
+    check.push_ended(committed=False)  # the copies did not end in time: the push failed
+    assert check.differing_layers() == []  # nothing is held against an answer about a push that failed
+    assert check.sent.by_layer()["model.layers.0.input_layernorm"].total == ones[0]  # the last push that landed
+    check.ask_engine()  # nothing tallied since: not asked
+    assert engine.asked == 2

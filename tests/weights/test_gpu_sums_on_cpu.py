@@ -19,6 +19,9 @@ generator = torch.Generator().manual_seed(0)
 tensors = [torch.randn(n, generator=generator).to(dtype) for n, dtype in (
     (1, torch.float32), (17, torch.bfloat16), (4096, torch.float32), (16389, torch.float16), (40000, torch.bfloat16))]
 tensors[2][3] = float("nan")
+# Whole spans (2**16 values) of the bfloat16 patterns largest in size (-0.0: -2**15; the largest finite value): their
+# sums must not wrap in int32.
+tensors += [torch.full((1 << 16,), -0.0, dtype=torch.bfloat16), torch.full((2 << 16,), 3.3e38, dtype=torch.bfloat16)]
 rows = batched_sums(tensors)
 assert rows is not None, "the kernel did not run"
 for tensor, (bits, squares, not_finite) in zip(tensors, rows.tolist(), strict=True):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_vllm.core.landing_check import HeldSums
-from lightning_vllm.weights import layer_sums
+from lightning_vllm.weights import cpu_loops, layer_sums
 from lightning_vllm.weights.held_sums import NOT_PACKED_HERE, held_layer_sums
 from lightning_vllm.weights.layer_sums import (
     SQUARES_MODULUS,
@@ -250,23 +250,13 @@ def test_the_compiled_pass_and_numpys_passes_give_the_fingerprint_by_its_definit
     values[-len(special) :] = special
     small = torch.tensor([1.5, -0.0, 1e-40, -2e-39, 60000.0, -3.25], dtype=dtype)
     reference = _reference(small.to(rounded_to) if rounded_to is not None else small)
-    compiled, numpys = layer_sums._cpu_loops(), (layer_sums._numpy_sums, layer_sums._numpy_sums)
+    compiled, numpys = cpu_loops.compiled_loops(), (cpu_loops._numpy_sums, cpu_loops._numpy_sums)
     assert compiled != numpys  # (numba comes with vLLM, which the tests install)
     found = []
     for loops in (compiled, numpys):
-        monkeypatch.setattr(layer_sums, "_cpu_loops", lambda loops=loops: loops)
+        monkeypatch.setattr(layer_sums, "compiled_loops", lambda loops=loops: loops)
         found.append([layer_sums.cpu_sums(tensor, rounded_to).tolist() for tensor in (values, small)])
         assert found[-1][1] == reference
     assert found[0] == found[1]
     if rounded_to is not None:  # (a rounded copy's sums are the rounded values')
         assert found[0][0] == layer_sums.cpu_sums(values.to(rounded_to), None).tolist()
-
-
-def test_vllms_kernel_scan_at_a_cpu_workers_start_reads_every_module_after_the_sums_imported_numba():
-    """vLLM's CPU build, as a worker starts, reads ``vars()`` of every module-level value that has a ``__dict__``;
-    numba's LLVM library wrapper answered ``__dict__`` with a C function, and the worker failed to start
-    (``layer_sums._no_dunders_from``)."""
-    from vllm.triton_utils.dispatcher import _rebind_kernels
-
-    layer_sums.tensor_sums(torch.ones(3, dtype=torch.bfloat16))  # (imports numba, on first use in this process)
-    _rebind_kernels([])  # (the scan, with no kernel to replace)

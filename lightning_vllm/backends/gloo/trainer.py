@@ -104,7 +104,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.send(Outgoing(source, self.client))
 
     @override
-    def send(self, outgoing: Outgoing) -> None:
+    def send(self, outgoing: Outgoing) -> None:  # (the push has landed when it returns)
         """Send every tensor of ``outgoing.weights`` and load it in vLLM, between start and finish.
 
         Our connection calls this with each push's own weights and client (whose

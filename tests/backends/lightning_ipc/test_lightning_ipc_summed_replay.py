@@ -124,11 +124,8 @@ def test_the_sums_of_what_a_replay_writes_are_those_a_read_of_each_parameter_tak
     with torch.no_grad():
         model.norm.add_(1.0)  # (a held_layer_sums of the model reads only what was not written)
     report = held_layer_sums(model, written)
-    assert report["replicated"]["norm"] == as_written(written["norm"][0])[:1] + [int(written["norm"][0][1])]
-    assert report["replicated"]["experts.1"] == [
-        int(written["experts.w13_weight"][1][0]),
-        int(written["experts.w13_weight"][1][1]),
-    ]
+    assert report["replicated"]["norm"] == as_written(written["norm"][0])[:2]
+    assert report["replicated"]["experts.1"] == as_written(written["experts.w13_weight"][1])[:2]
 
 
 @interpreted_only
