@@ -41,7 +41,14 @@ from typing import Any
 
 import torch
 from figures import options, print_figures, timed, wall_seconds, write_results
-from push_timeline import copy_floor, mark_stages, push_figures, time_control_calls, time_worker_updates
+from push_timeline import (
+    copy_floor,
+    mark_stages,
+    push_figures,
+    time_control_calls,
+    time_worker_reports,
+    time_worker_updates,
+)
 from vllm_engine import allow_pickled_rpc, build_model, dummy_llm
 
 
@@ -175,6 +182,7 @@ def main() -> None:
     for backend in args.backends.split(","):
         llm = dummy_llm(model_dir, backend=backend)
         time_worker_updates(llm)
+        time_worker_reports(llm)
         try:
             # The check after every push, on, then off: its cost is the difference.
             results[f"{backend}_push"] = push_figures(llm, model, backend, args.rounds, calls, verify_pushes=True)

@@ -108,6 +108,7 @@ CONTROL_CALLS = (
     "pause_generation",
     "resume_generation",
     "reset_prefix_cache",
+    "layer_sums",
 )
 
 
@@ -161,6 +162,48 @@ def time_worker_updates(llm) -> None:
     llm.collective_rpc(instrument)
 
 
+def time_worker_reports(llm) -> None:
+    """Note, inside vLLM's worker, when each of its check reports (``held_sums.worker_layer_sums``) began, began
+    reading its sums (the wait for the device), had read them and ended; read back by :func:`worker_reports`."""
+
+    def instrument(worker) -> None:  # runs in vLLM's worker
+        import time
+
+        from lightning_vllm.weights import held_sums
+
+        marks = worker.report_marks = []
+        report, read = held_sums.worker_layer_sums, held_sums.sums_as_ints
+
+        def timed_report(*args, **kwargs):
+            marks.append({"began": time.perf_counter()})
+            result = report(*args, **kwargs)
+            marks[-1]["ended"] = time.perf_counter()
+            return result
+
+        def timed_read(*args, **kwargs):
+            if marks and "reading" not in marks[-1]:
+                marks[-1]["reading"] = time.perf_counter()
+            result = read(*args, **kwargs)
+            if marks and "read" not in marks[-1]:
+                marks[-1]["read"] = time.perf_counter()
+            return result
+
+        held_sums.worker_layer_sums, held_sums.sums_as_ints = timed_report, timed_read
+
+    llm.collective_rpc(instrument)
+
+
+def worker_reports(llm) -> list[dict[str, float]]:
+    """The marks :func:`time_worker_reports` noted since the last call (and forgets them)."""
+
+    def read(worker) -> list[dict[str, float]]:  # runs in vLLM's worker
+        marks = list(getattr(worker, "report_marks", []))
+        worker.report_marks.clear()
+        return marks
+
+    return llm.collective_rpc(read)[0]
+
+
 def worker_update_seconds(llm) -> list[tuple[float, float]]:
     """When the worker's ``update_weights`` began and its seconds, since the last call (and forgets them)."""
 
@@ -198,6 +241,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
     PUSH_STARTS.clear()
     STAGES.clear()
     seconds, middle = timed_pushes(updater, model, rounds, calls)
+    reports = worker_reports(llm)[-rounds:]
     worker_updates = worker_update_seconds(llm)[-rounds:]  # the timed pushes' (the first joined the group)
     worker_seconds = [spent for _, spent in worker_updates]
     device_seconds = worker_device_seconds(llm)[-rounds:]
@@ -218,6 +262,17 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
             if len(times) >= rounds:
                 timeline[f"stage_{stage}_after_push_start_seconds"] = statistics.median(
                     t - p for t, p in zip(times[-rounds:], push_starts)
+                )
+        # The check's question: when the trainer asked, when the worker's report began, waited for the device, had
+        # its sums and ended, and when the answer was back (the call's end).
+        asked = CALL_STARTS.get("layer_sums", [])[-rounds:]
+        if len(asked) == rounds and len(reports) == rounds and all(len(r) == 4 for r in reports):
+            answered = [a + s for a, s in zip(asked, calls["layer_sums"][-rounds:])]
+            for label, times in [("engine_sums_asked", asked), ("engine_sums_answered", answered)] + [
+                (f"worker_report_{mark}", [r[mark] for r in reports]) for mark in ("began", "reading", "read", "ended")
+            ]:
+                timeline[f"{label}_after_push_start_seconds"] = statistics.median(
+                    t - p for t, p in zip(times, push_starts)
                 )
     landed = landed_exactly(llm, model)
     # lightning_ipc's trainer engine counts the handles it exported (the rest named a kept slot).
