@@ -62,9 +62,7 @@ class AsyncLLMEngine(InProcessEngine):
         """Start ``coroutine`` on the engine's loop; returns a ``concurrent.futures.Future``."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
-    @property
-    def description(self) -> str:
-        return "in-process AsyncLLM"
+    description = "in-process AsyncLLM"
 
     def _ask_workers(self, method: str) -> list[Any]:
         return list(self.run(self.async_llm.collective_rpc(method)))

@@ -206,12 +206,13 @@ class EngineTarget(Protocol):
     Optional capabilities are small protocols of their own, which a target declares by
     subclassing them: :class:`ServesLoraAdapters` (adapter pushes of LoRA policies),
     :class:`FollowsUpdaterTimeout`, :class:`ChecksBackgroundPushes`, :class:`ChecksIPCHandles`.
+
+    Attributes:
+        description: a short human name for messages, e.g. ``"in-process vllm.LLM"``; set once (a push names its
+            engine in every bounded call's message).
     """
 
-    @property
-    def description(self) -> str:
-        """A short human name for messages, e.g. ``"in-process vllm.LLM"``."""
-        ...
+    description: str
 
     def transfer_backend(self) -> str | None:
         """The weight-transfer backend the engine was built with, ``None`` if none."""

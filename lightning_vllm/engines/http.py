@@ -88,6 +88,7 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, NamesIt
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"Invalid engine URL {base_url!r}: expected e.g. 'http://127.0.0.1:8000'.")
         self.base_url = base_url.rstrip("/")
+        self.description = f"vLLM server at {self.base_url}"
         self.timeout_seconds = timeout_seconds
         if timeout_seconds is not None:
             validate_timeout(timeout_seconds)
@@ -95,9 +96,6 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, NamesIt
         self.generate_timeout_seconds = generate_timeout_seconds
         self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY") or None
 
-    @property
-    def description(self) -> str:
-        return f"vLLM server at {self.base_url}"
 
     def engine_key(self) -> Hashable:
         return "url", self.base_url

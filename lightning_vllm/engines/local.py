@@ -48,9 +48,7 @@ class InProcessEngine(ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, Serves
         self._engine_core = engine_core
         self._key = (type(self).__name__, id(engine))
 
-    @property
-    def description(self) -> str:
-        return "in-process engine"  # (each engine class names itself)
+    description = "in-process engine"  # (each engine class names itself)
 
     def engine_key(self) -> Hashable:
         return self._key
@@ -144,9 +142,7 @@ class LocalLLMEngine(InProcessEngine, ChecksBackgroundPushes, GeneratesOnlyInCal
         self._generating = threading.RLock()
         self._thread_safe = _guard_request_socket(llm.llm_engine.engine_core)
 
-    @property
-    def description(self) -> str:
-        return "in-process vllm.LLM"
+    description = "in-process vllm.LLM"
 
     def background_push_problem(self) -> str | None:
         """Why a push may not run on another thread than generation (``None``: it may)."""

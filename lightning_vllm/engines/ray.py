@@ -79,6 +79,7 @@ class RayEngine(ServesAdapter, NamesItsEngine, ReportsLayerSums):
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self.description = f"Ray actor {handle._actor_id.hex()[:8]}"
 
     def engine_key(self) -> Hashable:
         return "handle", id(self.handle)
@@ -101,9 +102,6 @@ class RayEngine(ServesAdapter, NamesItsEngine, ReportsLayerSums):
     def facts(self) -> dict[str, Any]:
         return self._call("describe")
 
-    @property
-    def description(self) -> str:
-        return f"Ray actor {self.handle._actor_id.hex()[:8]}"
 
     def transfer_backend(self) -> str | None:
         return self.facts["transfer_backend"]
