@@ -96,7 +96,6 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, NamesIt
         self.generate_timeout_seconds = generate_timeout_seconds
         self.api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY") or None
 
-
     def engine_key(self) -> Hashable:
         return "url", self.base_url
 

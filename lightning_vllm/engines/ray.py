@@ -102,7 +102,6 @@ class RayEngine(ServesAdapter, NamesItsEngine, ReportsLayerSums):
     def facts(self) -> dict[str, Any]:
         return self._call("describe")
 
-
     def transfer_backend(self) -> str | None:
         return self.facts["transfer_backend"]
 
