@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 _BLOCK = 1024  # values a program reads at once
 # Blocks a program reads: a span of 64K values. Measured on an H100 (2026-12-07), an 8B model's bf16 weights: spans of
-# 16K values summed in 6.9 ms and copied summing in 1.083x a copy's time, spans of 64K in 6.5 ms and 1.056x; 4K and 32K
-# (blocks of 512 or 4096) were slower.
+# 16K values summed in 6.9 ms and copied summing in 1.083x a copy's time, spans of 64K in 6.5 ms and 1.056x; spans of
+# 16K or 32K in blocks of 512, 2048 or 4096 values were slower (docs/gpu.md, run 58).
 _STEPS = 64
 # A span's bfloat16 patterns (each in [-2**15, 2**15)) add up in int32 (_add_into_row): at most 2**16 of them fit.
 assert _BLOCK * _STEPS <= 1 << 16
