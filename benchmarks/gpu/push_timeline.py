@@ -92,6 +92,7 @@ def mark_stages() -> None:
     marked(KeptHandlesIPCTrainerEngine, "send_weights", before="3_transfer_thread", after="6_landed")
     marked(KeptHandlesIPCTrainerEngine, "_update_info", before="4_update_info", after="5_update_info_built")
     marked(KeptHandlesIPCTrainerEngine, "wait_until_landed", before="6b_copies_waited_for", after="6c_copies_landed")
+    marked(LandingCheck, "answered", before="6d_sums_came_with_the_copies")  # (lightning_ipc's landed sums)
     marked(LandingCheck, "push_ended", before="7b_push_ended", after="7c_trainer_sums_read")
     marked(LandingCheck, "differing_layers", before="7d_engine_sums_awaited", after="7e_checked")
     marked(VLLMUpdater, "push_weights", after="8_push_returned")
@@ -292,6 +293,7 @@ def push_figures(llm, model, label: str, rounds: int, calls, **options) -> dict[
 
     return {
         "handles_sent": handles_sent,
+        "checks_answered_with_the_copies": len(STAGES.get("6d_sums_came_with_the_copies", [])),
         "worker_update_seconds": statistics.median(worker_seconds) if worker_seconds else None,
         "worker_device_seconds": statistics.median(device_seconds) if device_seconds else None,
         "loads_replayed": llm.collective_rpc(replayed)[0],

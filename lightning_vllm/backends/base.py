@@ -60,6 +60,26 @@ class GroupSettings:
     while they load."""
 
 
+WorkerReports = list[dict[str, Any]]
+"""What an engine's workers report of the weights they hold, one report each (``weights/held_sums.held_layer_sums``)."""
+
+
+@dataclass(frozen=True)
+class Copying:
+    """What :meth:`Sender.send` returns where the engine's copies of a push still run on its device after the commit
+    (``lightning_ipc``).
+
+    Attributes:
+        wait: waits until they end (it raises as ``send`` does when they fail), before anything else reaches the
+            engine; returns the workers' reports of what they then hold, where those came with the copies (a checked
+            push: ``backends/lightning_ipc/landed_sums.py``), else ``None``.
+        brings_sums: ``wait`` is expected to return the reports: the check need not ask the engine meanwhile.
+    """
+
+    wait: Callable[[], WorkerReports | None]
+    brings_sums: bool = False
+
+
 class Sender(ABC):
     """A joined group: sends pushes until it is shut down.
 
@@ -71,12 +91,12 @@ class Sender(ABC):
     device: torch.device | None = None
 
     @abstractmethod
-    def send(self, outgoing: Outgoing) -> Callable[[], None] | None:
+    def send(self, outgoing: Outgoing) -> Copying | None:
         """Send ``outgoing`` and commit it (``outgoing.client.finish_weight_update``); every wait bounded.
 
         Returns ``None`` once the engine holds the push, or, where the engine's copies of it still run on its device
-        after the commit (``lightning_ipc``), the wait for them: the caller calls it, before anything else reaches
-        the engine, and the push has landed when it returns (it raises as ``send`` does when they fail).
+        after the commit (``lightning_ipc``), the wait for them (:class:`Copying`): the push has landed when it
+        returns.
         """
 
     @abstractmethod

@@ -22,7 +22,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerWeightTransferEngine
 
 from lightning_vllm._waits import call_watched
-from lightning_vllm.backends.base import Backend, GroupSettings, Sender
+from lightning_vllm.backends.base import Backend, Copying, GroupSettings, Sender, WorkerReports
 from lightning_vllm.engines.client import AbandonedClient
 from lightning_vllm.weights import DeclaredWeights
 from lightning_vllm.weights.base import Weights
@@ -89,6 +89,23 @@ class CopiesOutlastSend(Protocol):
 
 
 @runtime_checkable
+class LeavesSums(Protocol):
+    """A trainer engine whose worker can leave its sums of what it holds where the trainer reads them once a push
+    landed (ours, ``lightning_ipc``'s: ``backends/lightning_ipc/landed_sums.py``): the check then asks nothing."""
+
+    sums_wanted: bool
+
+    @property
+    def sums_expected(self) -> bool:
+        """The worker left them at the last push that wanted them."""
+        ...
+
+    def landed_sums(self) -> WorkerReports | None:
+        """The worker's sums after the last push, if wanted and left."""
+        ...
+
+
+@runtime_checkable
 class RefusesLatePushes(Protocol):
     """A trainer engine whose workers refuse a push that reaches them after ``apply_before`` (``time.monotonic()``
     on the host; ours, ``lightning_ipc``'s, whose workers share the trainer's host): a push the trainer gave up
@@ -143,11 +160,13 @@ class VLLMEngineSender(Sender):
         if self._copies_outlast_send is not None:
             self._copies_outlast_send.caller_waits = True
         self._refuses_late = engine if isinstance(engine, RefusesLatePushes) else None
+        self._leaves_sums = engine if isinstance(engine, LeavesSums) else None
 
-    def send(self, outgoing: Outgoing) -> Callable[[], None] | None:
+    def send(self, outgoing: Outgoing) -> Copying | None:
         """See ``Sender.send``: with an engine whose copies outlast ``send_weights``, returns the wait for them, made
         on the caller's thread (handing the end of a push back from the transfer's thread, once they were done, cost
-        a quarter of a millisecond of an 8B push on a GPU host: docs/gpu.md)."""
+        a quarter of a millisecond of an 8B push on a GPU host: docs/gpu.md), which returns the workers' sums for a
+        checked push where they are left with the copies (:class:`LeavesSums`)."""
         declared, between_pushes = self.source.weights, self.client.client
         self.source.load(outgoing.weights)
         self.client.client = outgoing.client
@@ -155,6 +174,9 @@ class VLLMEngineSender(Sender):
         if self._refuses_late is not None:
             self._refuses_late.apply_before = deadline - min(LATE_MARGIN_SECONDS, self.timeout_seconds / 10)
         raise_if_dead = outgoing.client.raise_if_dead
+        sums = self._leaves_sums
+        if sums is not None:
+            sums.sums_wanted = outgoing.checked
 
         def bounded(step: Callable[[], None]) -> None:
             try:
@@ -173,11 +195,12 @@ class VLLMEngineSender(Sender):
             ended()
             return None
 
-        def landed() -> None:
+        def landed() -> WorkerReports | None:
             bounded(lambda: copies.wait_until_landed(raise_if_dead, _DEATH_POLL_SECONDS, deadline))
             ended()
+            return sums.landed_sums() if sums is not None else None
 
-        return landed
+        return Copying(landed, brings_sums=sums is not None and outgoing.checked and sums.sums_expected)
 
     def _transfer(self, what: str, check_alive: Callable[[], None]) -> None:
         device = self.device

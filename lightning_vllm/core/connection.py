@@ -266,9 +266,11 @@ class EngineConnection:
         try:
             copying = self.sender.send(outgoing)
             if copying is not None:  # committed, its copies still running on the engine's device
-                if self.landing:
+                if self.landing and not copying.brings_sums:
                     self.landing.ask_engine()  # (answered once they end: the question's round trip overlaps them)
-                copying()
+                reports = copying.wait()
+                if self.landing and reports is not None:
+                    self.landing.answered(reports)
         except BaseException:
             if self.landing:
                 self.landing.push_ended(committed=False)

@@ -1,12 +1,13 @@
 """The check after every push to one engine: what its workers hold, per layer, against what was sent.
 
 While a push is on the wire, each tensor is summed on the trainer's device as the engine gets it
-(``weights/layer_sums.SentSums``: exact integer fingerprints); once the push has committed, the
-engine's workers sum what they hold (``weights/held_sums.py``, asked by the name our plugin gives every
-worker: ``engines/worker_check.py``) and the two are compared layer by layer. A layer whose fingerprint differs, or
-whose pack was built from other values than it holds, is named in ``LandedWeightsMismatchError``. What cannot be
-checked (workers without our plugin, quantized layers) is said once, in a warning, never as
-a false alarm.
+(``weights/layer_sums.SentSums``: exact integer fingerprints); once the push has committed, the engine's workers sum
+what they hold (``weights/held_sums.py``, asked by the name our plugin gives every worker:
+``engines/worker_check.py``; over ``lightning_ipc`` they leave their sums in the trainer's memory as the push lands,
+and nothing is asked: ``backends/lightning_ipc/landed_sums.py``) and the two are compared layer by layer. A layer
+whose fingerprint differs, or whose pack was built from other values than it holds, is named in
+``LandedWeightsMismatchError``. What cannot be checked (workers without our plugin, quantized layers) is said once,
+in a warning, never as a false alarm.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class LandingCheck:
         self._said: set[str] = set()
         self._pending = False
         self._report: BackgroundCall[list[dict[str, Any]]] | None = None  # the engine's sums, asked at the commit
+        self._answer: list[dict[str, Any]] | None = None  # the engine's sums, come with the push (answered)
         self._every_rank: EveryRankSend | None = None  # the push's other ranks' fingerprints, if every rank sends
         self.covered = (0, 0)  # the last check's layers compared, of the layers the engine should hold
 
@@ -128,7 +130,7 @@ class LandingCheck:
         LoRA adapter alone). In a push every rank sends a share of (``every_rank``), they are rank 0's shares, and
         the other ranks' fingerprints are added at the commit (``EveryRankSend.share_sums``): a tensor's fingerprint
         is the sum of its shares'."""
-        self._pending, self._report, self._every_rank = False, None, every_rank
+        self._pending, self._report, self._answer, self._every_rank = False, None, None, every_rank
         if not carries_base:
             return None
         self._pending = True
@@ -140,12 +142,18 @@ class LandingCheck:
         in their device's order, after those copies, so the answer is the landed weights' and comes once the copies
         end; the question's round trip and the workers' Python overlap them (an 8B push over ``lightning_ipc``: the
         workers took 6.9 ms to answer, asked after the copies, docs/gpu.md run 51)."""
-        if self._pending and self._report is None:
+        if self._pending and self._report is None and self._answer is None:
             self._report = BackgroundCall(
                 self.engine.layer_sums,  # type: ignore[attr-defined]  # built only for ReportsLayerSums
                 what=f"{self.engine.description} to sum the weights it holds",
                 waited_until=time.monotonic() + self.timeout_seconds,
             )
+
+    def answered(self, reports: list[dict[str, Any]]) -> None:
+        """The engine's workers' reports of what they hold, come with the push as it landed (``lightning_ipc``: the
+        backend's ``Copying``): the engine is not asked, and an answer asked for already is not waited for."""
+        if self._pending:
+            self._answer = reports
 
     def push_ended(self, committed: bool) -> None:
         """The push committed and landed (what was tallied is held now) or did not.
@@ -159,23 +167,27 @@ class LandingCheck:
             self.sent.commit(others=self._every_rank.share_sums if self._every_rank is not None else None)
         else:
             self.sent.dropped()
-            self._pending, self._report = False, None  # (an answer asked for already is not waited for)
+            self._pending, self._report, self._answer = False, None, None  # (an answer asked for is not waited for)
 
     def differing_layers(self) -> list[str]:
         """The layers the engine holds otherwise than sent, after a push that committed (``[]`` when the
         push was not checked, or the engine could not say within ``timeout_seconds``: a warning then
         tells why, and the push stands as committed).
         """
-        report, self._report = self._report, None
-        if not self._pending or report is None:
+        report, answer, self._report, self._answer = self._report, self._answer, None, None
+        if not self._pending or (report is None and answer is None):
             return []
         self._pending = False
-        try:
-            left = max(0.0, (report.waited_until or 0.0) - time.monotonic())
-            reports = report.result(left, waited=self.timeout_seconds)
-        except WeightSyncError as error:
-            log.warning("The push to %s could not be checked: %s", self.engine.description, error)
-            return []
+        if answer is not None:
+            reports = answer
+        else:
+            assert report is not None
+            try:
+                left = max(0.0, (report.waited_until or 0.0) - time.monotonic())
+                reports = report.result(left, waited=self.timeout_seconds)
+            except WeightSyncError as error:
+                log.warning("The push to %s could not be checked: %s", self.engine.description, error)
+                return []
         held = HeldSums.combine(reports)
         expected = self.sent.by_layer()
         self.covered = (sum(layer in held.layers for layer in expected), len(expected))

@@ -11,13 +11,15 @@ written to the wrong place changes the layer it landed in. A layer vLLM's CPU bu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from lightning_vllm.weights.layer_sums import (
+    SQUARES_MODULUS,
     LayerSums,
     add_sums,
+    layer_key,
     layer_of,
     sums_as_ints,
     sums_of_many,
@@ -29,6 +31,7 @@ NOT_PACKED_HERE = (
     "packed for oneDNN by a load lightning_vllm did not fingerprint (vLLM's CPU build): the engine's start, or a push "
     "with verify_pushes=False; checked from the next checked push that sends it"
 )
+T = TypeVar("T")
 STALE_PACK = "computes with a packed copy of other values than it holds (its pack was not rebuilt after the load)"
 
 
@@ -87,55 +90,141 @@ def held_layer_sums(model: torch.nn.Module, written: WrittenSums | None = None) 
     values than its live weight holds (``packed_sums.py``). Plain lists and strings, so any of vLLM's RPC paths
     carries it.
     """
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-    entries: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, values)
-    taken: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, sums of the values as written)
-    packed: list[tuple[str, str, torch.Tensor]] = []  # (kind, layer, fingerprint taken as vLLM packed it)
-    unverifiable: dict[str, str] = {}
-    for name, module, parameter in _parameters_with_modules(model):
-        layer = layer_of(name)
-        if isinstance(module, AttentionLayerBase):
-            continue  # (an attention layer loads no weight: MLA's W_UV and W_UK_T are computed from kv_b_proj, checked)
-        kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
-        if parameter.numel() == 0 and (fingerprint := packed_from(module)) is not None:
-            packed.append((kind, layer, fingerprint))
-            continue
-        if parameter.numel() == 0:
-            unverifiable[layer] = NOT_PACKED_HERE
-        elif not parameter.dtype.is_floating_point or parameter.dtype.itemsize == 1:
-            unverifiable[layer] = f"stored as {parameter.dtype} (quantized)"
-        elif getattr(module, "num_kv_head_replicas", 1) > 1:
-            unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
-        if layer in unverifiable:
-            continue
-        experts = _fused_experts(module, parameter)
-        if experts and getattr(module, "use_ep", False):
-            unverifiable[layer] = "its experts are spread over expert-parallel ranks"
-            continue
-        rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else [(layer, parameter)]
-        sums = (written or {}).get(name)
-        if sums is None and (as_loaded := loaded_as(module, parameter)) is not None:
-            sums = [as_loaded]  # (fingerprinted as the last load left it, and computed with as it is: packed_sums.py)
-        if sums is not None and len(sums) == len(rows):
-            taken.extend((kind, row_layer, row_sums) for (row_layer, _), row_sums in zip(rows, sums))
-        else:
-            entries.extend((kind, row_layer, values) for row_layer, values in rows)
-    live = [values for _, _, values in entries]
+    parts = _HeldParts(model, written or {})
+    live = [values for _, _, values in parts.live]
     live_sums = sums_of_many(live, [None] * len(live))
     report: dict[str, dict[str, Any]] = {
         "sharded": {},
         "replicated": {},
-        "unverifiable": unverifiable,
+        "unverifiable": parts.unverifiable,
         "stale": _stale_packs(model, {id(values): sums for values, sums in zip(live, live_sums)})
         if any_packed()
         else {},
     }
-    kinds_layers = [(kind, layer) for kind, layer, _ in entries + packed + taken]
-    all_sums = live_sums + [fingerprint for _, _, fingerprint in packed + taken]
+    kinds_layers = [(kind, layer) for kind, layer, _ in parts.live + parts.packed + parts.taken]
+    all_sums = live_sums + [fingerprint for _, _, fingerprint in parts.packed + parts.taken]
     for (kind, layer), (bits, squares, _) in zip(kinds_layers, sums_as_ints(all_sums)):
         add_sums(report[kind], layer, [bits, squares])
     return report
+
+
+class _HeldParts(Generic[T]):
+    """``model``'s parameters, sorted for the report (:func:`held_layer_sums`): each ``(kind, layer, x)``, ``kind``
+    ``"sharded"`` or ``"replicated"``; ``live``: ``x`` the values, to be read; ``packed``: the fingerprint taken as
+    vLLM's CPU build packed them; ``taken``: ``x`` from ``written`` (the sums the last load took as it wrote the
+    parameter, one per routed expert row); ``unverifiable``: ``{layer: why}``."""
+
+    def __init__(self, model: torch.nn.Module, written: Mapping[str, Sequence[T]]) -> None:
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        self.live: list[tuple[str, str, torch.Tensor]] = []
+        self.packed: list[tuple[str, str, torch.Tensor]] = []
+        self.taken: list[tuple[str, str, T]] = []
+        self.unverifiable: dict[str, str] = {}
+        unverifiable = self.unverifiable
+        for name, module, parameter in _parameters_with_modules(model):
+            layer = layer_of(name)
+            if isinstance(module, AttentionLayerBase):
+                continue  # (an attention layer loads no weight: MLA's W_UV and W_UK_T come from kv_b_proj, checked)
+            kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
+            if parameter.numel() == 0 and (fingerprint := packed_from(module)) is not None:
+                self.packed.append((kind, layer, fingerprint))
+                continue
+            if parameter.numel() == 0:
+                unverifiable[layer] = NOT_PACKED_HERE
+            elif not parameter.dtype.is_floating_point or parameter.dtype.itemsize == 1:
+                unverifiable[layer] = f"stored as {parameter.dtype} (quantized)"
+            elif getattr(module, "num_kv_head_replicas", 1) > 1:
+                unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
+            if layer in unverifiable:
+                continue
+            experts = _fused_experts(module, parameter)
+            if experts and getattr(module, "use_ep", False):
+                unverifiable[layer] = "its experts are spread over expert-parallel ranks"
+                continue
+            rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else []
+            rows = rows or [(layer, parameter)]
+            sums: Sequence[Any] | None = written.get(name)
+            if sums is None and len(rows) == 1 and (as_loaded := loaded_as(module, parameter)) is not None:
+                self.packed.append((kind, layer, as_loaded))  # (fingerprinted as the last load left it: packed_sums.py)
+            elif sums is not None and len(sums) == len(rows):
+                self.taken.extend((kind, row_layer, row_sums) for (row_layer, _), row_sums in zip(rows, sums))
+            else:
+                self.live.extend((kind, row_layer, values) for row_layer, values in rows)
+
+
+class LayerRows:
+    """One worker's fingerprints per layer as the rows of one tensor on its device: ``[layer_key(layer), bits,
+    squares]`` (``layer_sums.layer_key``: the layer's name as an integer, the same in every process), made in a few
+    launches and not read back. ``backends/lightning_ipc`` writes them into memory the trainer shares, before the event
+    that tells the trainer a push landed: its check then needs no reply through vLLM's RPC. Built once for a load
+    plan (which parameters the load writes whole, each summed as written: its rows of the load's sums); only where
+    the report is nothing but these rows (:meth:`for_model`).
+
+    Example::
+
+        >>> rows = LayerRows.for_model(torch.nn.Sequential(torch.nn.LayerNorm(2)), written={})
+        >>> rows.layers
+        ['0']
+        >>> key, bits, squares = rows.rows(None).tolist()[0]  # the weight's two 1.0s and the bias's two 0.0s
+        >>> key == layer_key("0"), bits == 2 * 0x3F800000
+        (True, True)
+    """
+
+    def __init__(self, layers: list[str], taken: list[tuple[str, int]], live: list[tuple[str, torch.Tensor]]) -> None:
+        device = live[0][1].device if live else None
+        self.layers = layers
+        at = {layer: position for position, layer in enumerate(layers)}
+        self._keys = torch.tensor([layer_key(layer) for layer in layers], dtype=torch.int64)
+        self._taken_from = torch.tensor([row for _, row in taken], dtype=torch.int64)
+        self._taken_at = torch.tensor([at[layer] for layer, _ in taken], dtype=torch.int64)
+        self._live = [values for _, values in live]
+        self._live_at = torch.tensor([at[layer] for layer, _ in live], dtype=torch.int64)
+        self._device = device
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, written: Mapping[str, Sequence[int]]) -> LayerRows | None:
+        """The rows of ``model``'s layers, ``written``: ``{parameter name: its rows in the load's sums}`` (one per
+        routed expert of a fused expert tensor). ``None`` where the report holds more than sums of whole layers: a
+        layer that cannot be verified, one vLLM's CPU build packed, or a tensor-parallel shard."""
+        parts = _HeldParts(model, written)
+        if parts.packed or parts.unverifiable or any_packed():
+            return None
+        everything = parts.live + parts.taken
+        if any(kind != "replicated" for kind, _, _ in everything):
+            return None
+        layers = list(dict.fromkeys(layer for _, layer, _ in everything))
+        return cls(layers, [(layer, row) for _, layer, row in parts.taken], [(layer, t) for _, layer, t in parts.live])
+
+    def rows(self, written: torch.Tensor | None) -> torch.Tensor:
+        """``[[layer_key, bits, squares], ...]``, one row per layer of :attr:`layers`, on the device of ``written``
+        (the load's sums, ``[rows, 3]`` as ``layer_sums.tensor_sums``) or of the live parameters; nothing syncs. The
+        squares are modulo 2**32 only once read (``layer_sums.sums_as_ints``)."""
+        device = written.device if written is not None else self._device
+        if self._device != device:  # (moved once: later pushes reuse them)
+            self._keys, self._taken_from, self._taken_at, self._live_at = (
+                t.to(device) for t in (self._keys, self._taken_from, self._taken_at, self._live_at)
+            )
+            self._device = device
+        sums = torch.zeros(len(self.layers), 2, dtype=torch.int64, device=device)
+        if len(self._taken_from):
+            assert written is not None, "rows of the load's sums need the load's sums"
+            sums.index_add_(0, self._taken_at, written[self._taken_from, :2])
+        if self._live:
+            live = torch.stack(sums_of_many(self._live, [None] * len(self._live)))
+            sums.index_add_(0, self._live_at, live[:, :2])
+        return torch.cat([self._keys.unsqueeze(1), sums], dim=1)
+
+    @staticmethod
+    def report(rows: Sequence[Sequence[int]], layers_by_key: Mapping[int, str]) -> dict[str, dict[str, Any]]:
+        """What :func:`held_layer_sums` reports, from rows read back (rows of layers not in ``layers_by_key``, which
+        the reader never sent, are left out, as the check leaves out layers it did not send)."""
+        held: dict[str, Any] = {}
+        for key, bits, squares in rows:
+            layer = layers_by_key.get(key)
+            if layer is not None:
+                held[layer] = [bits, squares % SQUARES_MODULUS]
+        return {"sharded": {}, "replicated": held, "unverifiable": {}, "stale": {}}
 
 
 def _parameters_with_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.Tensor]]:

@@ -26,6 +26,7 @@ packs for oneDNN are fingerprinted where the loader wrote them, as they are pack
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,19 @@ def layer_of(name: str) -> str:
                 end += 2 if parts[end + 1 : end + 2] and parts[end + 1].isdigit() else 1  # (an expert's index)
             return ".".join(parts[: min(end, len(parts) - 1)])
     return ".".join(parts[:-1]) or name
+
+
+@functools.lru_cache(maxsize=1 << 17)  # (named at every check, as layer_of)
+def layer_key(layer: str) -> int:
+    """``layer``'s name as a signed 64-bit integer, the same in every process (BLAKE2b): how a worker names a layer in
+    sums it leaves in device memory for the trainer (``held_sums.LayerRows``).
+
+    Example::
+
+        >>> layer_key("model.layers.3.self_attn") == layer_key("model.layers.3.self_attn"), -(2**63) <= layer_key("x")
+        (True, True)
+    """
+    return int.from_bytes(hashlib.blake2b(layer.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def tensor_sums(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -385,7 +385,7 @@ def test_copies_that_outlast_send_weights_are_waited_for_on_the_pushing_thread_a
     landed = sender.send(Outgoing(ModuleWeights(model), client=client))
     assert engine.threads["send"] is not threading.current_thread()  # the transfer's own thread
     assert "wait" not in engine.threads and landed is not None  # the caller waits, after asking the engine
-    landed()
+    assert landed.wait() is None and not landed.brings_sums  # (an engine that leaves no sums)
     assert engine.threads["wait"] is threading.current_thread()
     assert engine.check == client.raise_if_dead and started + 5.0 <= engine.deadline <= time.monotonic() + 5.0
     # The workers stop starting the push half a second (a tenth of the 5 s timeout) before the trainer gives up.
@@ -410,3 +410,36 @@ def test_an_nccl_push_in_which_nothing_changed_still_sends_its_smallest_layer_gr
         len(everything) == len(connection.engine_metadata) and unchanged == smallest
     )  # never an update naming nothing
     assert engine.version == "2"
+
+
+def test_the_sums_a_worker_leaves_come_back_from_the_wait_for_the_copies_of_a_checked_push():
+    from lightning_vllm.weights.payload import Outgoing
+
+    class LeavingEngine:  # lightning_ipc's trainer engine, as the sender sees it (LeavesSums, CopiesOutlastSend)
+        caller_waits = False
+        sums_wanted = False
+        sums_expected = False
+
+        def send_weights(self) -> None:
+            self.wanted_at_send = self.sums_wanted
+
+        def wait_until_landed(self, check, check_seconds, deadline) -> None: ...
+
+        def landed_sums(self):
+            return [{"replicated": {"lm_head": [1, 2]}}] if self.sums_wanted else None
+
+        def shutdown(self) -> None: ...
+
+    model = tiny_qwen2()
+    engine = LeavingEngine()
+    sender = VLLMEngineSender(
+        engine, ReplayedWeights(DeclaredWeights(source_metadata(ModuleWeights(model)))), ReplayedClient(None), None, 5.0
+    )
+    client = TimedClient(None, 5.0)
+    unchecked = sender.send(Outgoing(ModuleWeights(model), client=client, checked=False))
+    assert unchecked is not None and not engine.wanted_at_send and unchecked.wait() is None
+    checked = sender.send(Outgoing(ModuleWeights(model), client=client, checked=True))
+    assert checked is not None and engine.wanted_at_send and not checked.brings_sums  # (none left before)
+    assert checked.wait() == [{"replicated": {"lm_head": [1, 2]}}]
+    engine.sums_expected = True  # (it left them)
+    assert sender.send(Outgoing(ModuleWeights(model), client=client, checked=True)).brings_sums

@@ -187,3 +187,29 @@ def test_an_engine_asked_as_the_push_committed_is_asked_once_and_its_answer_drop
     assert check.sent.by_layer()["model.layers.0.input_layernorm"].total == ones[0]  # the last push that landed
     check.ask_engine()  # nothing tallied since: not asked
     assert engine.asked == 2
+
+
+def test_sums_that_came_with_the_push_are_held_against_it_and_the_engine_is_not_asked():
+    from lightning_vllm.core.landing_check import LandingCheck
+    from lightning_vllm.weights.layer_sums import tensor_sums
+
+    norm = "model.layers.0.input_layernorm.weight"
+    ones, twos = tensor_sums(torch.ones(3)).tolist(), tensor_sums(torch.full((3,), 2.0)).tolist()
+    engine = ReportingEngine([{"replicated": {"model.layers.0.input_layernorm": ones[:2]}}])
+    check = LandingCheck.for_engine(engine, enabled=True, timeout_seconds=5)
+    assert check is not None
+    sums = check.tally_for(carries_base=True, every_rank=None)
+    sums.tally(norm, torch.ones(3), torch.float32)
+    check.answered([{"replicated": {"model.layers.0.input_layernorm": twos[:2]}}])  # (lightning_ipc's landed sums)
+    check.push_ended(committed=True)
+    assert check.differing_layers() == ["model.layers.0.input_layernorm"] and engine.asked == 0
+    # A push that fails drops what came with it; the next is asked for as before.
+    sums = check.tally_for(carries_base=True, every_rank=None)
+    sums.tally(norm, torch.ones(3), torch.float32)
+    check.answered([{"replicated": {}}])
+    check.push_ended(committed=False)
+    assert check.differing_layers() == [] and engine.asked == 0
+    sums = check.tally_for(carries_base=True, every_rank=None)
+    sums.tally(norm, torch.ones(3), torch.float32)
+    check.push_ended(committed=True)
+    assert check.differing_layers() == [] and engine.asked == 1

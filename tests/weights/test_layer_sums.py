@@ -10,11 +10,12 @@ import torch
 
 from lightning_vllm.core.landing_check import HeldSums
 from lightning_vllm.weights import cpu_loops, layer_sums
-from lightning_vllm.weights.held_sums import NOT_PACKED_HERE, held_layer_sums
+from lightning_vllm.weights.held_sums import NOT_PACKED_HERE, LayerRows, held_layer_sums
 from lightning_vllm.weights.layer_sums import (
     SQUARES_MODULUS,
     LayerSums,
     SentSums,
+    layer_key,
     layer_of,
     tensor_sums,
 )
@@ -260,3 +261,34 @@ def test_the_compiled_pass_and_numpys_passes_give_the_fingerprint_by_its_definit
     assert found[0] == found[1]
     if rounded_to is not None:  # (a rounded copy's sums are the rounded values')
         assert found[0][0] == layer_sums.cpu_sums(values.to(rounded_to), None).tolist()
+
+
+def test_layer_rows_hold_what_the_report_holds_of_every_layer_read_live_or_taken_as_written():
+    hf = _hf_layer(torch.Generator().manual_seed(11))
+    engine = _vllm_layout(hf)
+    report = held_layer_sums(engine)
+    layers_by_key = {layer_key(layer): layer for layer in report["replicated"]}
+    rows = LayerRows.for_model(engine, written={})
+    assert rows is not None and sorted(rows.layers) == sorted(report["replicated"])
+    assert LayerRows.report(rows.rows(None).tolist(), layers_by_key)["replicated"] == report["replicated"]
+    # The qkv weight's sums taken as a load wrote it: its row of the load's sums stands for a read of it.
+    qkv = engine.model.layers[0].self_attn.qkv_proj.weight
+    written = torch.stack([torch.zeros(3, dtype=torch.int64), tensor_sums(qkv)])
+    rows = LayerRows.for_model(engine, written={"model.layers.0.self_attn.qkv_proj.weight": [1]})
+    assert rows is not None
+    with torch.no_grad():
+        qkv.add_(1.0)  # (not read again: the load's sums are)
+    held = LayerRows.report(rows.rows(written).tolist(), layers_by_key)
+    assert held["replicated"] == report["replicated"]
+    # A layer the reader never sent is left out; a tensor-parallel shard or a layer that cannot be verified makes
+    # the report more than rows.
+    assert "model.embed_tokens" not in LayerRows.report(rows.rows(written).tolist(), {})["replicated"]
+    assert LayerRows.for_model(_vllm_layout(hf, 0, 2), written={}) is None
+    quantized = torch.nn.Module()
+    quantized.proj = _Owner(torch.zeros(4, 4, dtype=torch.int8))
+    assert LayerRows.for_model(quantized, written={}) is None
+
+
+def test_a_layer_key_is_the_same_in_every_process():
+    # BLAKE2b of the name, not Python's hash (salted per process): a value fixed here is the value in any process.
+    assert layer_key("model.layers.3.mlp") == -3326317436983934966 != layer_key("model.layers.3.mlp.experts.0")

@@ -29,7 +29,7 @@ import torch
 
 from lightning_vllm.backends.lightning_ipc.recorded_loads import Replay
 from lightning_vllm.weights.gpu_sums import SummedCopies
-from lightning_vllm.weights.held_sums import WrittenSums, parameter_rows
+from lightning_vllm.weights.held_sums import LayerRows, WrittenSums, parameter_rows
 
 
 @dataclass(frozen=True)
@@ -128,16 +128,26 @@ class SummedReplay(Replay):
             sums = self._fill_sums if sums is None else sums + self._fill_sums
         self._sums = sums
 
+    @property
+    def sums(self) -> torch.Tensor | None:
+        """The last :meth:`run`'s sums, ``[rows, 3]`` (:meth:`written_rows` says whose), or ``None`` before a run."""
+        return self._sums
+
+    def written_rows(self) -> dict[str, list[int]]:
+        """Each parameter a run writes whole, with its rows in :attr:`sums`: one per routed expert where it holds
+        experts as rows, else one."""
+        return {
+            name: [self._owners[(name, row)] for row in range(parameter.rows or 1)]
+            for name, parameter in self._whole.items()
+        }
+
     def written_sums(self) -> WrittenSums:
         """The sums of each parameter the last :meth:`run` wrote whole, one per routed expert where it holds
         experts as rows (``held_sums.WrittenSums``); empty before a run."""
         if self._sums is None:
             return {}
         rows = self._sums.unbind(0)
-        return {
-            name: [rows[self._owners[(name, row)]] for row in range(parameter.rows or 1)]
-            for name, parameter in self._whole.items()
-        }
+        return {name: [rows[row] for row in written] for name, written in self.written_rows().items()}
 
 
 def _regions(replay: Replay) -> list[_Region]:
@@ -196,6 +206,7 @@ class LastReplaySums:
         self._model = model
         self._parameters: tuple[torch.nn.Module, dict[str, tuple[torch.Tensor, int]]] | None = None
         self._last: Replay | None = None
+        self._rows: tuple[Replay, LayerRows | None] | None = None  # the last replay's layout of its layers' rows
 
     def summed(self, replay: Replay) -> Replay:
         """``replay`` made into a :class:`SummedReplay`, or as it is where its copies cannot sum."""
@@ -214,3 +225,15 @@ class LastReplaySums:
     def written_sums(self) -> WrittenSums | None:
         """The sums the last load took as it wrote, if it was a replay that summed."""
         return self._last.written_sums() if self._last is not None else None
+
+    def layer_rows(self) -> torch.Tensor | None:
+        """The model's fingerprints per layer after the last load (``held_sums.LayerRows.rows``: on the device, nothing
+        synced), if that load was a replay that summed and the model's report is nothing but such rows; else
+        ``None``. Laid out once per replay: a push that replays the last one's copies reuses it."""
+        last = self._last
+        if not isinstance(last, SummedReplay) or last.sums is None:
+            return None
+        if self._rows is None or self._rows[0] is not last:
+            self._rows = (last, LayerRows.for_model(self._model(), last.written_rows()))
+        rows = self._rows[1]
+        return rows.rows(last.sums) if rows is not None else None

@@ -77,12 +77,18 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
             this worker waiting for its device before it answers.
         apply_before: the last ``time.monotonic()`` at which this worker may start loading the push (see
             :func:`refuse_if_expired`); ``None`` from a trainer that sets none.
+        sums_into: the CUDA IPC handle of the trainer's tensor for this worker's sums, sent once per connection
+            (``landed_sums.py``).
+        sums_push: the number of a push whose check wants this worker's sums left there, before the trainer's
+            event is recorded; ``None``: not wanted.
     """
 
     slots: list[int] | None = None
     released: list[int] = field(default_factory=list)
     landed_event: bytes | None = None
     apply_before: float | None = None
+    sums_into: tuple[Any, ...] | None = None
+    sums_push: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -170,6 +176,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
         self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
         self._landed: torch.cuda.Event | None = None  # the trainer's event, recorded after each push's copies
+        self._sums_into: torch.Tensor | None = None  # the trainer's tensor for this worker's sums (landed_sums.py)
         # The last push's replay and its slots: a push naming the same slots, and no new handle, runs it again.
         self._replay: tuple[tuple[int, ...], Replay] | None = None
         # One event tells of one worker's copies: with several workers, each waits for its device in finish.
@@ -198,8 +205,24 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         if isinstance(info, KeptHandlesUpdateInfo) and info.landed_event is not None and self._alone:
             self._landed = torch.cuda.Event.from_ipc_handle(self.device, info.landed_event)
         self.receive_weights(info)
+        if isinstance(info, KeptHandlesUpdateInfo):
+            self._leave_sums(info)
         if self._landed is not None:
             self._landed.record(torch.cuda.current_stream(self.device))
+
+    def _leave_sums(self, info: KeptHandlesUpdateInfo) -> None:
+        """Queue this worker's layers' sums into the trainer's tensor, where the push's check wants them and the load
+        summed as it wrote (``landed_sums.py``): before the trainer's event, so they are there once it fires."""
+        if info.sums_into is None and info.sums_push is None:
+            return
+        # (Imported where a check wants it: the weights' fingerprints are no part of a worker that is not checked.)
+        from lightning_vllm.backends.lightning_ipc.landed_sums import leave_sums, opened
+
+        if info.sums_into is not None:
+            self._sums_into = opened(info.sums_into, self.device)
+        if info.sums_push is not None and self._sums_into is not None and self._alone and self.sums is not None:
+            with torch.cuda.device(self.device):
+                leave_sums(self._sums_into, info.sums_push, self.sums.layer_rows())
 
     def finish_weight_update(self) -> None:
         if not self._loads_in_place():
@@ -313,6 +336,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
 
     def _forget_slots(self) -> None:
         self._slots, self._bound, self._opened, self._landed, self._replay = {}, {}, [], None, None
+        self._sums_into = None
 
     def shutdown(self) -> None:
         self._forget_slots()

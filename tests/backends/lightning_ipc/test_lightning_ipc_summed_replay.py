@@ -17,8 +17,8 @@ import torch
 
 from lightning_vllm.backends.lightning_ipc import summed_replay
 from lightning_vllm.backends.lightning_ipc.recorded_loads import RecordedLoads, Replay
-from lightning_vllm.weights.held_sums import held_layer_sums, parameter_rows
-from lightning_vllm.weights.layer_sums import SQUARES_MODULUS, tensor_sums
+from lightning_vllm.weights.held_sums import LayerRows, held_layer_sums, parameter_rows
+from lightning_vllm.weights.layer_sums import SQUARES_MODULUS, layer_key, tensor_sums
 
 EXPERTS = 2
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,6 +29,7 @@ SCENARIOS = (
     "test_the_sums_of_what_a_replay_writes_are_those_a_read_of_each_parameter_takes_after_it",
     "test_a_copy_one_row_off_is_refused_and_a_parameter_left_in_part_is_read_again",
     "test_a_push_of_part_of_a_parameter_leaves_it_to_be_read",
+    "test_the_layer_rows_after_a_replay_are_the_report_of_the_model_it_wrote",
 )
 
 
@@ -152,3 +153,30 @@ def test_a_push_of_part_of_a_parameter_leaves_it_to_be_read():
     replay = loads.load(model.load_weights, incoming(2)[:2], model.parameters)  # q and k, not v
     assert isinstance(replay, summed_replay.SummedReplay)
     assert replay.written_sums() == {}
+
+
+@interpreted_only
+def test_the_layer_rows_after_a_replay_are_the_report_of_the_model_it_wrote():
+    model = Model()
+    loads = recorded(model)
+    sums = summed_replay.LastReplaySums(lambda: model)
+    weights = incoming(1)
+    replay = loads.load(model.load_weights, weights, model.parameters)
+    assert isinstance(replay, summed_replay.SummedReplay)
+    layouts = []
+    for _ in range(2):  # (then the same tensors hold new values, and the replay runs again: its layout is reused)
+        sums.loaded(replay)
+        rows = sums.layer_rows()
+        assert rows is not None and sums._rows is not None
+        layouts.append(sums._rows[1])
+        report = held_layer_sums(model, replay.written_sums())["replicated"]
+        keys = {layer_key(layer): layer for layer in report}
+        assert LayerRows.report(rows.tolist(), keys)["replicated"] == {
+            layer: [bits, squares % SQUARES_MODULUS] for layer, (bits, squares) in report.items()
+        }
+        for _, tensor in weights:
+            tensor.add_(1.0)
+        loads.rerun(replay)
+    assert layouts[0] is layouts[1]
+    sums.loaded(None)  # a load through the loaders: no sums taken as written
+    assert sums.layer_rows() is None
