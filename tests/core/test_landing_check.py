@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -186,6 +187,10 @@ def test_an_engine_asked_as_the_push_committed_is_asked_once_and_its_answer_drop
     assert check.differing_layers() == []  # nothing is held against an answer about a push that failed
     assert check.sent.by_layer()["model.layers.0.input_layernorm"].total == ones[0]  # the last push that landed
     check.ask_engine()  # nothing tallied since: not asked
+    deadline = time.monotonic() + 5
+    while engine.asked < 2 and time.monotonic() < deadline:  # (the second question runs on a thread of its own)
+        time.sleep(0.01)
+    time.sleep(0.05)
     assert engine.asked == 2
 
 
