@@ -18,6 +18,7 @@ from gpu_helpers import (
     pushes_sum_what_they_write,
     records_forgotten,
     replay_one_row_off,
+    trainer_engine,
     written_and_read,
 )
 from helpers import max_abs_diff, tiny_qwen2, vllm_greedy, vllm_prompt_logprobs
@@ -58,6 +59,8 @@ def test_pushes_into_lightning_ipc_land_exactly_and_are_checked(lightning_ipc_ll
     assert gap <= 2 * max(floor, 2.0e-4), (gap, floor)
     assert vllm_greedy(lightning_ipc_llm) == hf_greedy(model)
     assert lightning_ipc_llm.get_weight_version() == str(updater.weight_version)
+    # The worker left its sums in the trainer's tensor as the push landed (landed_sums.py): nothing was asked.
+    assert trainer_engine(updater).sums_expected
     updater.close()
 
 
