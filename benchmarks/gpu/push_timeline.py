@@ -73,6 +73,8 @@ def mark_stages() -> None:
     from lightning_vllm.backends.vllm_engines import VLLMEngineSender
     from lightning_vllm.core.landing_check import LandingCheck
     from lightning_vllm.core.weight_sync import WeightSync
+    from lightning_vllm.weights import EngineWeights
+    from lightning_vllm.weights.layer_sums import SentSums
 
     def marked(owner, name, before=None, after=None):
         original = getattr(owner, name)
@@ -88,6 +90,9 @@ def mark_stages() -> None:
         setattr(owner, name, call)
 
     marked(WeightSync, "prepare", after="1_checked")
+    # (Between checked and the sender: the check's tally of the held tensors, then their sums queued.)
+    marked(EngineWeights, "tally_held", before="1b_tally_held", after="1c_tallied")
+    marked(SentSums, "sum_held_meanwhile", after="1d_sums_queued")
     marked(VLLMEngineSender, "send", before="2_sender", after="7_sender_returned")
     marked(KeptHandlesIPCTrainerEngine, "send_weights", before="3_transfer_thread", after="6_landed")
     marked(KeptHandlesIPCTrainerEngine, "_update_info", before="4_update_info", after="5_update_info_built")

@@ -172,7 +172,6 @@ class LayerRows:
     """
 
     def __init__(self, layers: list[str], taken: list[tuple[str, int]], live: list[tuple[str, torch.Tensor]]) -> None:
-        device = live[0][1].device if live else None
         self.layers = layers
         at = {layer: position for position, layer in enumerate(layers)}
         self._keys = torch.tensor([layer_key(layer) for layer in layers], dtype=torch.int64)
@@ -180,7 +179,7 @@ class LayerRows:
         self._taken_at = torch.tensor([at[layer] for layer, _ in taken], dtype=torch.int64)
         self._live = [values for _, values in live]
         self._live_at = torch.tensor([at[layer] for layer, _ in live], dtype=torch.int64)
-        self._device = device
+        self._device = torch.device("cpu")  # (where the tensors above are)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, written: Mapping[str, Sequence[int]]) -> LayerRows | None:
@@ -200,7 +199,7 @@ class LayerRows:
         """``[[layer_key, bits, squares], ...]``, one row per layer of :attr:`layers`, on the device of ``written``
         (the load's sums, ``[rows, 3]`` as ``layer_sums.tensor_sums``) or of the live parameters; nothing syncs. The
         squares are modulo 2**32 only once read (``layer_sums.sums_as_ints``)."""
-        device = written.device if written is not None else self._device
+        device = written.device if written is not None else self._live[0].device if self._live else self._device
         if self._device != device:  # (moved once: later pushes reuse them)
             self._keys, self._taken_from, self._taken_at, self._live_at = (
                 t.to(device) for t in (self._keys, self._taken_from, self._taken_at, self._live_at)

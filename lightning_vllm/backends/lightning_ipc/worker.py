@@ -46,6 +46,7 @@ version the trainer had called not committed (issue 46).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -57,6 +58,8 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 
 from lightning_vllm.backends.lightning_ipc.recorded_loads import BoundLoad, RecordedLoads, Replay
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lightning_vllm.backends.lightning_ipc.summed_replay import LastReplaySums
@@ -221,8 +224,12 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         if info.sums_into is not None:
             self._sums_into = opened(info.sums_into, self.device)
         if info.sums_push is not None and self._sums_into is not None and self._alone and self.sums is not None:
-            with torch.cuda.device(self.device):
-                leave_sums(self._sums_into, info.sums_push, self.sums.layer_rows())
+            try:
+                with torch.cuda.device(self.device):
+                    leave_sums(self._sums_into, info.sums_push, self.sums.layer_rows())
+            except Exception:  # (the push has loaded: its check asks this worker through vLLM instead, as before)
+                logger.exception("lightning_vllm could not leave this worker's sums for the check; it is asked instead")
+                self._sums_into = None  # (until the next connection lends another tensor)
 
     def finish_weight_update(self) -> None:
         if not self._loads_in_place():
