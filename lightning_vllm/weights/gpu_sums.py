@@ -30,6 +30,9 @@ _BLOCK = 1024  # values a program reads at once
 # 16K values summed in 6.9 ms and copied summing in 1.083x a copy's time, spans of 64K in 6.5 ms and 1.056x; spans of
 # 16K or 32K in blocks of 512, 2048 or 4096 values were slower (docs/gpu.md, run 58).
 _STEPS = 64
+# Tried on an H100 and put back (2026-12-07, docs/gpu.md run 66): the non-finite test as one floating-point maximum a
+# value (NaN kept) and offsets in int32 from a span's start. The summing copies ran at 1.007x a copy (1.036 before),
+# but the trainer's read of 16 GB took 10.8 ms (6.8 before): the check's push took longer.
 # A span's bfloat16 patterns (each in [-2**15, 2**15)) add up in int32 (_add_into_row): at most 2**16 of them fit.
 assert _BLOCK * _STEPS <= 1 << 16
 _USABLE = True  # False once building or running the kernel failed here: the per-tensor sums stand in
@@ -103,39 +106,35 @@ _fused_sums = _FusedSums()
 
 
 @triton.jit  # type: ignore[misc]
-def _summed(values, bits, squares, largest, SHORT: tl.constexpr):  # fmt: skip
-    """``bits``, ``squares`` and ``largest``, each lane's, with ``values`` added (a masked lane holds 0.0, which
+def _summed(values, bits, squares, not_finite, SHORT: tl.constexpr):  # fmt: skip
+    """``bits``, ``squares`` and ``not_finite``, each lane's, with ``values`` added (a masked lane holds 0.0, which
     adds nothing). The squares' bit patterns add up in int32, wrapping: they are compared modulo 2**32. With ``SHORT``
     (bfloat16 values) ``bits`` adds up the values' own 16-bit patterns in int32 (a float32's pattern is one shifted
-    left by 16: :func:`_add_into_row` shifts the sum once); else float32 patterns, in int64. ``largest`` keeps the
-    largest magnitude, or NaN once one was: a square is not finite where the largest one's is (squaring keeps the
-    order), so one floating-point maximum a value stands for a test of every square. The kernel is bound by the GPU's
-    integer operations, not its memory: the test took four of them a value (measured on an H100, 2026-12-07: an 8B
-    model's bf16 weights read in 6.7 ms, 2.4 TB/s)."""
+    left by 16: :func:`_add_into_row` shifts the sum once); else float32 patterns, in int64 (an int64 add is two of a
+    GPU's integer operations, and the sums run beside copies that the memory bounds)."""
     if SHORT:
         bits += values.to(tl.int16, bitcast=True).to(tl.int32)
     else:
         bits += values.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
     values = values.to(tl.float32)
-    largest = tl.maximum(largest, tl.abs(values), propagate_nan=tl.PropagateNan.ALL)
-    return bits, squares + (values * values).to(tl.int32, bitcast=True), largest
+    square_bits = (values * values).to(tl.int32, bitcast=True)
+    return (
+        bits,
+        squares + square_bits,
+        not_finite + ((square_bits & 0x7F800000) == 0x7F800000).to(tl.int32),
+    )
 
 
 @triton.jit  # type: ignore[misc]
-def _add_into_row(out, row, bits, squares, largest, SHORT: tl.constexpr):  # fmt: skip
+def _add_into_row(out, row, bits, squares, not_finite, SHORT: tl.constexpr):  # fmt: skip
     """Add the lanes' sums into ``out[row]`` (``[bits, squares, not finite]``), with integer atomics: exact in any
-    order (the squares modulo 2**32). A program's bfloat16 patterns, at most ``2**16`` of them, add up within int32.
-    Not finite: 1 where the square of the program's largest magnitude is (NaN included), so a row counts its programs
-    that held a value whose square is not finite."""
+    order (the squares modulo 2**32). A program's bfloat16 patterns, at most ``2**16`` of them, add up within int32."""
     total = tl.sum(bits, axis=0).to(tl.int64)
     if SHORT:
         total = total << 16
     tl.atomic_add(out + row * 3, total)
     tl.atomic_add(out + row * 3 + 1, tl.sum(squares, axis=0).to(tl.int64))
-    # (Magnitudes are non-negative floats, and NaN's pattern the largest of them: their patterns order as they do.)
-    top = tl.max(largest.to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
-    square = (top * top).to(tl.int32, bitcast=True)
-    tl.atomic_add(out + row * 3 + 2, ((square & 0x7F800000) == 0x7F800000).to(tl.int64))
+    tl.atomic_add(out + row * 3 + 2, tl.sum(not_finite, axis=0).to(tl.int64))
 
 
 def _span_table(numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,20 +190,15 @@ def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out
     else:
         bits = tl.zeros([BLOCK], dtype=tl.int64)
     squares = tl.zeros([BLOCK], dtype=tl.int32)
-    largest = tl.zeros([BLOCK], dtype=tl.float32)
-    # (Offsets from the span's start, in int32: 64-bit ones cost integer operations a value, which bound this kernel.)
-    left = tl.minimum(numel - start, BLOCK * STEPS).to(tl.int32)
-    source += start
-    if COPY:
-        destination += start
+    not_finite = tl.zeros([BLOCK], dtype=tl.int32)
     for step in range(STEPS):
-        offsets = step * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < left
+        offsets = start + step * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
         values = tl.load(source + offsets, mask=mask, other=0.0)
         if COPY:
             tl.store(destination + offsets, values, mask=mask)
-        bits, squares, largest = _summed(values, bits, squares, largest, SHORT)
-    _add_into_row(out, owner, bits, squares, largest, SHORT)
+        bits, squares, not_finite = _summed(values, bits, squares, not_finite, SHORT)
+    _add_into_row(out, owner, bits, squares, not_finite, SHORT)
 
 
 class SummedCopies:

@@ -111,8 +111,7 @@ def layer_key(layer: str) -> int:
 def tensor_sums(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[bits, squares, not finite]`` of ``tensor``'s values, as int64 on its device (nothing synchronizes on a
     GPU): the sum of their float32 bit patterns, of their float32 squares' bit patterns (on a CPU, modulo 2**32),
-    and a count that is nonzero where a square is not finite (NaN or inf: on a CPU the squares, on a GPU the kernel's
-    spans that hold one). With ``dtype``, of the values rounded to it first (as an
+    and how many squares are not finite (NaN or inf). With ``dtype``, of the values rounded to it first (as an
     engine serving that dtype holds them), a chunk at a time: no rounded copy of the whole tensor is made.
 
     On a CPU, chunks its cache holds are summed (:func:`cpu_sums`); on a GPU one fused kernel reads the tensor once

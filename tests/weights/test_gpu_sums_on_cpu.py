@@ -25,11 +25,7 @@ tensors += [torch.full((1 << 16,), -0.0, dtype=torch.bfloat16), torch.full((2 <<
 rows = batched_sums(tensors)
 assert rows is not None, "the kernel did not run"
 for tensor, (bits, squares, not_finite) in zip(tensors, rows.tolist(), strict=True):
-    expected_bits, expected_squares, expected_not_finite = tensor_sums(tensor).tolist()
-    assert [bits, squares % SQUARES_MODULUS] == [expected_bits, expected_squares], tensor.shape
-    # (Not finite: the CPU counts the squares, the kernel its spans holding one; nonzero alike.)
-    assert bool(not_finite) == bool(expected_not_finite), tensor.shape
-assert rows[-1, 2] == 2  # (3.3e38's square overflows: each of the tensor's two spans holds such values)
+    assert [bits, squares % SQUARES_MODULUS, not_finite] == tensor_sums(tensor).tolist(), tensor.shape
 again = batched_sums(tensors)  # (the launch tables, kept)
 assert again is not None and torch.equal(again, rows)
 print("passed")
