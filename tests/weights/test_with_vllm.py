@@ -165,7 +165,13 @@ def test_the_check_takes_linear_layers_as_the_load_left_them_and_reads_the_rest(
     # vLLM's CPU build either packs a layer (its fingerprint is the pack's) or, where oneDNN refuses bfloat16, computes
     # with the weight as the load left it: no linear weight is read again for the check.
     assert taken and set(taken.values()) <= {"packed", "as loaded"}, taken
-    assert taken["model.layers.1.mlp.down_proj"] == "as loaded", taken  # (this CPU: oneDNN refuses bfloat16)
+    if taken["model.layers.1.mlp.down_proj"] == "packed":  # (first seen 2026-12-07 on an EPYC with AVX512-BF16)
+        updater.close()
+        pytest.skip(
+            "this CPU's oneDNN packs bfloat16 linear layers: each is fingerprinted as packed (asserted above), none "
+            "computes with its weight as the load left it, which the rest of this test changes behind the check"
+        )
+    assert taken["model.layers.1.mlp.down_proj"] == "as loaded", taken  # (a CPU whose oneDNN refuses bfloat16)
     # Changed behind the trainer's back after the push; the next push loads another layer only. The changed layer was
     # not processed by that load, so it is read, and named.
     bf16_llm.collective_rpc(_add_to_weight, args=("model.layers.1.mlp.down_proj", 0.5))
