@@ -35,7 +35,7 @@ LAYERS: dict[str, list[str]] = {
         "backends.nccl", "backends.nccl.worker", "backends.nccl.backend",
         "backends.ipc", "backends.ipc.backend",
         "backends.lightning_ipc", "backends.lightning_ipc.recorded_loads", "backends.lightning_ipc.summed_replay",
-        "backends.lightning_ipc.landed_sums",
+        "backends.lightning_ipc.sums_mailbox",
         "backends.lightning_ipc.worker",
         "backends.lightning_ipc.trainer", "backends.lightning_ipc.backend",
         "backends.lightning_nccl", "backends.lightning_nccl.worker", "backends.lightning_nccl.backend",

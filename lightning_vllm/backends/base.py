@@ -72,7 +72,7 @@ class Copying:
     Attributes:
         wait: waits until they end (it raises as ``send`` does when they fail), before anything else reaches the
             engine; returns the workers' reports of what they then hold, where those came with the copies (a checked
-            push: ``backends/lightning_ipc/landed_sums.py``), else ``None``.
+            push: ``backends/lightning_ipc/sums_mailbox.py``), else ``None``.
         brings_sums: ``wait`` is expected to return the reports: the check need not ask the engine meanwhile.
     """
 

@@ -89,9 +89,9 @@ class CopiesOutlastSend(Protocol):
 
 
 @runtime_checkable
-class LeavesSums(Protocol):
-    """A trainer engine whose worker can leave its sums of what it holds where the trainer reads them once a push
-    landed (ours, ``lightning_ipc``'s: ``backends/lightning_ipc/landed_sums.py``): the check then asks nothing."""
+class MailsSums(Protocol):
+    """A trainer engine whose worker can post its sums of what it holds to a mailbox the trainer reads once a push
+    landed (ours, ``lightning_ipc``'s: ``backends/lightning_ipc/sums_mailbox.py``): the check then asks nothing."""
 
     sums_wanted: bool
 
@@ -100,8 +100,8 @@ class LeavesSums(Protocol):
         """The worker left them at the last push that wanted them."""
         ...
 
-    def landed_sums(self) -> WorkerReports | None:
-        """The worker's sums after the last push, if wanted and left."""
+    def mailed_sums(self) -> WorkerReports | None:
+        """The worker's sums after the last push, if wanted and posted."""
         ...
 
 
@@ -160,13 +160,13 @@ class VLLMEngineSender(Sender):
         if self._copies_outlast_send is not None:
             self._copies_outlast_send.caller_waits = True
         self._refuses_late = engine if isinstance(engine, RefusesLatePushes) else None
-        self._leaves_sums = engine if isinstance(engine, LeavesSums) else None
+        self._mails_sums = engine if isinstance(engine, MailsSums) else None
 
     def send(self, outgoing: Outgoing) -> Copying | None:
         """See ``Sender.send``: with an engine whose copies outlast ``send_weights``, returns the wait for them, made
         on the caller's thread (handing the end of a push back from the transfer's thread, once they were done, cost
         a quarter of a millisecond of an 8B push on a GPU host: docs/gpu.md), which returns the workers' sums for a
-        checked push where they are left with the copies (:class:`LeavesSums`)."""
+        checked push where they are left with the copies (:class:`MailsSums`)."""
         declared, between_pushes = self.source.weights, self.client.client
         self.source.load(outgoing.weights)
         self.client.client = outgoing.client
@@ -174,7 +174,7 @@ class VLLMEngineSender(Sender):
         if self._refuses_late is not None:
             self._refuses_late.apply_before = deadline - min(LATE_MARGIN_SECONDS, self.timeout_seconds / 10)
         raise_if_dead = outgoing.client.raise_if_dead
-        sums = self._leaves_sums
+        sums = self._mails_sums
         if sums is not None:
             sums.sums_wanted = outgoing.checked
 
@@ -198,7 +198,7 @@ class VLLMEngineSender(Sender):
         def landed() -> WorkerReports | None:
             bounded(lambda: copies.wait_until_landed(raise_if_dead, _DEATH_POLL_SECONDS, deadline))
             ended()
-            return sums.landed_sums() if sums is not None else None
+            return sums.mailed_sums() if sums is not None else None
 
         return Copying(landed, brings_sums=sums is not None and outgoing.checked and sums.sums_expected)
 

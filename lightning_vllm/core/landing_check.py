@@ -4,7 +4,7 @@ While a push is on the wire, each tensor is summed on the trainer's device as th
 (``weights/layer_sums.SentSums``: exact integer fingerprints); once the push has committed, the engine's workers sum
 what they hold (``weights/held_sums.py``, asked by the name our plugin gives every worker:
 ``engines/worker_check.py``; over ``lightning_ipc`` they leave their sums in the trainer's memory as the push lands,
-and nothing is asked: ``backends/lightning_ipc/landed_sums.py``) and the two are compared layer by layer. A layer
+and nothing is asked: ``backends/lightning_ipc/sums_mailbox.py``) and the two are compared layer by layer. A layer
 whose fingerprint differs, or whose pack was built from other values than it holds, is named in
 ``LandedWeightsMismatchError``. What cannot be checked (workers without our plugin, quantized layers) is said once,
 in a warning, never as a false alarm.

@@ -415,7 +415,7 @@ def test_an_nccl_push_in_which_nothing_changed_still_sends_its_smallest_layer_gr
 def test_the_sums_a_worker_leaves_come_back_from_the_wait_for_the_copies_of_a_checked_push():
     from lightning_vllm.weights.payload import Outgoing
 
-    class LeavingEngine:  # lightning_ipc's trainer engine, as the sender sees it (LeavesSums, CopiesOutlastSend)
+    class LeavingEngine:  # lightning_ipc's trainer engine, as the sender sees it (MailsSums, CopiesOutlastSend)
         caller_waits = False
         sums_wanted = False
         sums_expected = False
@@ -425,7 +425,7 @@ def test_the_sums_a_worker_leaves_come_back_from_the_wait_for_the_copies_of_a_ch
 
         def wait_until_landed(self, check, check_seconds, deadline) -> None: ...
 
-        def landed_sums(self):
+        def mailed_sums(self):
             return [{"replicated": {"lm_head": [1, 2]}}] if self.sums_wanted else None
 
         def shutdown(self) -> None: ...

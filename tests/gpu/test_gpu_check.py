@@ -59,7 +59,7 @@ def test_pushes_into_lightning_ipc_land_exactly_and_are_checked(lightning_ipc_ll
     assert gap <= 2 * max(floor, 2.0e-4), (gap, floor)
     assert vllm_greedy(lightning_ipc_llm) == hf_greedy(model)
     assert lightning_ipc_llm.get_weight_version() == str(updater.weight_version)
-    # The worker left its sums in the trainer's tensor as the push landed (landed_sums.py): nothing was asked.
+    # The worker left its sums in the trainer's tensor as the push landed (sums_mailbox.py): nothing was asked.
     assert trainer_engine(updater).sums_expected
     updater.close()
 

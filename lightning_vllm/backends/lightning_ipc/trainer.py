@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from typing_extensions import Self
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-from lightning_vllm.backends.lightning_ipc.landed_sums import LandedSums
+from lightning_vllm.backends.lightning_ipc.sums_mailbox import SumsMailbox
 from lightning_vllm.backends.lightning_ipc.worker import update_in_one_call
 from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.weights.base import Weights, WeightSource, held_view
@@ -86,9 +86,9 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         self.caller_waits = False
         # Set by the caller before each push: the worker refuses the push after it (worker.refuse_if_expired).
         self.apply_before: float | None = None
-        # Set by the caller before each push: the check wants the worker's sums, left in landed_sums (landed_sums.py).
+        # Set by the caller before each push: the check wants the worker's sums in its mailbox (sums_mailbox.py).
         self.sums_wanted = False
-        self._landed_sums: LandedSums | None = None
+        self._mailbox: SumsMailbox | None = None
         self._tensors = 0  # how many tensors the engine loads (its declared weights), set by trainer_init
 
     @classmethod
@@ -112,27 +112,27 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         its sums (a copy: the last info may be kept for the next push)."""
         extra: dict[str, Any] = {} if self.apply_before is None else {"apply_before": self.apply_before}
         if self.sums_wanted and self.is_sender:
-            landed = self._landed_sums
+            landed = self._mailbox
             if landed is None:
                 tensors = max(self._tensors, len(info["names"]))
-                landed = self._landed_sums = LandedSums(torch.device("cuda", self.device_index), tensors)
+                landed = self._mailbox = SumsMailbox(torch.device("cuda", self.device_index), tensors)
             landed.name(info["names"])
             extra["sums_push"] = landed.next_push()
             if landed.handle is not None:
-                extra["sums_into"], landed.handle = landed.handle, None
+                extra["sums_mailbox"], landed.handle = landed.handle, None
         return {**info, **extra} if extra else info
 
     @property
     def sums_expected(self) -> bool:
-        """Whether the worker is expected to leave the next push's sums (it left the last ones the check wanted)."""
-        return self._landed_sums is not None and self._landed_sums.answered
+        """Whether the worker is expected to post the next push's sums (it posted the last ones the check wanted)."""
+        return self._mailbox is not None and self._mailbox.answered
 
-    def landed_sums(self) -> list[dict[str, Any]] | None:
+    def mailed_sums(self) -> list[dict[str, Any]] | None:
         """The worker's sums of what it holds once the last push landed (``held_sums.held_layer_sums``'s report), if
-        the check wanted them and the worker left them (``landed_sums.py``); call after :meth:`wait_until_landed`."""
-        if not self.sums_wanted or self._landed_sums is None or self._copies_pending:
+        the check wanted them and the worker posted them (``sums_mailbox.py``); call after :meth:`wait_until_landed`."""
+        if not self.sums_wanted or self._mailbox is None or self._copies_pending:
             return None
-        return self._landed_sums.read()
+        return self._mailbox.read()
 
     def _update_info(self, source: WeightSource) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The update info of ``source`` (the fields of ``KeptHandlesUpdateInfo``, as vLLM's RPC carries them:

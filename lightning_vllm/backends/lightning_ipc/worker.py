@@ -80,9 +80,9 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
             this worker waiting for its device before it answers.
         apply_before: the last ``time.monotonic()`` at which this worker may start loading the push (see
             :func:`refuse_if_expired`); ``None`` from a trainer that sets none.
-        sums_into: the CUDA IPC handle of the trainer's tensor for this worker's sums, sent once per connection
-            (``landed_sums.py``).
-        sums_push: the number of a push whose check wants this worker's sums left there, before the trainer's
+        sums_mailbox: the CUDA IPC handle of the trainer's tensor for this worker's sums, sent once per connection
+            (``sums_mailbox.py``).
+        sums_push: the number of a push whose check wants this worker's sums posted there, before the trainer's
             event is recorded; ``None``: not wanted.
     """
 
@@ -90,7 +90,7 @@ class KeptHandlesUpdateInfo(IPCWeightTransferUpdateInfo):
     released: list[int] = field(default_factory=list)
     landed_event: bytes | None = None
     apply_before: float | None = None
-    sums_into: tuple[Any, ...] | None = None
+    sums_mailbox: tuple[Any, ...] | None = None
     sums_push: int | None = None
 
     def __post_init__(self) -> None:
@@ -179,7 +179,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         self._bound: dict[int, BoundLoad] = {}  # each slot's load, resolved against its tensor
         self._opened: list[torch.Tensor] = []  # without slots: the last push's tensors, so their storages stay mapped
         self._landed: torch.cuda.Event | None = None  # the trainer's event, recorded after each push's copies
-        self._sums_into: torch.Tensor | None = None  # the trainer's tensor for this worker's sums (landed_sums.py)
+        self._mailbox: torch.Tensor | None = None  # the trainer's tensor for this worker's sums (sums_mailbox.py)
         # The last push's replay and its slots: a push naming the same slots, and no new handle, runs it again.
         self._replay: tuple[tuple[int, ...], Replay] | None = None
         # One event tells of one worker's copies: with several workers, each waits for its device in finish.
@@ -209,27 +209,27 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
             self._landed = torch.cuda.Event.from_ipc_handle(self.device, info.landed_event)
         self.receive_weights(info)
         if isinstance(info, KeptHandlesUpdateInfo):
-            self._leave_sums(info)
+            self._post_sums(info)
         if self._landed is not None:
             self._landed.record(torch.cuda.current_stream(self.device))
 
-    def _leave_sums(self, info: KeptHandlesUpdateInfo) -> None:
+    def _post_sums(self, info: KeptHandlesUpdateInfo) -> None:
         """Queue this worker's layers' sums into the trainer's tensor, where the push's check wants them and the load
-        summed as it wrote (``landed_sums.py``): before the trainer's event, so they are there once it fires."""
-        if info.sums_into is None and info.sums_push is None:
+        summed as it wrote (``sums_mailbox.py``): before the trainer's event, so they are there once it fires."""
+        if info.sums_mailbox is None and info.sums_push is None:
             return
         # (Imported where a check wants it: the weights' fingerprints are no part of a worker that is not checked.)
-        from lightning_vllm.backends.lightning_ipc.landed_sums import leave_sums, opened
+        from lightning_vllm.backends.lightning_ipc.sums_mailbox import opened_mailbox, post_sums
 
-        if info.sums_into is not None:
-            self._sums_into = opened(info.sums_into, self.device)
-        if info.sums_push is not None and self._sums_into is not None and self._alone and self.sums is not None:
+        if info.sums_mailbox is not None:
+            self._mailbox = opened_mailbox(info.sums_mailbox, self.device)
+        if info.sums_push is not None and self._mailbox is not None and self._alone and self.sums is not None:
             try:
                 with torch.cuda.device(self.device):
-                    leave_sums(self._sums_into, info.sums_push, self.sums.layer_rows())
+                    post_sums(self._mailbox, info.sums_push, self.sums.layer_rows())
             except Exception:  # (the push has loaded: its check asks this worker through vLLM instead, as before)
-                logger.exception("lightning_vllm could not leave this worker's sums for the check; it is asked instead")
-                self._sums_into = None  # (until the next connection lends another tensor)
+                logger.exception("lightning_vllm could not post this worker's sums for the check; it is asked instead")
+                self._mailbox = None  # (until the next connection lends another tensor)
 
     def finish_weight_update(self) -> None:
         if not self._loads_in_place():
@@ -343,7 +343,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
 
     def _forget_slots(self) -> None:
         self._slots, self._bound, self._opened, self._landed, self._replay = {}, {}, [], None, None
-        self._sums_into = None
+        self._mailbox = None
 
     def shutdown(self) -> None:
         self._forget_slots()

@@ -254,20 +254,20 @@ def test_each_push_carries_the_deadline_its_caller_set_and_a_kept_update_is_not_
 
 
 def test_a_checked_push_asks_the_worker_to_leave_its_sums_where_the_trainer_reads_them(engine, monkeypatch):
-    from lightning_vllm.backends.lightning_ipc import landed_sums
+    from lightning_vllm.backends.lightning_ipc import sums_mailbox
     from lightning_vllm.weights.layer_sums import layer_key
 
-    on_cpu = lambda device, tensors: landed_sums.LandedSums(torch.device("cpu"), tensors)  # noqa: E731
-    monkeypatch.setattr(ipc_trainer, "LandedSums", on_cpu)
+    on_cpu = lambda device, tensors: sums_mailbox.SumsMailbox(torch.device("cpu"), tensors)  # noqa: E731
+    monkeypatch.setattr(ipc_trainer, "SumsMailbox", on_cpu)
     a, b = torch.zeros(2), torch.zeros(3)
-    assert push(engine, {"a": a, "b": b}).sums_push is None and engine.landed_sums() is None  # not checked
+    assert push(engine, {"a": a, "b": b}).sums_push is None and engine.mailed_sums() is None  # not checked
     engine.sums_wanted = True
     first = push(engine, {"a": a, "b": b})
-    assert first.sums_into is not None and first.sums_push == 1  # the tensor's handle, once
-    assert engine.landed_sums() is None and not engine.sums_expected  # the worker left nothing
+    assert first.sums_mailbox is not None and first.sums_push == 1  # the tensor's handle, once
+    assert engine.mailed_sums() is None and not engine.sums_expected  # the worker left nothing
     second = push(engine, {"a": a, "b": b})
-    assert second.sums_into is None and second.sums_push == 2 and second.slots == [0, 1]
-    assert engine._landed_sums is not None
-    landed_sums.leave_sums(engine._landed_sums.tensor, 2, torch.tensor([[layer_key("a"), 1, 2]]))  # (the worker)
-    assert engine.landed_sums() == [{"sharded": {}, "replicated": {"a": [1, 2]}, "unverifiable": {}, "stale": {}}]
+    assert second.sums_mailbox is None and second.sums_push == 2 and second.slots == [0, 1]
+    assert engine._mailbox is not None
+    sums_mailbox.post_sums(engine._mailbox.tensor, 2, torch.tensor([[layer_key("a"), 1, 2]]))  # (the worker)
+    assert engine.mailed_sums() == [{"sharded": {}, "replicated": {"a": [1, 2]}, "unverifiable": {}, "stale": {}}]
     assert engine.sums_expected

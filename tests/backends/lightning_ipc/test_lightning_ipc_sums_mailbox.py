@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_vllm.backends.lightning_ipc.landed_sums import LandedSums, leave_sums
+from lightning_vllm.backends.lightning_ipc.sums_mailbox import SumsMailbox, post_sums
 from lightning_vllm.weights.layer_sums import layer_key
 
 NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "lm_head.weight"]
@@ -17,12 +17,12 @@ def rows(*layers_sums: tuple[str, int, int]) -> torch.Tensor:
 
 
 def test_the_rows_left_for_a_push_are_read_as_the_workers_report():
-    landed = LandedSums(torch.device("cpu"), len(NAMES))
+    landed = SumsMailbox(torch.device("cpu"), len(NAMES))
     landed.name(NAMES)
     push = landed.next_push()
     # (A layer the trainer never sent is left out; the squares are read modulo 2**32.)
     left = rows(("model.layers.0.self_attn", 7, 2**32 + 5), ("lm_head", -3, 4), ("model.norm", 1, 1))
-    assert leave_sums(landed.tensor, push, left)
+    assert post_sums(landed.tensor, push, left)
     assert landed.read() == [
         {
             "sharded": {},
@@ -35,15 +35,15 @@ def test_the_rows_left_for_a_push_are_read_as_the_workers_report():
 
 
 def test_rows_not_left_for_this_push_are_not_read():
-    landed = LandedSums(torch.device("cpu"), len(NAMES))
+    landed = SumsMailbox(torch.device("cpu"), len(NAMES))
     landed.name(NAMES)
     assert landed.read() is None  # no push asked
-    leave_sums(landed.tensor, landed.next_push(), rows(("lm_head", 1, 1)))
+    post_sums(landed.tensor, landed.next_push(), rows(("lm_head", 1, 1)))
     landed.read()
     landed.next_push()  # the worker left nothing for this one: the last push's rows are still there
     assert landed.read() is None and not landed.answered
     push = landed.next_push()
     too_many = rows(*[(f"model.layers.{i}.mlp", i, i) for i in range(len(NAMES) + 64 + 1)])
-    assert not leave_sums(landed.tensor, push, too_many)  # (more rows than the tensor holds: nothing written)
-    assert not leave_sums(landed.tensor, push, None)  # (no summed replay)
+    assert not post_sums(landed.tensor, push, too_many)  # (more rows than the tensor holds: nothing written)
+    assert not post_sums(landed.tensor, push, None)  # (no summed replay)
     assert landed.read() is None

@@ -1,15 +1,16 @@
-"""``lightning_ipc``'s answer to the check after every push, left in memory the trainer reads: no reply through vLLM.
+"""``lightning_ipc``'s answer to the check after every push, posted to a mailbox in the trainer's memory: no reply
+through vLLM.
 
 The check holds what the engine's worker holds, per layer, against what the trainer sent (``core/landing_check.py``).
 Asked through vLLM's ``collective_rpc``, the worker's answer took 2.3 ms after its sums were ready to reach the trainer
 of an 8B push on an H100 (docs/gpu.md, run 61): longer than its sums. With ``lightning_ipc`` the worker shares the
-trainer's GPU and already records the trainer's event after each push's copies (``worker.py``). So the trainer lends it
-one small tensor (:class:`LandedSums`, its CUDA IPC handle sent once per connection); the worker queues its layers'
-fingerprints into it (``held_sums.LayerRows``: ``[layer_key, bits, squares]`` rows), then a header naming the push,
-then records the event (:func:`leave_sums`). Once the event has fired the rows are there, and the trainer reads them in
-one copy.
+trainer's GPU and already records the trainer's event after each push's copies (``worker.py``). So the trainer lends
+it one small tensor, a mailbox (:class:`SumsMailbox`, its CUDA IPC handle sent once per connection); the worker
+queues its layers' fingerprints into it (``held_sums.LayerRows``: ``[layer_key, bits, squares]`` rows), then a header
+naming the push, then records the event (:func:`post_sums`). Once the event has fired the rows are there, and the
+trainer reads them in one copy.
 
-The header's push number tells the trainer whether the rows are this push's: a worker that could not leave them (no
+The header's push number tells the trainer whether the rows are this push's: a worker that could not post them (no
 summed replay yet, a report that holds more than sums of whole layers, a tensor too small) leaves the last push's
 header, and the trainer's check asks through vLLM as before.
 """
@@ -28,8 +29,8 @@ _MARK = 0x6C76_6C6C_6D5F_7375  # the header's first value: rows left by this mod
 _SPARE_ROWS = 64  # rows beyond the trainer's tensors: layers a worker holds that were never sent
 
 
-class LandedSums:
-    """The trainer's half: the tensor on its GPU the worker leaves its sums in, and their reading.
+class SumsMailbox:
+    """The trainer's half: the tensor on its GPU the worker posts its sums to, and their reading.
 
     Args:
         device: the trainer's GPU, the worker's (``lightning_ipc`` shares one GPU).
@@ -39,7 +40,7 @@ class LandedSums:
     def __init__(self, device: torch.device, tensors: int) -> None:
         self.tensor = torch.zeros(tensors + _SPARE_ROWS + 1, 3, dtype=torch.int64, device=device)
         self.handle: tuple[Any, ...] | None = reduce_tensor(self.tensor)[1]  # sent once, then None
-        self.answered = False  # the worker left its sums at the last push that asked
+        self.answered = False  # the worker posted its sums at the last push that asked
         self._push = 0
         self._asked = False  # the last push asked for its sums (next_push), not read yet
         self._layers: dict[int, str] = {}  # layer_key -> layer, of every tensor named so far
@@ -58,7 +59,7 @@ class LandedSums:
         return self._push
 
     def read(self) -> list[dict[str, Any]] | None:
-        """The worker's report (``held_sums.held_layer_sums``'s form, one worker), if it left this push's sums; call
+        """The worker's report (``held_sums.held_layer_sums``'s form, one worker), if it posted this push's sums; call
         once its copies are done (the trainer's event fired). ``None``: it did not, or the push did not ask for them
         (:meth:`next_push`): ask it through vLLM."""
         if not self._asked:
@@ -70,15 +71,15 @@ class LandedSums:
         return [LayerRows.report(rows[1 : count + 1], self._layers)] if self.answered else None
 
 
-def opened(handle: tuple[Any, ...], device: torch.device) -> torch.Tensor:
-    """The worker's view of the trainer's :class:`LandedSums` tensor, from its handle."""
+def opened_mailbox(handle: tuple[Any, ...], device: torch.device) -> torch.Tensor:
+    """The worker's view of the trainer's :class:`SumsMailbox` tensor, from its handle."""
     args = list(handle)
     args[6] = device.index  # the device index, as this worker numbers its GPUs (as worker.py opens the weights)
     tensor: torch.Tensor = rebuild_cuda_tensor(*args)
     return tensor
 
 
-def leave_sums(into: torch.Tensor, push: int, rows: torch.Tensor | None) -> bool:
+def post_sums(into: torch.Tensor, push: int, rows: torch.Tensor | None) -> bool:
     """The worker's half: queue ``rows`` (``held_sums.LayerRows.rows``), then a header naming ``push``, into
     ``into`` on the current stream; nothing syncs. ``False``, and nothing written, where there are no rows or they do
     not fit."""
