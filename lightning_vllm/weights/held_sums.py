@@ -31,9 +31,10 @@ NOT_PACKED_HERE = (
     "packed for oneDNN by a load lightning_vllm did not fingerprint (vLLM's CPU build): the engine's start, or a push "
     "with verify_pushes=False; checked from the next checked push that sends it"
 )
-T = TypeVar("T")
 STALE_PACK = "computes with a packed copy of other values than it holds (its pack was not rebuilt after the load)"
 
+
+T = TypeVar("T")  # what a load's sums of a parameter are given as: tensors, or rows of one tensor (_HeldParts)
 
 WrittenSums = Mapping[str, Sequence[torch.Tensor]]
 """``{parameter name: [its sums, one per routed expert of a fused expert tensor, else one]}``, taken of the values
@@ -110,8 +111,9 @@ def held_layer_sums(model: torch.nn.Module, written: WrittenSums | None = None) 
 
 class _HeldParts(Generic[T]):
     """``model``'s parameters, sorted for the report (:func:`held_layer_sums`): each ``(kind, layer, x)``, ``kind``
-    ``"sharded"`` or ``"replicated"``; ``live``: ``x`` the values, to be read; ``packed``: the fingerprint taken as
-    vLLM's CPU build packed them; ``taken``: ``x`` from ``written`` (the sums the last load took as it wrote the
+    ``"sharded"`` or ``"replicated"``; ``live``: ``x`` the values, to be read; ``packed``: the fingerprint vLLM's CPU
+    build's last load left (``packed_sums.py``: taken as it packed them, or of the weight as that load left it);
+    ``taken``: ``x`` from ``written`` (the sums the last load took as it wrote the
     parameter, one per routed expert row); ``unverifiable``: ``{layer: why}``."""
 
     def __init__(self, model: torch.nn.Module, written: Mapping[str, Sequence[T]]) -> None:

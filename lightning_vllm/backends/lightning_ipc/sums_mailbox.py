@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+from torch.multiprocessing.reductions import reduce_tensor
 
 from lightning_vllm.weights.held_sums import LayerRows
 from lightning_vllm.weights.layer_sums import layer_key, layer_of
@@ -69,14 +69,6 @@ class SumsMailbox:
         mark, push, count = rows[0]
         self.answered = mark == _MARK and push == self._push and 0 <= count < len(rows)
         return [LayerRows.report(rows[1 : count + 1], self._layers)] if self.answered else None
-
-
-def opened_mailbox(handle: tuple[Any, ...], device: torch.device) -> torch.Tensor:
-    """The worker's view of the trainer's :class:`SumsMailbox` tensor, from its handle."""
-    args = list(handle)
-    args[6] = device.index  # the device index, as this worker numbers its GPUs (as worker.py opens the weights)
-    tensor: torch.Tensor = rebuild_cuda_tensor(*args)
-    return tensor
 
 
 def post_sums(into: torch.Tensor, push: int, rows: torch.Tensor | None) -> bool:

@@ -108,18 +108,18 @@ class KeptHandlesIPCTrainerEngine(IPCTrainerWeightTransferEngine):
         return weight_refs
 
     def _timed(self, info: dict[str, Any]) -> dict[str, Any]:
-        """``info`` with this push's ``apply_before``, and where the check wants them, where the worker is to leave
-        its sums (a copy: the last info may be kept for the next push)."""
+        """``info`` with this push's ``apply_before``, and where the check wants them, the mailbox the worker is to post
+        its sums to (a copy: the last info may be kept for the next push)."""
         extra: dict[str, Any] = {} if self.apply_before is None else {"apply_before": self.apply_before}
         if self.sums_wanted and self.is_sender:
-            landed = self._mailbox
-            if landed is None:
+            mailbox = self._mailbox
+            if mailbox is None:
                 tensors = max(self._tensors, len(info["names"]))
-                landed = self._mailbox = SumsMailbox(torch.device("cuda", self.device_index), tensors)
-            landed.name(info["names"])
-            extra["sums_push"] = landed.next_push()
-            if landed.handle is not None:
-                extra["sums_mailbox"], landed.handle = landed.handle, None
+                mailbox = self._mailbox = SumsMailbox(torch.device("cuda", self.device_index), tensors)
+            mailbox.name(info["names"])
+            extra["sums_push"] = mailbox.next_push()
+            if mailbox.handle is not None:
+                extra["sums_mailbox"], mailbox.handle = mailbox.handle, None
         return {**info, **extra} if extra else info
 
     @property

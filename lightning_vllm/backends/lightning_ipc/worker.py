@@ -135,6 +135,14 @@ def update_in_one_call(worker: Any, update_info: dict[str, Any]) -> None:
     worker.finish_weight_update()
 
 
+def opened(handle: tuple[Any, ...], device: torch.device) -> torch.Tensor:
+    """The tensor a trainer shared as ``handle`` (``reduce_tensor``'s arguments), opened on ``device``."""
+    args = list(handle)
+    args[6] = device.index  # the device index, as this worker numbers its GPUs (vLLM does the same)
+    tensor: torch.Tensor = rebuild_cuda_tensor(*args)
+    return tensor
+
+
 def summing_replays(model: Callable[[], torch.nn.Module]) -> LastReplaySums | None:
     """What makes a worker engine's replays sum what they write (``summed_replay.py``), or ``None`` where its kernel
     cannot be imported (no Triton): the check then reads the live weights."""
@@ -219,10 +227,10 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         if info.sums_mailbox is None and info.sums_push is None:
             return
         # (Imported where a check wants it: the weights' fingerprints are no part of a worker that is not checked.)
-        from lightning_vllm.backends.lightning_ipc.sums_mailbox import opened_mailbox, post_sums
+        from lightning_vllm.backends.lightning_ipc.sums_mailbox import post_sums
 
         if info.sums_mailbox is not None:
-            self._mailbox = opened_mailbox(info.sums_mailbox, self.device)
+            self._mailbox = opened(info.sums_mailbox, self.device)
         if info.sums_push is not None and self._mailbox is not None and self._alone and self.sums is not None:
             try:
                 with torch.cuda.device(self.device):
@@ -317,9 +325,7 @@ class InPlaceIPCWeightTransferEngine(IPCWeightTransferEngine):
         gpu_id = str(torch.cuda.get_device_properties(self.device.index).uuid)
         if gpu_id not in handle:
             raise ValueError(f"IPC handle not found for GPU UUID {gpu_id}. Available UUIDs: {list(handle)}")
-        args = list(handle[gpu_id])
-        args[6] = self.device.index  # the device index, as this worker numbers its GPUs (vLLM does the same)
-        tensor: torch.Tensor = rebuild_cuda_tensor(*args)
+        tensor = opened(handle[gpu_id], self.device)
         if slot is not None:
             self._slots[slot] = tensor
             self._bound.pop(slot, None)
