@@ -35,6 +35,8 @@ _STEPS = 64
 # but the trainer's read of 16 GB took 10.8 ms (6.8 before): the check's push took longer.
 # A span's bfloat16 patterns (each in [-2**15, 2**15)) add up in int32 (_add_into_row): at most 2**16 of them fit.
 assert _BLOCK * _STEPS <= 1 << 16
+# A float32's exponent bits: a square's pattern with all of them set (at or above this, unsigned) is an inf or a NaN.
+_NOT_FINITE = tl.constexpr(0x7F800000)
 _USABLE = True  # False once building or running the kernel failed here: the per-tensor sums stand in
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Under Triton's interpreter (``TRITON_INTERPRET=1``, set before this module is imported) the kernels run on a CPU's
@@ -106,35 +108,45 @@ _fused_sums = _FusedSums()
 
 
 @triton.jit  # type: ignore[misc]
-def _summed(values, bits, squares, not_finite, SHORT: tl.constexpr):  # fmt: skip
-    """``bits``, ``squares`` and ``not_finite``, each lane's, with ``values`` added (a masked lane holds 0.0, which
-    adds nothing). The squares' bit patterns add up in int32, wrapping: they are compared modulo 2**32. With ``SHORT``
-    (bfloat16 values) ``bits`` adds up the values' own 16-bit patterns in int32 (a float32's pattern is one shifted
-    left by 16: :func:`_add_into_row` shifts the sum once); else float32 patterns, in int64 (an int64 add is two of a
-    GPU's integer operations, and the sums run beside copies that the memory bounds)."""
+def _summed(values, bits, squares, worst, SHORT: tl.constexpr):  # fmt: skip
+    """``bits``, ``squares`` and ``worst``, each lane's, with ``values`` added (a masked lane holds 0.0, which adds
+    nothing). The squares' bit patterns add up in int32, wrapping: they are compared modulo 2**32. ``worst`` keeps
+    the largest square's pattern, unsigned: one at or above ``_NOT_FINITE`` is an inf or a NaN, counted only then
+    (:func:`_count_not_finite`), so that a finite span costs one integer operation a value for it, not four. With
+    ``SHORT`` (bfloat16 values) ``bits`` adds up the values' own 16-bit patterns in int32 (a float32's pattern is
+    one shifted left by 16: :func:`_add_into_row` shifts the sum once); else float32 patterns, in int64 (an int64 add
+    is two of a GPU's integer operations, and the sums run beside copies that the memory bounds)."""
     if SHORT:
         bits += values.to(tl.int16, bitcast=True).to(tl.int32)
     else:
         bits += values.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
     values = values.to(tl.float32)
     square_bits = (values * values).to(tl.int32, bitcast=True)
-    return (
-        bits,
-        squares + square_bits,
-        not_finite + ((square_bits & 0x7F800000) == 0x7F800000).to(tl.int32),
-    )
+    return bits, squares + square_bits, tl.maximum(worst, square_bits.to(tl.uint32, bitcast=True))
+
+
+@triton.jit  # type: ignore[misc]
+def _count_not_finite(source, left, BLOCK: tl.constexpr, STEPS: tl.constexpr):  # fmt: skip
+    """How many of a span's values (``left`` of them from ``source``, at most ``BLOCK * STEPS``) have a square that is
+    not finite: read again, only for a span whose largest square is one."""
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    for step in range(STEPS):
+        offsets = step * BLOCK + tl.arange(0, BLOCK)
+        values = tl.load(source + offsets, mask=offsets < left, other=0.0).to(tl.float32)
+        count += (((values * values).to(tl.int32, bitcast=True) & _NOT_FINITE) == _NOT_FINITE).to(tl.int32)
+    return tl.sum(count, axis=0)
 
 
 @triton.jit  # type: ignore[misc]
 def _add_into_row(out, row, bits, squares, not_finite, SHORT: tl.constexpr):  # fmt: skip
-    """Add the lanes' sums into ``out[row]`` (``[bits, squares, not finite]``), with integer atomics: exact in any
+    """Add a span's sums into ``out[row]`` (``[bits, squares, not finite]``), with integer atomics: exact in any
     order (the squares modulo 2**32). A program's bfloat16 patterns, at most ``2**16`` of them, add up within int32."""
     total = tl.sum(bits, axis=0).to(tl.int64)
     if SHORT:
         total = total << 16
     tl.atomic_add(out + row * 3, total)
     tl.atomic_add(out + row * 3 + 1, tl.sum(squares, axis=0).to(tl.int64))
-    tl.atomic_add(out + row * 3 + 2, tl.sum(not_finite, axis=0).to(tl.int64))
+    tl.atomic_add(out + row * 3 + 2, not_finite.to(tl.int64))
 
 
 def _span_table(numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,10 +166,12 @@ class _Spans:
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._table: tuple[torch.Tensor, ...] = ()
+        self.aligned = False  # (of the tensors of the last table)
 
     def table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
         key = tuple((tensor.data_ptr(), tensor.numel()) for tensor in tensors)
         if key != self._key:
+            self.aligned = _aligned(tensors)
             numels = torch.tensor([tensor.numel() for tensor in tensors], dtype=torch.int64)
             item, start = _span_table(numels)
             addresses = torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64)
@@ -171,34 +185,69 @@ _tables: dict[tuple[torch.device, torch.dtype, int], _Spans] = {}
 
 
 @triton.jit  # type: ignore[misc]
+def _step(source, destination, offsets, left, bits, squares, worst, MASKED: tl.constexpr, COPY: tl.constexpr,
+          SHORT: tl.constexpr):  # fmt: skip
+    """One block of a span: its values read (a ``MASKED`` block up to ``left`` only), stored with ``COPY``, summed."""
+    if MASKED:
+        mask = offsets < left
+        values = tl.load(source + offsets, mask=mask, other=0.0)
+        if COPY:
+            tl.store(destination + offsets, values, mask=mask)
+    else:
+        values = tl.load(source + offsets)
+        if COPY:
+            tl.store(destination + offsets, values)
+    return _summed(values, bits, squares, worst, SHORT)
+
+
+@triton.jit  # type: ignore[misc]
 def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out, BLOCK: tl.constexpr,
-               STEPS: tl.constexpr, DTYPE: tl.constexpr, COPY: tl.constexpr, SHORT: tl.constexpr):  # fmt: skip
+               STEPS: tl.constexpr, DTYPE: tl.constexpr, COPY: tl.constexpr, SHORT: tl.constexpr,
+               ALIGNED: tl.constexpr):  # fmt: skip
     """Program ``i`` reads span ``i`` (``STEPS`` blocks of ``BLOCK`` values of item ``span_item[i]``, from
     ``span_start[i]``) and adds its sums into row ``owners[item]`` of ``out``; with ``COPY`` it also stores the values
     at ``destinations[item]``, so the sums are those of the values it wrote, taken from the registers that store
-    them."""
+    them. ``ALIGNED``: every address is a multiple of 16 bytes.
+
+    A whole span (all but a tensor's last) is read without a mask, and with ``ALIGNED`` 16 bytes a load: measured
+    on an H100 the masked loads of 2 bytes each, their 64-bit offsets and compares made the read of an 8B model's 16
+    GB bound by integer operations, not by memory (6.8 ms, docs/gpu.md run 67)."""
     span = tl.program_id(0)
     item = tl.load(span_item + span)
     start = tl.load(span_start + span)
-    numel = tl.load(numels + item)
+    left = tl.load(numels + item) - start  # the tensor's values from the span's start
     owner = tl.load(owners + item)
-    source = tl.load(sources + item).to(tl.pointer_type(DTYPE))
+    source = tl.load(sources + item).to(tl.pointer_type(DTYPE)) + start
+    destination = source
     if COPY:
-        destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE))
+        destination = tl.load(destinations + item).to(tl.pointer_type(DTYPE)) + start
+    if ALIGNED:  # (span starts are multiples of BLOCK values: the tensors' addresses decide)
+        source = tl.multiple_of(source, 16)
+        destination = tl.multiple_of(destination, 16)
     if SHORT:
         bits = tl.zeros([BLOCK], dtype=tl.int32)
     else:
         bits = tl.zeros([BLOCK], dtype=tl.int64)
     squares = tl.zeros([BLOCK], dtype=tl.int32)
-    not_finite = tl.zeros([BLOCK], dtype=tl.int32)
-    for step in range(STEPS):
-        offsets = start + step * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        values = tl.load(source + offsets, mask=mask, other=0.0)
-        if COPY:
-            tl.store(destination + offsets, values, mask=mask)
-        bits, squares, not_finite = _summed(values, bits, squares, not_finite, SHORT)
+    worst = tl.zeros([BLOCK], dtype=tl.uint32)
+    if left >= BLOCK * STEPS:
+        for step in range(STEPS):
+            offsets = step * BLOCK + tl.arange(0, BLOCK)
+            bits, squares, worst = _step(source, destination, offsets, left, bits, squares, worst, False, COPY, SHORT)
+    else:
+        for step in range(STEPS):
+            offsets = step * BLOCK + tl.arange(0, BLOCK)
+            bits, squares, worst = _step(source, destination, offsets, left, bits, squares, worst, True, COPY, SHORT)
+    not_finite = 0
+    if tl.max(worst, axis=0) >= _NOT_FINITE:
+        not_finite = _count_not_finite(source, left, BLOCK, STEPS)
     _add_into_row(out, owner, bits, squares, not_finite, SHORT)
+
+
+def _aligned(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor's address is a multiple of 16 bytes (``_sum_spans``'s ``ALIGNED``): PyTorch's allocations
+    are; a view into the middle of one may not be."""
+    return all(tensor.data_ptr() % 16 == 0 for tensor in tensors)
 
 
 class SummedCopies:
@@ -234,7 +283,7 @@ class SummedCopies:
             ):
                 raise ValueError(f"cannot copy and sum {tuple(source.shape)} into {tuple(destination.shape)} here")
             by_dtype.setdefault(destination.dtype, []).append((destination, source, owner))
-        self._launches: list[tuple[torch.dtype, tuple[torch.Tensor, ...]]] = []
+        self._launches: list[tuple[torch.dtype, bool, tuple[torch.Tensor, ...]]] = []
         for dtype, group in by_dtype.items():
             numels = torch.tensor([d.numel() for d, _, _ in group], dtype=torch.int64)
             item, start = _span_table(numels)
@@ -246,17 +295,18 @@ class SummedCopies:
                 item,
                 start,
             )
-            self._launches.append((dtype, tuple(t.to(self.device) for t in table)))
+            aligned = _aligned([d for d, _, _ in group] + [s for _, s, _ in group])
+            self._launches.append((dtype, aligned, tuple(t.to(self.device) for t in table)))
         self._held = [(d, s) for d, s, _ in copies]  # (the tables hold addresses: the tensors must stay alive)
 
     def run(self) -> torch.Tensor:
         """Make every copy on the current stream; the sums of what each owner's copies wrote, ``[owners, 3]`` int64
         on the GPU (nothing synchronizes)."""
         out = torch.zeros(self.owners, 3, dtype=torch.int64, device=self.device)
-        for dtype, (sources, destinations, numels, owners, item, start) in self._launches:
+        for dtype, aligned, (sources, destinations, numels, owners, item, start) in self._launches:
             _sum_spans[(item.numel(),)](
                 sources, destinations, numels, owners, item, start, out, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype), COPY=True, SHORT=dtype == torch.bfloat16,
+                DTYPE=_triton_dtype(dtype), COPY=True, SHORT=dtype == torch.bfloat16, ALIGNED=aligned,
             )  # fmt: skip
         return out
 
@@ -286,7 +336,7 @@ def batched_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
             rows = out if len(by_dtype) == 1 else torch.zeros(len(group), 3, dtype=torch.int64, device=device)
             _sum_spans[(item.numel(),)](
                 addresses, addresses, numels, rows_of, item, start, rows, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype), COPY=False, SHORT=dtype == torch.bfloat16,
+                DTYPE=_triton_dtype(dtype), COPY=False, SHORT=dtype == torch.bfloat16, ALIGNED=spans.aligned,
             )  # fmt: skip
             if rows is not out:
                 out[torch.tensor(positions, device=device)] = rows
