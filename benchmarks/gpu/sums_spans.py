@@ -41,7 +41,7 @@ def main() -> None:
     reference = None
     for block, steps in SHAPES:
         gpu_sums._BLOCK, gpu_sums._STEPS = block, steps  # (read at each launch: the tables are built anew below)
-        gpu_sums._tables.clear()
+        gpu_sums._layouts.clear()
         summed = gpu_sums.SummedCopies(copies, len(copies))
         sums = sums_as_ints(gpu_sums.batched_sums(sources))
         if reference is None:

@@ -158,30 +158,50 @@ def _span_table(numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return owner, (torch.arange(int(spans.sum()), dtype=torch.int64) - first[owner.long()]) * (_BLOCK * _STEPS)
 
 
-class _Spans:
-    """The launch table of one list of tensors (addresses, sizes, each tensor's row of the sums, each span's tensor
-    and start), kept for the next call with the same tensors: a model's parameters stay where they are between
-    pushes."""
-
-    def __init__(self) -> None:
-        self._key: tuple[Any, ...] | None = None
-        self._table: tuple[torch.Tensor, ...] = ()
-        self.aligned = False  # (of the tensors of the last table)
-
-    def table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
-        key = tuple((tensor.data_ptr(), tensor.numel()) for tensor in tensors)
-        if key != self._key:
-            self.aligned = _aligned(tensors)
-            numels = torch.tensor([tensor.numel() for tensor in tensors], dtype=torch.int64)
-            item, start = _span_table(numels)
-            addresses = torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64)
-            rows_of = torch.arange(len(tensors), dtype=torch.int64)
-            self._table = tuple(t.to(device, non_blocking=True) for t in (addresses, numels, rows_of, item, start))
-            self._key = key
-        return self._table
+def _launch_table(
+    sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor], owners: Sequence[int], device: torch.device
+) -> tuple[bool, tuple[torch.Tensor, ...]]:
+    """Whether every address is aligned (:func:`_aligned`), and ``_sum_spans``'s table of one dtype's tensors on
+    ``device``: the sources' and destinations' addresses, their sizes, each one's row of the sums, each span's tensor
+    and start."""
+    numels = torch.tensor([source.numel() for source in sources], dtype=torch.int64)
+    item, start = _span_table(numels)
+    table = (
+        torch.tensor([source.data_ptr() for source in sources], dtype=torch.int64),
+        torch.tensor([destination.data_ptr() for destination in destinations], dtype=torch.int64),
+        numels,
+        torch.tensor(owners, dtype=torch.int64),
+        item,
+        start,
+    )
+    return _aligned([*sources, *destinations]), tuple(t.to(device, non_blocking=True) for t in table)
 
 
-_tables: dict[tuple[torch.device, torch.dtype, int], _Spans] = {}
+class _Layout:
+    """How :func:`batched_sums` sums one list of tensors: one launch per dtype, each tensor's sums into its row."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.device = device
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for position, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(position)
+        self.launches = []
+        for dtype, positions in by_dtype.items():
+            group = [tensors[position] for position in positions]
+            self.launches.append((dtype, *_launch_table(group, group, positions, device)))
+
+
+def _layout_key(tensor: torch.Tensor) -> tuple[int, int, torch.dtype, bool]:
+    """What a tensor's part of a launch rests on: its address (which names its device too), size, dtype and whether
+    it is contiguous (the kernel reads ``numel`` values from the address)."""
+    return tensor.data_ptr(), tensor.numel(), tensor.dtype, tensor.is_contiguous()
+
+
+# The layouts of the lists summed lately, by their tensors' ``_layout_key``: a model's parameters stay where they are
+# between pushes, and the host's work a tensor is what a push's launch costs (291 tensors on an 8B model). A list
+# that cannot be summed here (another device, a dtype not summed here, a tensor not contiguous) is not kept.
+_layouts: dict[tuple[tuple[int, int, torch.dtype, bool], ...], _Layout] = {}
+_LAYOUTS_KEPT = 8  # (more than a process sums: the held tensors of each model pushed)
 
 
 @triton.jit  # type: ignore[misc]
@@ -283,20 +303,15 @@ class SummedCopies:
             ):
                 raise ValueError(f"cannot copy and sum {tuple(source.shape)} into {tuple(destination.shape)} here")
             by_dtype.setdefault(destination.dtype, []).append((destination, source, owner))
-        self._launches: list[tuple[torch.dtype, bool, tuple[torch.Tensor, ...]]] = []
-        for dtype, group in by_dtype.items():
-            numels = torch.tensor([d.numel() for d, _, _ in group], dtype=torch.int64)
-            item, start = _span_table(numels)
-            table = (
-                torch.tensor([s.data_ptr() for _, s, _ in group], dtype=torch.int64),
-                torch.tensor([d.data_ptr() for d, _, _ in group], dtype=torch.int64),
-                numels,
-                torch.tensor([o for _, _, o in group], dtype=torch.int64),
-                item,
-                start,
+        self._launches = [
+            (
+                dtype,
+                *_launch_table(
+                    [s for _, s, _ in group], [d for d, _, _ in group], [o for _, _, o in group], self.device
+                ),
             )
-            aligned = _aligned([d for d, _, _ in group] + [s for _, s, _ in group])
-            self._launches.append((dtype, aligned, tuple(t.to(self.device) for t in table)))
+            for dtype, group in by_dtype.items()
+        ]
         self._held = [(d, s) for d, s, _ in copies]  # (the tables hold addresses: the tensors must stay alive)
 
     def run(self) -> torch.Tensor:
@@ -319,27 +334,24 @@ def batched_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     global _USABLE
     if not _USABLE or not tensors:
         return None
-    device = tensors[0].device
-    if device.type != _KERNEL_DEVICE or any(
-        t.device != device or t.dtype not in _DTYPES or not t.is_contiguous() for t in tensors
-    ):
-        return None
+    key = tuple(map(_layout_key, tensors))
+    layout = _layouts.get(key)
+    if layout is None:
+        device = tensors[0].device
+        if device.type != _KERNEL_DEVICE or any(
+            t.device != device or t.dtype not in _DTYPES or not t.is_contiguous() for t in tensors
+        ):
+            return None
+        if len(_layouts) >= _LAYOUTS_KEPT:
+            _layouts.clear()
+        layout = _layouts[key] = _Layout(tensors, device)
     try:
-        out = torch.zeros(len(tensors), 3, dtype=torch.int64, device=device)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for position, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(position)
-        for dtype, positions in by_dtype.items():
-            group = [tensors[p] for p in positions]
-            spans = _tables.setdefault((device, dtype, len(by_dtype)), _Spans())
-            addresses, numels, rows_of, item, start = spans.table(group, device)
-            rows = out if len(by_dtype) == 1 else torch.zeros(len(group), 3, dtype=torch.int64, device=device)
+        out = torch.zeros(len(tensors), 3, dtype=torch.int64, device=layout.device)
+        for dtype, aligned, (addresses, _, numels, rows_of, item, start) in layout.launches:
             _sum_spans[(item.numel(),)](
-                addresses, addresses, numels, rows_of, item, start, rows, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype), COPY=False, SHORT=dtype == torch.bfloat16, ALIGNED=spans.aligned,
+                addresses, addresses, numels, rows_of, item, start, out, BLOCK=_BLOCK, STEPS=_STEPS,
+                DTYPE=_triton_dtype(dtype), COPY=False, SHORT=dtype == torch.bfloat16, ALIGNED=aligned,
             )  # fmt: skip
-            if rows is not out:
-                out[torch.tensor(positions, device=device)] = rows
         return out
     except Exception as error:  # noqa: BLE001  # no usable Triton here: the per-tensor sums are as exact
         _USABLE = False
