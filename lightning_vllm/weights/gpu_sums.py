@@ -158,23 +158,40 @@ def _span_table(numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return owner, (torch.arange(int(spans.sum()), dtype=torch.int64) - first[owner.long()]) * (_BLOCK * _STEPS)
 
 
-def _launch_table(
-    sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor], owners: Sequence[int], device: torch.device
-) -> tuple[bool, tuple[torch.Tensor, ...]]:
-    """Whether every address is aligned (:func:`_aligned`), and ``_sum_spans``'s table of one dtype's tensors on
-    ``device``: the sources' and destinations' addresses, their sizes, each one's row of the sums, each span's tensor
-    and start."""
-    numels = torch.tensor([source.numel() for source in sources], dtype=torch.int64)
-    item, start = _span_table(numels)
-    table = (
-        torch.tensor([source.data_ptr() for source in sources], dtype=torch.int64),
-        torch.tensor([destination.data_ptr() for destination in destinations], dtype=torch.int64),
-        numels,
-        torch.tensor(owners, dtype=torch.int64),
-        item,
-        start,
-    )
-    return _aligned([*sources, *destinations]), tuple(t.to(device, non_blocking=True) for t in table)
+class _Launch:
+    """One launch of ``_sum_spans`` over tensors of one dtype, its table built once: the sources' and destinations'
+    addresses, their sizes, each one's row of the sums, each span's tensor and start; ``aligned``: every address is
+    (:func:`_aligned`)."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        sources: Sequence[torch.Tensor],
+        destinations: Sequence[torch.Tensor],
+        owners: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self.dtype = dtype
+        self.aligned = _aligned([*sources, *destinations])
+        numels = torch.tensor([source.numel() for source in sources], dtype=torch.int64)
+        item, start = _span_table(numels)
+        table = (
+            torch.tensor([source.data_ptr() for source in sources], dtype=torch.int64),
+            torch.tensor([destination.data_ptr() for destination in destinations], dtype=torch.int64),
+            numels,
+            torch.tensor(owners, dtype=torch.int64),
+            item,
+            start,
+        )
+        self.table = tuple(t.to(device, non_blocking=True) for t in table)
+
+    def run(self, out: torch.Tensor, copy: bool) -> None:
+        """Sum every span into its row of ``out`` (with ``copy``, storing each value at its destination too)."""
+        spans = self.table[4].numel()
+        _sum_spans[(spans,)](
+            *self.table, out, BLOCK=_BLOCK, STEPS=_STEPS, DTYPE=_triton_dtype(self.dtype), COPY=copy,
+            SHORT=self.dtype == torch.bfloat16, ALIGNED=self.aligned,
+        )  # fmt: skip
 
 
 class _Layout:
@@ -185,10 +202,10 @@ class _Layout:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for position, tensor in enumerate(tensors):
             by_dtype.setdefault(tensor.dtype, []).append(position)
-        self.launches = []
+        self.launches: list[_Launch] = []
         for dtype, positions in by_dtype.items():
             group = [tensors[position] for position in positions]
-            self.launches.append((dtype, *_launch_table(group, group, positions, device)))
+            self.launches.append(_Launch(dtype, group, group, positions, device))
 
 
 def _layout_key(tensor: torch.Tensor) -> tuple[int, int, torch.dtype, bool]:
@@ -304,12 +321,7 @@ class SummedCopies:
                 raise ValueError(f"cannot copy and sum {tuple(source.shape)} into {tuple(destination.shape)} here")
             by_dtype.setdefault(destination.dtype, []).append((destination, source, owner))
         self._launches = [
-            (
-                dtype,
-                *_launch_table(
-                    [s for _, s, _ in group], [d for d, _, _ in group], [o for _, _, o in group], self.device
-                ),
-            )
+            _Launch(dtype, [s for _, s, _ in group], [d for d, _, _ in group], [o for _, _, o in group], self.device)
             for dtype, group in by_dtype.items()
         ]
         self._held = [(d, s) for d, s, _ in copies]  # (the tables hold addresses: the tensors must stay alive)
@@ -318,11 +330,8 @@ class SummedCopies:
         """Make every copy on the current stream; the sums of what each owner's copies wrote, ``[owners, 3]`` int64
         on the GPU (nothing synchronizes)."""
         out = torch.zeros(self.owners, 3, dtype=torch.int64, device=self.device)
-        for dtype, aligned, (sources, destinations, numels, owners, item, start) in self._launches:
-            _sum_spans[(item.numel(),)](
-                sources, destinations, numels, owners, item, start, out, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype), COPY=True, SHORT=dtype == torch.bfloat16, ALIGNED=aligned,
-            )  # fmt: skip
+        for launch in self._launches:
+            launch.run(out, copy=True)
         return out
 
 
@@ -347,11 +356,8 @@ def batched_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         layout = _layouts[key] = _Layout(tensors, device)
     try:
         out = torch.zeros(len(tensors), 3, dtype=torch.int64, device=layout.device)
-        for dtype, aligned, (addresses, _, numels, rows_of, item, start) in layout.launches:
-            _sum_spans[(item.numel(),)](
-                addresses, addresses, numels, rows_of, item, start, out, BLOCK=_BLOCK, STEPS=_STEPS,
-                DTYPE=_triton_dtype(dtype), COPY=False, SHORT=dtype == torch.bfloat16, ALIGNED=aligned,
-            )  # fmt: skip
+        for launch in layout.launches:
+            launch.run(out, copy=False)
         return out
     except Exception as error:  # noqa: BLE001  # no usable Triton here: the per-tensor sums are as exact
         _USABLE = False
