@@ -266,8 +266,10 @@ class EngineConnection:
         try:
             copying = self.sender.send(outgoing)
             if copying is not None:  # committed, its copies still running on the engine's device
-                if self.landing and not copying.brings_sums:
-                    self.landing.ask_engine()  # (answered once they end: the question's round trip overlaps them)
+                if self.landing:
+                    if not copying.brings_sums:
+                        self.landing.ask_engine()  # (answered once they end: the question's round trip overlaps them)
+                    self.landing.copies_running()
                 reports = copying.wait()
                 if self.landing and reports is not None:
                     self.landing.answered(reports)

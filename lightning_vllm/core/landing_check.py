@@ -155,6 +155,12 @@ class LandingCheck:
         if self._pending:
             self._answer = reports
 
+    def copies_running(self) -> None:
+        """The push committed and the engine's copies of it still run on its device (``lightning_ipc``): the
+        trainer's sums are read meanwhile (``SentSums.read_meanwhile``), off the path that follows the copies."""
+        if self._pending:
+            self.sent.read_meanwhile()
+
     def push_ended(self, committed: bool) -> None:
         """The push committed and landed (what was tallied is held now) or did not.
 

@@ -224,6 +224,25 @@ def test_sums_sent_earlier_count_until_sent_again_and_a_failed_push_leaves_them(
     assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(one[0] + two[0], one[1] + two[1])
 
 
+def test_held_sums_read_while_the_copies_run_are_what_the_commit_keeps_and_a_failed_push_forgets_them():
+    name = "model.layers.0.mlp.up_proj.weight"
+    weight = torch.ones(5)
+    sent = SentSums()
+    sent.tally(name, weight, held=True)
+    sent.sum_held_meanwhile()
+    sent.read_meanwhile()
+    weight.fill_(3.0)  # (read already: the commit keeps what was read, not these)
+    sent.commit()
+    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(*tensor_sums(torch.ones(5)).tolist()[:2])
+    sent.tally(name, weight, held=True)
+    sent.sum_held_meanwhile()
+    sent.read_meanwhile()
+    sent.dropped()  # the push did not land: what was read is not kept, nor read into the next push
+    sent.tally(name, torch.full((5,), 2.0))
+    sent.commit()
+    assert sent.by_layer()["model.layers.0.mlp"] == LayerSums(*tensor_sums(torch.full((5,), 2.0)).tolist()[:2])
+
+
 def test_the_same_values_in_another_layout_and_order_match_exactly():
     values = torch.randn(1_000_003, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
     sent = LayerSums(*tensor_sums(values).tolist()[:2])
