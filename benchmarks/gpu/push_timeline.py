@@ -99,7 +99,7 @@ def mark_stages() -> None:
     marked(KeptHandlesIPCTrainerEngine, "wait_until_landed", before="6b_copies_waited_for", after="6c_copies_landed")
     marked(LandingCheck, "answered", before="6d_sums_came_with_the_copies")  # (lightning_ipc's landed sums)
     marked(LandingCheck, "push_ended", before="7b_push_ended", after="7c_trainer_sums_read")
-    marked(LandingCheck, "differing_layers", before="7d_engine_sums_awaited", after="7e_checked")
+    marked(LandingCheck, "check_result", before="7d_engine_sums_awaited", after="7e_checked")
     marked(VLLMUpdater, "push_weights", after="8_push_returned")
     # The commit's calls, made while the worker's copies run (lightning_ipc's worker returns once they are queued).
     marked(LLM, "update_weight_version", before="5b_version_call", after="5c_version_set")

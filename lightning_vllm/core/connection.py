@@ -24,7 +24,7 @@ from lightning_vllm.backends.registry import backend_for_engine, carrying
 from lightning_vllm.core import after_failure
 from lightning_vllm.core.after_failure import end_failed_update
 from lightning_vllm.core.facts import EngineFacts, lora_facts
-from lightning_vllm.core.landing_check import LandingCheck
+from lightning_vllm.core.landing_check import Checked, LandingCheck
 from lightning_vllm.engines import EngineTarget
 from lightning_vllm.engines.base import (
     FollowsUpdaterTimeout,
@@ -288,7 +288,7 @@ class EngineConnection:
         if pause_for_transfer:
             window.resume()
         timing = PushTiming(sent_seconds - window.commit_seconds, window.commit_seconds, window.pause_seconds)
-        return Pushed(self._record_landed(payload, names), timing, version)
+        return Pushed(self._record_committed(payload, names), timing, version)
 
     def _names_to_send(self, payload: Payload) -> ModelMetadata:
         """The engine's names and dtypes of what ``payload`` sends this engine: an adapter's under the engine's LoRA
@@ -331,7 +331,7 @@ class EngineConnection:
             checked=sums is not None,
         )
 
-    def _record_landed(self, payload: Payload, names: ModelMetadata) -> int:
+    def _record_committed(self, payload: Payload, names: ModelMetadata) -> int:
         """After a push committed: what the engine now holds (its base, the stamps of what was sent, the landing
         check's tally); returns the bytes sent."""
         if payload.adapter_config is None:
@@ -343,13 +343,13 @@ class EngineConnection:
             self.landing.push_ended(committed=True)
         return self._all_bytes if names is self.engine_metadata else metadata_bytes(names)
 
-    def differing_layers(self) -> list[str]:
-        """After a push that committed: the layers the engine holds otherwise than sent (``[]``: none, or not
-        checked); if any, the next push sends every tensor again."""
-        layers = self.landing.differing_layers() if self.landing else []
-        if layers:
+    def check_result(self) -> Checked:
+        """After a push that committed: what the check found (``landing_check.Checked``); if a layer differs, the
+        next push sends every tensor again."""
+        result = self.landing.check_result() if self.landing else Checked()
+        if result.differing:
             self.sent = SentStamps()
-        return layers
+        return result
 
     def close(
         self, wait: bool = True, open_update: CommitWindow | None = None, mixed_version: str | None = None

@@ -31,6 +31,19 @@ _LISTED = 8  # layers named in a message, at most
 
 
 @dataclass(frozen=True)
+class Checked:
+    """What the check after one push found.
+
+    Attributes:
+        differing: the layers the engine holds otherwise than sent.
+        covered: the layers compared, of the layers the engine should hold (``(0, 0)``: the push was not checked).
+    """
+
+    differing: list[str] = field(default_factory=list)
+    covered: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True)
 class HeldSums:
     """What an engine reported, its workers' reports combined.
 
@@ -102,7 +115,6 @@ class LandingCheck:
         self._report: BackgroundCall[list[dict[str, Any]]] | None = None  # the engine's sums, asked at the commit
         self._answer: list[dict[str, Any]] | None = None  # the engine's sums, come with the push (answered)
         self._every_rank: EveryRankSend | None = None  # the push's other ranks' fingerprints, if every rank sends
-        self.covered = (0, 0)  # the last check's layers compared, of the layers the engine should hold
 
     @classmethod
     def for_engine(cls, engine: EngineTarget, enabled: bool, timeout_seconds: float) -> LandingCheck | None:
@@ -175,14 +187,14 @@ class LandingCheck:
             self.sent.dropped()
             self._pending, self._report, self._answer = False, None, None  # (an answer asked for is not waited for)
 
-    def differing_layers(self) -> list[str]:
-        """The layers the engine holds otherwise than sent, after a push that committed (``[]`` when the
-        push was not checked, or the engine could not say within ``timeout_seconds``: a warning then
-        tells why, and the push stands as committed).
+    def check_result(self) -> Checked:
+        """What the engine holds against what was sent, after a push that committed (nothing differing and
+        nothing compared when the push was not checked, or the engine could not say within ``timeout_seconds``: a
+        warning then tells why, and the push stands as committed).
         """
         report, answer, self._report, self._answer = self._report, self._answer, None, None
         if not self._pending or (report is None and answer is None):
-            return []
+            return Checked()
         self._pending = False
         if answer is not None:
             reports = answer
@@ -193,10 +205,9 @@ class LandingCheck:
                 reports = report.result(left, waited=self.timeout_seconds)
             except WeightSyncError as error:
                 log.warning("The push to %s could not be checked: %s", self.engine.description, error)
-                return []
+                return Checked()
         held = HeldSums.combine(reports)
         expected = self.sent.by_layer()
-        self.covered = (sum(layer in held.layers for layer in expected), len(expected))
         # (Only what was sent is compared: a layer never pushed, such as one vLLM packed at start, is not a gap.)
         unverifiable = {layer: why for layer, why in held.unverifiable.items() if layer in expected}
         self.sent.unverifiable = set(unverifiable)  # (not summed from the next push on)
@@ -215,7 +226,7 @@ class LandingCheck:
                 f"The trainer's weights hold NaN or inf in {', '.join(not_finite[:_LISTED])}: those layers are not "
                 "checked.",
             )
-        return held.differing(expected)
+        return Checked(held.differing(expected), (sum(layer in held.layers for layer in expected), len(expected)))
 
     def _say_once(self, what: str, message: str) -> None:
         if what not in self._said:

@@ -227,11 +227,13 @@ class Push:
             raise next(iter(failures.values()))
         checked_at = time.perf_counter()
         connections = self.connections
-        found = {index: connections[index].differing_layers() for index in committed}
-        mismatched = {index: layers for index, layers in found.items() if layers}
+        found = {index: connections[index].check_result() for index in committed}
+        mismatched = {index: result.differing for index, result in found.items() if result.differing}
         timing = replace(timing, check_seconds=time.perf_counter() - checked_at)
-        checked = [landing.covered for index in found if (landing := connections[index].landing) is not None]
-        checked_layers = (sum(compared for compared, _ in checked), sum(layers for _, layers in checked))
+        checked_layers = (
+            sum(result.covered[0] for result in found.values()),
+            sum(result.covered[1] for result in found.values()),
+        )
         elapsed = time.perf_counter() - start
         stats = SyncStats(
             in_flight.version, elapsed, num_bytes, tuple(committed), tuple(sorted(failures)), timing, checked_layers

@@ -116,12 +116,14 @@ def test_the_engines_report_is_held_against_what_was_sent_and_unverifiable_layer
     check = LandingCheck.for_engine(engine, enabled=True, timeout_seconds=5)
     _pushed(check, {norm: torch.ones(3), attention: torch.ones(4)})
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
-        assert check.differing_layers() == []
-        assert check.differing_layers() == []  # nothing pushed since: the engine is not asked again
+        first = check.check_result()
+        assert first.differing == [] and first.covered == (1, 2)  # the norm compared; attention cannot be
+        again = check.check_result()  # nothing pushed since: the engine is not asked again, and nothing compared
+        assert again.differing == [] and again.covered == (0, 0)
     assert engine.asked == 1 and caplog.text.count("cannot be verified") == 1
     _pushed(check, {norm: torch.full((3,), 2.0), attention: torch.full((4,), 5.0)})
     assert check.sent._held[attention] == tuple(tensor_sums(torch.ones(4)).tolist())  # the first push's: not summed
-    assert check.differing_layers() == ["model.layers.0.input_layernorm"]  # the engine still reports ones
+    assert check.check_result().differing == ["model.layers.0.input_layernorm"]  # the engine still reports ones
 
 
 def test_an_engine_that_does_not_report_in_time_leaves_the_push_as_it_was(caplog):
@@ -130,7 +132,7 @@ def test_an_engine_that_does_not_report_in_time_leaves_the_push_as_it_was(caplog
     check = LandingCheck.for_engine(ReportingEngine(delay=2.0), enabled=True, timeout_seconds=0.2)
     _pushed(check, {"lm_head.weight": torch.ones(2)})
     with caplog.at_level(logging.WARNING, logger="lightning_vllm.core.landing_check"):
-        assert check.differing_layers() == []
+        assert check.check_result().differing == []
     assert "could not be checked" in caplog.text
 
 
@@ -163,7 +165,7 @@ def test_the_trainers_sums_of_held_tensors_run_while_the_engine_sums_its_own(mon
     assert summed_after_asked == [] and not asked.is_set()  # held: not summed on the wire
     check.push_ended(committed=True)
     assert summed_after_asked == [True]  # summed once the engine had been asked for its sums
-    assert check.differing_layers() == [] and engine.asked == 1
+    assert check.check_result().differing == [] and engine.asked == 1
 
 
 def test_an_engine_asked_as_the_push_committed_is_asked_once_and_its_answer_dropped_if_the_copies_fail():
@@ -179,12 +181,12 @@ def test_an_engine_asked_as_the_push_committed_is_asked_once_and_its_answer_drop
     sums.tally(norm, torch.ones(3), torch.float32)
     check.ask_engine()  # committed; the engine's copies still run (lightning_ipc)
     check.push_ended(committed=True)  # they landed
-    assert check.differing_layers() == [] and engine.asked == 1  # asked once, as it committed
+    assert check.check_result().differing == [] and engine.asked == 1  # asked once, as it committed
     sums = check.tally_for(carries_base=True, every_rank=None)
     sums.tally(norm, torch.full((3,), 2.0), torch.float32)
     check.ask_engine()
     check.push_ended(committed=False)  # the copies did not end in time: the push failed
-    assert check.differing_layers() == []  # nothing is held against an answer about a push that failed
+    assert check.check_result().differing == []  # nothing is held against an answer about a push that failed
     assert check.sent.by_layer()["model.layers.0.input_layernorm"].total == ones[0]  # the last push that landed
     check.ask_engine()  # nothing tallied since: not asked
     deadline = time.monotonic() + 5
@@ -207,14 +209,14 @@ def test_sums_that_came_with_the_push_are_held_against_it_and_the_engine_is_not_
     sums.tally(norm, torch.ones(3), torch.float32)
     check.answered([{"replicated": {"model.layers.0.input_layernorm": twos[:2]}}])  # (lightning_ipc's landed sums)
     check.push_ended(committed=True)
-    assert check.differing_layers() == ["model.layers.0.input_layernorm"] and engine.asked == 0
+    assert check.check_result().differing == ["model.layers.0.input_layernorm"] and engine.asked == 0
     # A push that fails drops what came with it; the next is asked for as before.
     sums = check.tally_for(carries_base=True, every_rank=None)
     sums.tally(norm, torch.ones(3), torch.float32)
     check.answered([{"replicated": {}}])
     check.push_ended(committed=False)
-    assert check.differing_layers() == [] and engine.asked == 0
+    assert check.check_result().differing == [] and engine.asked == 0
     sums = check.tally_for(carries_base=True, every_rank=None)
     sums.tally(norm, torch.ones(3), torch.float32)
     check.push_ended(committed=True)
-    assert check.differing_layers() == [] and engine.asked == 1
+    assert check.check_result().differing == [] and engine.asked == 1
