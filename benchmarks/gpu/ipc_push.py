@@ -46,8 +46,7 @@ from push_timeline import (
     mark_stages,
     push_figures,
     time_control_calls,
-    time_worker_reports,
-    time_worker_updates,
+    time_workers,
 )
 from vllm_engine import allow_pickled_rpc, build_model, dummy_llm
 
@@ -181,8 +180,7 @@ def main() -> None:
     results["python_speed"] = python_speed(model, args.rounds)
     for backend in args.backends.split(","):
         llm = dummy_llm(model_dir, backend=backend)
-        time_worker_updates(llm)
-        time_worker_reports(llm)
+        time_workers(llm)
         try:
             # The check after every push, on, then off: its cost is the difference.
             results[f"{backend}_push"] = push_figures(llm, model, backend, args.rounds, calls, verify_pushes=True)

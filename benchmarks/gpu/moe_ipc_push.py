@@ -38,7 +38,13 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
 from figures import options, write_results  # noqa: E402
-from push_timeline import copy_floor, mark_stages, push_figures, time_control_calls, time_worker_updates  # noqa: E402
+from push_timeline import (  # noqa: E402
+    copy_floor,
+    mark_stages,
+    push_figures,
+    time_control_calls,
+    time_workers,
+)
 from vllm_engine import allow_pickled_rpc  # noqa: E402
 
 BACKEND = "lightning_ipc"
@@ -65,7 +71,7 @@ def main() -> None:
     calls = time_control_calls()
     mark_stages()
     llm = dummy_bf16_llm(model_dir, num_bytes, backend=BACKEND)
-    time_worker_updates(llm)
+    time_workers(llm)
     pushes: dict[str, dict] = {}
     try:
         pushes["unverified_push"] = push_figures(llm, model, BACKEND, args.rounds, calls, verify_pushes=False)

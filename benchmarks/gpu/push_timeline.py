@@ -138,6 +138,13 @@ def time_control_calls() -> dict[str, list[float]]:
     return seconds
 
 
+def time_workers(llm) -> None:
+    """Time, inside vLLM's worker, each ``update_weights`` (:func:`time_worker_updates`) and each check report
+    (:func:`time_worker_reports`): what :func:`push_figures` reads back."""
+    time_worker_updates(llm)
+    time_worker_reports(llm)
+
+
 def time_worker_updates(llm) -> None:
     """Time, inside vLLM's worker, each ``update_weights`` of its transfer engine (no RPC): what the worker's
     own load costs, read back by :func:`worker_update_seconds`."""

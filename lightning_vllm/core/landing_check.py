@@ -69,20 +69,22 @@ class HeldSums:
             >>> HeldSums.combine([rank, rank]).layers
             {'lm_head': (2, 4), 'model.norm': (3, 3)}
         """
-        layers: dict[str, list[int]] = {}
+        sharded: dict[str, list[int]] = {}
         replicated: dict[str, tuple[int, int]] = {}
         unverifiable: dict[str, str] = {}
         stale: dict[str, str] = {}
         for report in reports:
             for layer, values in report.get("sharded", {}).items():
-                add_sums(layers, layer, values)
+                add_sums(sharded, layer, values)
             for layer, (total, squares) in report.get("replicated", {}).items():
                 replicated.setdefault(layer, (total, squares))  # every rank of a stage holds the same
             unverifiable.update(report.get("unverifiable", {}))
             stale.update(report.get("stale", {}))
-        for layer, values in replicated.items():
-            add_sums(layers, layer, values)
-        kept = {layer: (total, squares) for layer, (total, squares) in layers.items() if layer not in unverifiable}
+        kept = {layer: (total, squares) for layer, (total, squares) in sharded.items() if layer not in unverifiable}
+        for layer, sums in replicated.items():
+            if layer not in unverifiable:
+                held = kept.get(layer)
+                kept[layer] = sums if held is None else (held[0] + sums[0], held[1] + sums[1])
         return cls(kept, unverifiable, stale)
 
     def differing(self, expected: Mapping[str, LayerSums]) -> list[str]:

@@ -29,7 +29,7 @@ import functools
 import hashlib
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -48,10 +48,10 @@ _AS_IS_CHUNK_ELEMENTS = 1 << 30
 SQUARES_MODULUS = 1 << 32
 
 
-@dataclass(frozen=True)
-class LayerSums:
+class LayerSums(NamedTuple):
     """The fingerprint of one layer's tensors as the trainer sent them: the sum of their float32 bit
-    patterns, the sum of their squares' bit patterns, and whether every value was finite.
+    patterns, the sum of their squares' bit patterns, and whether every value was finite. (A named tuple: a check
+    makes one per layer at every push, 131 on an 8B model.)
 
     Example::
 
