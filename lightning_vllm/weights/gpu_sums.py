@@ -248,7 +248,7 @@ def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out
 
     A whole span (all but a tensor's last) is read without a mask, and with ``ALIGNED`` 16 bytes a load: measured
     on an H100 the masked loads of 2 bytes each, their 64-bit offsets and compares made the read of an 8B model's 16
-    GB bound by integer operations, not by memory (6.8 ms, docs/gpu.md run 67)."""
+    GB bound by integer operations, not by memory (6.5 ms, 5.3 now: docs/gpu.md run 67)."""
     span = tl.program_id(0)
     item = tl.load(span_item + span)
     start = tl.load(span_start + span)
