@@ -4,9 +4,10 @@ adapter; and the stamps a changed-only push compares.
 The decision is :func:`choose_view`, a pure function of the weights, their LoRA policy (:func:`policy_of`, found
 once), the options and the engines' facts (``core/facts.py``, read when connecting, and only for a LoRA policy:
 :func:`needs_facts`); :func:`payload_for` then builds the :class:`Payload` of that view, on every trainer rank
-alike. ``WeightSync.choose_payload`` runs the three (connecting first when the facts are needed; the ranks may agree
-on rank 0's view), and ``KeptChoice`` (``core/kept_choice.py``) keeps a push's payload for the next push of the same
-unchanged model. Everything after it, the connection, a background snapshot, a sharded walk, handles the payload.
+alike. ``WeightSync.choose_view`` and ``choose_payload`` run them (connecting first when the facts are needed; a
+sharded push takes rank 0's view on every rank), and ``KeptChoice`` (``core/kept_choice.py``) keeps a push's payload
+for the next push of the same unchanged model. Everything after it, the connection, a background snapshot, a sharded
+walk, handles the payload.
 """
 
 from __future__ import annotations

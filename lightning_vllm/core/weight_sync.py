@@ -347,16 +347,29 @@ class WeightSync:
         connections, _ = self._connected(self._engine_set.resolve(engines))
         return {index: connection.facts() for index, connection in connections.items()}
 
+    def choose_view(self, weights: Any, engines: EngineSelection = None) -> PushView:
+        """How a push of ``weights`` sends the policy (``core/payload_choice.py``): its full (merged) weights, its
+        LoRA adapter alone, or the base weights with the adapter. A LoRA policy's choice reads the engines' facts,
+        connecting to them first (:meth:`engine_facts`). A sharded push decides it on one rank and hands it to every
+        rank's :meth:`choose_payload` (``fronts/lightning/roles.py``).
+
+        Raises:
+            EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
+            ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy.
+        """
+        if isinstance(weights, Payload):
+            return weights.view
+        return self._decided_view(weights, policy_of(weights, self._options, Surveys()), engines)
+
     def choose_payload(
         self,
         weights: Any,
         engines: EngineSelection = None,
-        agree: Callable[[Callable[[], PushView]], PushView] | None = None,
+        view: PushView | None = None,
         surveys: Surveys | None = None,
     ) -> Payload:
         """What a push of ``weights`` carries (``core/payload_choice.py``): its tensors, its LoRA adapter and its
-        stamps, chosen once. A LoRA policy's choice reads the engines' facts, connecting to them first
-        (:meth:`engine_facts`); ``agree`` lets the trainer's ranks take one rank's decision.
+        stamps, chosen once, sent as ``view`` (decided here, :meth:`choose_view`, when not given).
         ``surveys``: the push's surveys of the policy's modules (each walked once).
 
         Raises:
@@ -366,19 +379,18 @@ class WeightSync:
         """
         if isinstance(weights, Payload):  # chosen already (a push every trainer rank takes part in)
             return weights
-
         surveys = surveys or Surveys()  # each module of the policy walked once
         policy = policy_of(weights, self._options, surveys)
+        chosen = view if view is not None else self._decided_view(weights, policy, engines)
+        return payload_for(weights, policy, chosen, self._options, surveys)
 
-        def decide() -> PushView:
-            facts: list[EngineFacts] = []
-            if needs_facts(policy, self._options):
-                if self.model_metadata is None:  # what the groups are formed for
-                    self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
-                facts = list(self.engine_facts(engines).values())
-            return choose_view(weights, policy, self._options, facts, self.adapter_consumer_problems)
-
-        return payload_for(weights, policy, decide() if agree is None else agree(decide), self._options, surveys)
+    def _decided_view(self, weights: Any, policy: torch.nn.Module | None, engines: EngineSelection) -> PushView:
+        facts: list[EngineFacts] = []
+        if needs_facts(policy, self._options):
+            if self.model_metadata is None:  # what the groups are formed for
+                self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
+            facts = list(self.engine_facts(engines).values())
+        return choose_view(weights, policy, self._options, facts, self.adapter_consumer_problems)
 
     @property
     def lora_request(self) -> Any:

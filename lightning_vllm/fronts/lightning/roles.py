@@ -186,17 +186,12 @@ class LockstepGathers(RankRoles):
         ranks = self.ranks
         weights: LockstepWeights | None = None
         agreed = sent_in_shares = False  # agreed on the payload; pushed in shares
-
-        def agree(decide: Callable[[], PushView]) -> PushView:
-            nonlocal agreed
-            view = _decided_on_rank_zero(decide, ranks)
-            agreed = True
-            return view
-
         with sync.versions.push_point() as point:  # (a push point that sends nothing is skipped)
             try:
+                view = _decided_on_rank_zero(lambda: sync.choose_view(module), ranks)
+                agreed = True
                 # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
-                payload = replace(sync.choose_payload(module, agree=agree), stamps=None)
+                payload = replace(sync.choose_payload(module, view=view), stamps=None)
                 weights = LockstepWeights(payload.weights, ranks)
                 weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
                 # (a collective: every rank decides alike)
@@ -220,7 +215,7 @@ class LockstepGathers(RankRoles):
 
 
 def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:
-    """How this push sends the policy (``WeightSync.choose_payload``), decided on rank 0 for every rank.
+    """How this push sends the policy (``WeightSync.choose_view``), decided on rank 0 for every rank.
 
     The ranks must iterate the same tensors (merged, adapter alone, or base then adapter)
     to stay in step in their gathers; whether an engine can serve the adapter, or still
