@@ -126,9 +126,9 @@ class Backend(ABC):
                 "GPU, or build the engine with weight_transfer_config={'backend': 'gloo'} to push from CPUs."
             )
 
-    def check_engine(self, engine: EngineTarget, ask: Callable[[Callable[[], Any], str], Any]) -> None:
-        """Raise if ``engine`` was built without what this backend needs; ``ask(fn, what)`` calls the
-        engine within the timeout. Nothing by default.
+    def check_engine(self, engine: EngineTarget, timeout_seconds: float) -> None:
+        """Raise if ``engine`` was built without what this backend needs; a question to the engine waits at most
+        ``timeout_seconds``. Nothing by default.
 
         Raises:
             EngineConfigError: the engine cannot take this backend's pushes (says how to build it).

@@ -159,7 +159,7 @@ class EngineConnection:
         configured = bounded(engine.transfer_backend, f"{engine.description} to describe itself")
         backend = backend_for_engine(options.backend, configured, engine.description)
         backend.check_trainer()
-        backend.check_engine(engine, bounded)
+        backend.check_engine(engine, options.timeout_seconds)
         tp_size = engine.tensor_parallel_size()
         if options.vllm_tp_size is not None and options.vllm_tp_size != tp_size:
             raise EngineConfigError(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
+from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.backends.base import GroupSettings, Traits
 from lightning_vllm.backends.vllm_engines import VLLMEngineBackend
 from lightning_vllm.engines import EngineTarget
@@ -45,10 +45,11 @@ class IPCBackend(VLLMEngineBackend):
                 "trainer ranks."
             )
 
-    def check_engine(self, engine: EngineTarget, ask: Callable[[Callable[[], Any], str], Any]) -> None:
+    def check_engine(self, engine: EngineTarget, timeout_seconds: float) -> None:
         """The engine must carry vLLM's CUDA IPC handles (``engines/serialization.py``)."""
         if isinstance(engine, ChecksIPCHandles):
-            if problem := ask(engine.ipc_handles_problem, f"{engine.description} to describe its RPC"):
+            what = f"{engine.description} to describe its RPC"
+            if problem := call_with_timeout(engine.ipc_handles_problem, timeout=timeout_seconds, what=what):
                 raise EngineConfigError(problem)
 
     def init_info(self, settings: GroupSettings) -> TrainerInitInfo:
