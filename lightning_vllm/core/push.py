@@ -202,14 +202,14 @@ class Push:
         """
         assert self.engines is not None, "a push is made by WeightSync.prepare"
         start = time.perf_counter()
-        committed: list[int] = []
+        committed: dict[int, EngineConnection] = {}
         failures: dict[int, BaseException] = dict(self.unreachable)
         num_bytes, timing = 0, PushTiming()
         indices = self.engine_indices
         try:
-            for position, index in enumerate(indices):
+            for position, (index, connection) in enumerate(self.connections.items()):
                 try:
-                    pushed = self._push_one(index, in_flight.version)
+                    pushed = self._push_one(index, connection, in_flight.version)
                 except PushAborted as error:  # another trainer rank stopped: no engine left can get this push
                     failures.update(dict.fromkeys(indices[position:], error))
                     break
@@ -217,7 +217,7 @@ class Push:
                     failures[index] = error
                     continue
                 num_bytes, timing = num_bytes + pushed.num_bytes, timing + pushed.timing
-                committed.append(index)
+                committed[index] = connection
         finally:
             if committed:
                 in_flight.commit()
@@ -226,8 +226,7 @@ class Push:
         if not committed:
             raise next(iter(failures.values()))
         checked_at = time.perf_counter()
-        connections = self.connections
-        found = {index: connections[index].check_result() for index in committed}
+        found = {index: connection.check_result() for index, connection in committed.items()}
         mismatched = {index: result.differing for index, result in found.items() if result.differing}
         timing = replace(timing, check_seconds=time.perf_counter() - checked_at)
         checked_layers = (
@@ -240,9 +239,9 @@ class Push:
         )
         return Sent(stats, mismatched, failures, self.engines)
 
-    def _push_one(self, index: int, version: int) -> Pushed:
-        """Send the payload to the engine at ``index`` over the connection the push was prepared with, and commit
-        ``version``. A failed push closed the connection, which is forgotten: the next push opens a new one.
+    def _push_one(self, index: int, connection: EngineConnection, version: int) -> Pushed:
+        """Send the payload to the engine at ``index`` over ``connection``, the one the push was prepared with, and
+        commit ``version``. A failed push closed the connection, which is forgotten: the next push opens a new one.
 
         Raises:
             RuntimeError: that connection was closed since (a push that failed in between: the next push opens
@@ -250,7 +249,6 @@ class Push:
             EngineDeadError: the engine died (it keeps nothing of this push).
         """
         assert self.engines is not None
-        connection = self.connections[index]
         if self.engines.connections.get(index) is not connection:
             raise RuntimeError(f"The connection to engine {index!r} closed after this push was prepared; push again.")
         try:
