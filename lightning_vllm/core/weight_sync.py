@@ -109,10 +109,7 @@ class WeightSync:
         self._post_hooks: list[Callable[[], Any]] = []
         self.last_sync: SyncStats | None = None
         self._kept: KeptChoice | None = None  # the last push's choice and checks, for the next push of its model
-        # Why something outside this package that samples from the engines could not sample from a pushed LoRA
-        # adapter (said by the front end that knows it: TorchRL's, of its collector's policy); lora="auto" then
-        # pushes merged weights.
-        self.adapter_consumer_problems: list[str] = []
+        self._adapter_consumer_problems: list[str] = []  # (set_adapter_consumer_problems)
 
     @property
     def options(self) -> UpdaterOptions:
@@ -134,6 +131,13 @@ class WeightSync:
         check_requested(options.backend)
         self.close()
         self._options = options
+
+    def set_adapter_consumer_problems(self, problems: list[str]) -> None:
+        """Why something outside this package that samples from the engines could not sample from a pushed LoRA
+        adapter (said by the front end that knows it: TorchRL's, of its collector's policy); ``lora="auto"`` then
+        pushes merged weights. The next push chooses its payload anew (a kept choice may have sent the adapter)."""
+        self._adapter_consumer_problems = list(problems)
+        self._kept = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         refuse_option_attribute(self, name)
@@ -351,11 +355,7 @@ class WeightSync:
         """How a push of ``weights`` sends the policy (``core/payload_choice.py``): its full (merged) weights, its
         LoRA adapter alone, or the base weights with the adapter. A LoRA policy's choice reads the engines' facts,
         connecting to them first (:meth:`engine_facts`). A sharded push decides it on one rank and hands it to every
-        rank's :meth:`choose_payload` (``fronts/lightning/roles.py``).
-
-        Raises:
-            EngineConfigError: ``lora="adapter"`` but an engine cannot serve the adapter (says why).
-            ValueError: ``lora="adapter"`` but ``weights`` is not a PEFT LoRA policy.
+        rank's :meth:`choose_payload` (``fronts/lightning/roles.py``), which raises as it does.
         """
         if isinstance(weights, Payload):
             return weights.view
@@ -390,7 +390,7 @@ class WeightSync:
             if self.model_metadata is None:  # what the groups are formed for
                 self.model_metadata = source_metadata(weights_from(weights, self._options.model_attribute))
             facts = list(self.engine_facts(engines).values())
-        return choose_view(weights, policy, self._options, facts, self.adapter_consumer_problems)
+        return choose_view(weights, policy, self._options, facts, self._adapter_consumer_problems)
 
     @property
     def lora_request(self) -> Any:

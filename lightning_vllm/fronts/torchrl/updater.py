@@ -365,7 +365,7 @@ class VLLMUpdater:
         self._collector_ref = weakref.ref(collector)
         if hasattr(collector, "increment_version"):
             self.register_post_hook(CollectorVersion(collector))
-        self.weight_sync.adapter_consumer_problems = adapter_consumer_problems(collector)
+        self.weight_sync.set_adapter_consumer_problems(adapter_consumer_problems(collector))
 
     @property
     def collector(self) -> Any:
