@@ -351,15 +351,15 @@ class WeightSync:
         connections, _ = self._connected(self._engine_set.resolve(engines))
         return {index: connection.facts() for index, connection in connections.items()}
 
-    def choose_view(self, weights: Any, engines: EngineSelection = None) -> PushView:
+    def choose_view(self, weights: Any, engines: EngineSelection = None, surveys: Surveys | None = None) -> PushView:
         """How a push of ``weights`` sends the policy (``core/payload_choice.py``): its full (merged) weights, its
         LoRA adapter alone, or the base weights with the adapter. A LoRA policy's choice reads the engines' facts,
         connecting to them first (:meth:`engine_facts`). A sharded push decides it on one rank and hands it to every
-        rank's :meth:`choose_payload` (``fronts/lightning/roles.py``), which raises as it does.
+        rank's :meth:`choose_payload`, which raises as it does (given the same ``surveys``, both walk the modules once).
         """
         if isinstance(weights, Payload):
             return weights.view
-        return self._decided_view(weights, policy_of(weights, self._options, Surveys()), engines)
+        return self._decided_view(weights, policy_of(weights, self._options, surveys or Surveys()), engines)
 
     def choose_payload(
         self,

@@ -48,6 +48,7 @@ from lightning_vllm.options import PushFrom
 from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.payload import Payload, PushView
 from lightning_vllm.weights.shares import RankShares
+from lightning_vllm.weights.survey import Surveys
 
 if TYPE_CHECKING:
     from lightning_vllm.core.push import SyncStats
@@ -188,10 +189,11 @@ class LockstepGathers(RankRoles):
         agreed = sent_in_shares = False  # agreed on the payload; pushed in shares
         with sync.versions.push_point() as point:  # (a push point that sends nothing is skipped)
             try:
-                view = _decided_on_rank_zero(lambda: sync.choose_view(module), ranks)
+                surveys = Surveys()  # (the policy's modules walked once, by the view's choice and the payload's)
+                view = _decided_on_rank_zero(lambda: sync.choose_view(module, surveys=surveys), ranks)
                 agreed = True
                 # No stamps: a sharded policy's groups are all gathered and sent (the engine's copy is then unknown).
-                payload = replace(sync.choose_payload(module, view=view), stamps=None)
+                payload = replace(sync.choose_payload(module, view=view, surveys=surveys), stamps=None)
                 weights = LockstepWeights(payload.weights, ranks)
                 weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
                 # (a collective: every rank decides alike)
