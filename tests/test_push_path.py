@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from push_trace import assert_few_modules_and_no_call_up, calls_up
 
-MOST_MODULES_A_GLOO_PUSH_ENTERS = 19
+MOST_MODULES_A_GLOO_PUSH_ENTERS = 18
 
 
 @pytest.mark.engine

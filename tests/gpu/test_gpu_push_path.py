@@ -15,7 +15,7 @@ from push_trace import TRACED_STEP, ModulesEntered, TracedSync, assert_few_modul
 
 pytestmark = pytest.mark.gpu
 
-MOST_MODULES_AN_IPC_PUSH_ENTERS = 19
+MOST_MODULES_AN_IPC_PUSH_ENTERS = 18
 
 
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="traced in process with sys.monitoring (Python 3.12)")

@@ -1,11 +1,10 @@
 """What happens at a push point, once the callback has decided one is due (``callback.PushSchedule``).
 
-A push point pushes blocking, or in the background (``background.py``), with the trainer's ranks in the roles chosen
-at fit start (a ``roles.RankRoles``: ``RankZeroAlone``, the roles of a policy every rank holds whole;
-lockstep gathers of a sharded policy; or every rank's own share: ``roles.py``). Under DDP the ranks
-that do not push then receive rank 0's versions. A failed push is raised or, with ``on_sync_error="warn"``, counted
-and warned about. Every push's figures go to the Lightning loggers. The callback (``callback.py``) only calls in at
-its hooks.
+A push point pushes blocking, or in the background (``background.py``): a policy every rank holds whole from rank 0
+alone, under DDP the other ranks then receiving rank 0's versions; a sharded policy with the trainer's ranks in the
+roles chosen at fit start (lockstep gathers, or every rank's own share: ``roles.py``). A failed push is raised or,
+with ``on_sync_error="warn"``, counted and warned about. Every push's figures go to the Lightning loggers. The callback
+(``callback.py``) only calls in at its hooks.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from lightning_vllm.errors import (
 )
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.fronts.lightning.ranks import TrainerRanks, is_sharded
-from lightning_vllm.fronts.lightning.roles import RankRoles, RankZeroAlone, choose_rank_roles
+from lightning_vllm.fronts.lightning.roles import LockstepGathers, choose_rank_roles
 from lightning_vllm.options import PushFrom, WhenBusy
 
 log = logging.getLogger(__name__)
@@ -61,14 +60,14 @@ class PushPoints:
         self.on_sync_error = on_sync_error
         self.sync_failures = 0
         self.ranks: TrainerRanks | None = None  # the trainer's ranks, when there are several
-        self.roles: RankRoles = RankZeroAlone()  # which ranks take part (chosen again at fit start)
+        self.roles: LockstepGathers | None = None  # how every rank takes part in a sharded push (chosen at fit start)
 
     def join_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generate_timeout: float) -> TrainerRanks:
         """Every rank: a status group of the trainer's ranks, and whether all take part in pushes (a sharded
         policy). A collective of every rank, when fitting starts."""
         self.ranks = TrainerRanks(self.updater.options.timeout_seconds, generate_timeout)
         self.roles = choose_rank_roles(self.ranks, is_sharded(trainer.strategy.model or pl_module), self.push_from)
-        if self.roles.every_rank_walks and self.pusher is not None:
+        if self.roles is not None and self.pusher is not None:
             rank_zero_warn(
                 "VLLMWeightSync(blocking=False) pushes a sharded policy blocking: its gathers are collectives "
                 "of every rank and run in the training loop's thread."
@@ -80,9 +79,7 @@ class PushPoints:
         if trainer.sanity_checking:
             return
         try:
-            self._push_now(
-                trainer, pl_module, background and self.pusher is not None and not self.roles.every_rank_walks
-            )
+            self._push_now(trainer, pl_module, background and self.pusher is not None and self.roles is None)
         except WeightSyncError as error:
             self.failed(trainer, error)
 
@@ -111,10 +108,10 @@ class PushPoints:
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
-        self.roles = RankZeroAlone()
+        self.roles = None
 
     def _push_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, background: bool) -> None:
-        if self.roles.every_rank_walks:  # a sharded policy: every rank takes part
+        if self.roles is not None:  # a sharded policy: every rank takes part
             # The strategy's model: FSDPStrategy wraps the LightningModule, whose root unit owns
             # the parameters no sub-module unit does.
             start = time.perf_counter()
@@ -138,8 +135,7 @@ class PushPoints:
             self.pusher.wait_or_raise("before a blocking push")
             self.collect(trainer)
         try:
-            stats = self.roles.push(self.updater, pl_module)
-            assert stats is not None, "rank 0 sends"
+            stats = self.updater.push(pl_module)
         except PartialPushError as error:
             self._log(trainer, cast(SyncStats, error.stats), stall_seconds=time.perf_counter() - start)
             raise
@@ -149,7 +145,7 @@ class PushPoints:
     def share_versions(self) -> None:
         """Under DDP, global rank 0's versions (and skipped push points) on every rank; a collective
         of every rank at each push point. Sharded pushes share them themselves."""
-        if self.ranks is None or self.roles.every_rank_walks:
+        if self.ranks is None or self.roles is not None:
             return
         shared = self.ranks.broadcast_ints(self.updater.versions.state().to_ints())
         if self.ranks.rank != 0:

@@ -1,7 +1,7 @@
-"""Which trainer ranks take part in a push, side by side (:class:`RankRoles`, chosen at fit start by
-:func:`choose_rank_roles`): rank 0 alone (:class:`RankZeroAlone`), every rank gathering a sharded policy in lockstep
+"""How the trainer's ranks push a sharded policy, side by side (chosen at fit start by :func:`choose_rank_roles`;
+a policy every rank holds whole is pushed by rank 0 alone, ``push_points.py``): every rank gathering it in lockstep
 (:class:`LockstepGathers`), or every rank sending its own share (:class:`EveryRankShares`, through the every-rank
-exchange of ``every_rank.py``, its one interface to the gathers being :class:`SendsShares`).
+exchange of ``every_rank.py``).
 
 A sharded parameter is gathered with a collective, so every rank must walk the
 weights in the same order at the same time; only global rank 0 sends to vLLM.
@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from typing_extensions import override
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from lightning_vllm.core.versions import PushPointVersions, VersionState
+from lightning_vllm.core.versions import VersionState
 from lightning_vllm.errors import PushAborted, WeightSyncError
 from lightning_vllm.fronts.lightning.every_rank import push_in_shares
 from lightning_vllm.fronts.lightning.ranks import DONE, PROCEED, TrainerRanks
@@ -126,64 +125,24 @@ class LockstepWeights(Weights):
         self.ranks.check_in(error=error)
 
 
-class RankRoles(ABC):
-    """Which trainer ranks take part in a push, and how; chosen once when fitting starts
-    (``PushPoints.join_ranks``). Three sets of roles, one protocol:
+class LockstepGathers:
+    """A sharded policy: every rank gathers in lockstep (checking in before each layer group), rank 0 sends.
 
-    * :class:`RankZeroAlone`: every rank holds the full weights (one process, DDP); rank 0 pushes
-      (blocking or in the background) and the others take its versions;
-    * :class:`LockstepGathers`: a sharded policy (FSDP2, FSDP, ZeRO-3); every rank gathers in
-      lockstep, rank 0 sends;
-    * :class:`EveryRankShares`: a sharded policy whose every rank sends its own share
-      (``push_from="every_rank"``), gathered in lockstep when it cannot (a :class:`LockstepGathers` given the
-      every-rank interface, :class:`SendsShares`).
+    Args:
+        ranks: the trainer's ranks.
     """
 
-    every_rank_walks: ClassVar[bool]
-    """Every rank walks the policy at each push (a collective): no background push."""
+    def __init__(self, ranks: TrainerRanks) -> None:
+        self.ranks = ranks
 
-    @abstractmethod
     def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        """Push ``module``'s weights now, blocking; on every rank taking part, at the same point. Returns
-        the figures on the rank that sent (``None`` elsewhere).
+        """Push ``module``'s weights now, blocking; on every rank, at the same point. Returns the figures on rank 0
+        (``None`` elsewhere). Every rank's ``sync.versions`` ends the same: the version rank 0 committed, or one more
+        missed push point when the push failed.
 
         Raises:
             WeightSyncError: the push failed (on some rank: every rank raises with its message).
         """
-
-
-class SendsShares(Protocol):
-    """The every-rank interface (``push_from="every_rank"``, :class:`EveryRankShares`): the one place a
-    lockstep push calls into the every-rank protocol, which is built on it."""
-
-    def shares_of(self, payload: Payload) -> RankShares | None:
-        """This rank's own shares of ``payload`` when every rank is to send its own instead of gathering it, else
-        ``None`` (a collective: every rank decides alike)."""
-
-    def push_shares(
-        self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
-    ) -> SyncStats | None:
-        """Push with every rank sending ``shares``, inside ``point`` (the figures on rank 0)."""
-
-
-class LockstepGathers(RankRoles):
-    """A sharded policy: every rank gathers in lockstep (checking in before each layer group), rank 0 sends;
-    with ``shares``, every rank sends its own share instead where each has one.
-
-    Args:
-        ranks: the trainer's ranks.
-        shares: the every-rank interface (``push_from="every_rank"``), if every rank is to send its own share.
-    """
-
-    every_rank_walks: ClassVar[bool] = True
-
-    def __init__(self, ranks: TrainerRanks, shares: SendsShares | None = None) -> None:
-        self.ranks = ranks
-        self.shares = shares
-
-    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        """As :meth:`RankRoles.push`, every rank taking part. Every rank's ``sync.versions`` ends the same:
-        the version rank 0 committed, or one more missed push point when the push failed."""
         ranks = self.ranks
         weights: LockstepWeights | None = None
         agreed = sent_in_shares = False  # agreed on the payload; pushed in shares
@@ -197,10 +156,10 @@ class LockstepGathers(RankRoles):
                 weights = LockstepWeights(payload.weights, ranks)
                 weights.check_in(PROCEED)  # every rank has its weights: vLLM may be touched
                 # (a collective: every rank decides alike)
-                shares = self.shares.shares_of(payload) if self.shares is not None else None
-                if self.shares is not None and shares is not None:
+                shares = self.shares_of(payload)
+                if shares is not None:
                     sent_in_shares = True  # (a push in shares shares its errors itself)
-                    return self.shares.push_shares(sync, payload, shares, point)
+                    return push_in_shares(sync, payload, shares, ranks, point)
                 if ranks.rank == 0:
                     stats = sync.push(payload.with_weights(weights), point=point)
                     weights.check_in(DONE, stats.weight_version)
@@ -214,6 +173,11 @@ class LockstepGathers(RankRoles):
                     weights = LockstepWeights(_NoWeights(), ranks)
                 weights.fail(error)
                 raise
+
+    def shares_of(self, payload: Payload) -> RankShares | None:
+        """This rank's own shares of ``payload`` when every rank is to send its own instead of gathering it, else
+        ``None`` (a collective: every rank decides alike): never here (:class:`EveryRankShares`)."""
+        return None
 
 
 def _decided_on_rank_zero(decide: Callable[[], PushView], ranks: TrainerRanks) -> PushView:
@@ -248,35 +212,15 @@ class _NoWeights(Weights):
         return iter(())
 
 
-class RankZeroAlone(RankRoles):
-    """One process, or every rank holding the full weights: rank 0 sends; no other rank takes part in
-    the push itself (they take rank 0's versions at each push point: ``PushPoints.share_versions``)."""
-
-    every_rank_walks: ClassVar[bool] = False
-
-    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        return sync.push(module)  # (called on global rank 0 only: PushPoints._push_from_rank_zero)
-
-
-class EveryRankShares(RankRoles):
+class EveryRankShares(LockstepGathers):
     """``push_from="every_rank"``: each rank sends its own share of every tensor when every rank holds
-    one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy): a
-    :class:`LockstepGathers` given this as its every-rank interface (:class:`SendsShares`).
+    one (FSDP2); gathered in lockstep, rank 0 sending, otherwise (a LoRA adapter, another policy).
 
     Args:
         ranks: the trainer's ranks.
     """
 
-    every_rank_walks: ClassVar[bool] = True
-
-    def __init__(self, ranks: TrainerRanks) -> None:
-        self.ranks = ranks
-        self._lockstep = LockstepGathers(ranks, shares=self)
-
     @override
-    def push(self, sync: WeightSync, module: torch.nn.Module) -> SyncStats | None:
-        return self._lockstep.push(sync, module)
-
     def shares_of(self, payload: Payload) -> RankShares | None:
         """This rank's shares of ``payload``, if every rank has its own (a collective); else ``None``,
         with a warning (once) that says why the push is gathered and sent by rank 0 instead."""
@@ -292,15 +236,10 @@ class EveryRankShares(RankRoles):
             log.warning("push_from='every_rank': this push is gathered and sent by rank 0 instead, as %s.", why)
         return None
 
-    def push_shares(
-        self, sync: WeightSync, payload: Payload, shares: RankShares, point: PushPointVersions
-    ) -> SyncStats | None:
-        return push_in_shares(sync, payload, shares, self.ranks, point)
 
-
-def choose_rank_roles(ranks: TrainerRanks, sharded: bool, push_from: PushFrom) -> RankRoles:
-    """The rank roles of every push of a fit: rank 0 alone unless the policy is sharded; then lockstep
+def choose_rank_roles(ranks: TrainerRanks, sharded: bool, push_from: PushFrom) -> LockstepGathers | None:
+    """The rank roles of every push of a fit: ``None`` (rank 0 alone) unless the policy is sharded; then lockstep
     gathers, or every rank's own share with ``push_from="every_rank"``."""
     if not sharded:
-        return RankZeroAlone()
+        return None
     return EveryRankShares(ranks) if push_from == "every_rank" else LockstepGathers(ranks)
