@@ -135,29 +135,14 @@ NOT_A_LORA_POLICY = (
 
 
 def lora_policy(
-    weights: Any,
-    model_attribute: str | None = None,
-    required: bool = False,
-    surveys: Callable[[torch.nn.Module], Survey] = survey,
+    weights: Any, model_attribute: str | None = None, surveys: Callable[[torch.nn.Module], Survey] = survey
 ) -> torch.nn.Module | None:
     """The PEFT LoRA model inside ``weights`` whose adapter can be sent alone, else ``None``.
 
     That is a PEFT model with LoRA layers, plain, under DDP or sharded with FSDP2;
     FSDP1 and ZeRO-3 wrappers are sent merged. ``surveys``: how a module is surveyed (a push's
     :class:`~lightning_vllm.weights.survey.Surveys` walks each module once).
-
-    Raises:
-        ValueError: ``required`` and there is none (``lora="adapter"``).
     """
-    model = _lora_policy(weights, model_attribute, surveys)
-    if model is None and required:
-        raise ValueError(NOT_A_LORA_POLICY)
-    return model
-
-
-def _lora_policy(
-    weights: Any, model_attribute: str | None, surveys: Callable[[torch.nn.Module], Survey]
-) -> torch.nn.Module | None:
     from lightning_vllm.weights.model import find_hf_model
 
     if not isinstance(weights, torch.nn.Module) or surveys(weights).fsdp_units:

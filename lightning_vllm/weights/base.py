@@ -134,10 +134,7 @@ class Weights(WeightSource):
 
     def groups(self) -> list[list[str]]:
         """The names in layer groups (vLLM's ``layerwise_groups``: one per decoder layer), in send order."""
-        metadata = self.metadata
-        if isinstance(metadata, ParamList):
-            return [list(group) for group in metadata.layer_groups]  # (copies: a caller may change them)
-        return layerwise_groups([meta.name for meta in metadata])
+        return [list(group) for group in self.metadata.layer_groups]  # (copies: a caller may change them)
 
     def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
         """``(names, tensors)`` of one layer group at a time, in the order of :meth:`groups`.

@@ -20,12 +20,6 @@ from lightning_vllm.weights.base import Weights
 from lightning_vllm.weights.model import canonical_name, find_hf_model
 
 
-def _fsdp_class() -> Any:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
 class FSDPWeights(Weights):
     """The parameters of an FSDP1-wrapped model under their checkpoint names, gathered unit by unit.
 
@@ -40,7 +34,8 @@ class FSDPWeights(Weights):
     """
 
     def __init__(self, module: torch.nn.Module, model_attribute: str | None = None) -> None:
-        fsdp = _fsdp_class()
+        from torch.distributed.fsdp import FullyShardedDataParallel as fsdp
+
         model_prefix = _model_prefix(module, model_attribute)
         self.units: list[tuple[Any, list[tuple[str, str]]]] = []  # (unit, [(local name, checkpoint name)])
         self._meta: list[ParamMeta] = []
@@ -73,7 +68,8 @@ class FSDPWeights(Weights):
         return list(self._meta)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        fsdp = _fsdp_class()
+        from torch.distributed.fsdp import FullyShardedDataParallel as fsdp
+
         for unit, names in self.units:
             inner = unit.module  # the wrapped module, whose parameters are full inside the context
             with fsdp.summon_full_params(unit, recurse=False, writeback=False):

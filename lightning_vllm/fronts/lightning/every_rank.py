@@ -41,6 +41,7 @@ from lightning_vllm.backends.registry import AUTO, backend_named, carrying
 from lightning_vllm.core.versions import PushPointVersions, VersionState
 from lightning_vllm.errors import PartialPushError, PushAborted
 from lightning_vllm.fronts.lightning.ranks import TrainerRanks
+from lightning_vllm.weights.layer_sums import add_sums
 from lightning_vllm.weights.payload import Payload
 from lightning_vllm.weights.shares import EveryRankSend, RankShares, ShareSender
 
@@ -198,6 +199,4 @@ class _StatusGroupSend(EveryRankSend):
             self.share_sums = {}
             for gathered in self.ranks.gather_to_rank_zero(b"")[1:]:
                 for name, sums in json.loads(gathered).items():
-                    totals = self.share_sums.setdefault(name, [0] * len(sums))
-                    for position, value in enumerate(sums):
-                        totals[position] += value
+                    add_sums(self.share_sums, name, sums)

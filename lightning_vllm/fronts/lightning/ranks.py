@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,6 @@ import torch.distributed as dist
 from lightning_vllm.errors import PushAborted, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.weights.shares import ShareSender
 from lightning_vllm.weights.survey import survey
-
-if TYPE_CHECKING:
-    pass
 
 PROCEED, DONE, FAILED = 0, 1, 2
 
