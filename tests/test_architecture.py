@@ -42,7 +42,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "core": [
         "core", "core.versions", "core.after_failure", "core.facts", "core.connection",
-        "core.payload_choice", "core.kept_choice", "core.landing_check", "core.push", "core.weight_sync",
+        "core.payload_choice", "core.landing_check", "core.push", "core.weight_sync",
     ],
     "fronts": [
         "fronts", "fronts.lightning", "fronts.lightning.ranks", "fronts.lightning.every_rank", "fronts.lightning.roles",

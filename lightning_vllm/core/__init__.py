@@ -4,7 +4,6 @@
   post hooks, and knows no framework;
 - ``push.py``: the engines by index, and one push to them as an object: prepared, then sent, which alone ends
   its version, and what it reports (``SyncStats``);
-- ``kept_choice.py``: a push's choice and checks, kept for the next push of the same unchanged model;
 - ``landing_check.py``: after a push, what each engine holds held against what was sent, layer by layer;
 - ``versions.py``: ``WeightVersions``, the one owner of the trainer's versions, and the handle a
   push point moves them through;

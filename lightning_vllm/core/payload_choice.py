@@ -5,7 +5,7 @@ The decision is :func:`choose_view`, a pure function of the weights, their LoRA 
 once), the options and the engines' facts (``core/facts.py``, read when connecting, and only for a LoRA policy:
 :func:`needs_facts`); :func:`payload_for` then builds the :class:`Payload` of that view, on every trainer rank
 alike. ``WeightSync.choose_view`` and ``choose_payload`` run them (connecting first when the facts are needed; a
-sharded push takes rank 0's view on every rank), and ``KeptChoice`` (``core/kept_choice.py``) keeps a push's payload
+sharded push takes rank 0's view on every rank), and ``KeptChoice`` (``weights/payload.py``) keeps a push's payload
 for the next push of the same unchanged model. Everything after it, the connection, a background snapshot, a sharded
 walk, handles the payload.
 """

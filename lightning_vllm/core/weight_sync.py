@@ -20,7 +20,6 @@ from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.backends.registry import check_requested
 from lightning_vllm.core.connection import EngineConnection
 from lightning_vllm.core.facts import EngineFacts
-from lightning_vllm.core.kept_choice import KeptChoice
 from lightning_vllm.core.payload_choice import choose_view, needs_facts, payload_for, policy_of
 from lightning_vllm.core.push import EngineSelection, EngineSet, Push, SyncStats
 from lightning_vllm.core.versions import InFlight, PushPointVersions, WeightVersions
@@ -30,7 +29,7 @@ from lightning_vllm.errors import EngineConfigError, WeightsMismatchError
 from lightning_vllm.options import UpdaterOptions, check_updater_options
 from lightning_vllm.weights import ModelMetadata, source_metadata, weights_from
 from lightning_vllm.weights.model import as_metadata
-from lightning_vllm.weights.payload import Payload, PushView
+from lightning_vllm.weights.payload import KeptChoice, Payload, PushView
 from lightning_vllm.weights.survey import Surveys
 
 _OPTION_NAMES = frozenset(field.name for field in fields(UpdaterOptions))

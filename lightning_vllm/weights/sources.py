@@ -95,7 +95,7 @@ class ModuleWeights(_ParameterWeights):
     Args:
         module: the model.
         parameters: its ``named_parameters()``, when a walk found them already (``survey.Survey``).
-        declared: their metadata, when known already (a push's choice kept for the next: ``core/kept_choice.py``).
+        declared: their metadata, when known already (a push's choice kept for the next: ``payload.KeptChoice``).
     """
 
     def __init__(

@@ -27,7 +27,7 @@ class Survey:
         zero3_parameters: a parameter partitioned by ZeRO-3 (it carries a ``ds_id``) is inside.
         parameters: ``module.named_parameters()``, in its order.
         modules: every module of the tree, each once, in the walk's order (a push keeps the tree's shape from them:
-            ``core/kept_choice.TreeShape``).
+            ``payload.TreeShape``).
     """
 
     fsdp_units: bool

@@ -1,5 +1,5 @@
 """What a module tree holds, found in one walk (FSDP1 units, LoRA layers, ZeRO-3 partitions, the parameters, the
-modules); whether it is still so is ``core/kept_choice.TreeShape``'s (``tests/core/test_kept_choice.py``)."""
+modules); whether it is still so is ``weights/payload.TreeShape``'s (``tests/weights/test_payload.py``)."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import torch
 from helpers import FakeEngine, tiny_moe, tiny_qwen2
 
 from lightning_vllm import WeightsMismatchError, WeightSync
-from lightning_vllm.core.kept_choice import TreeShape
 from lightning_vllm.options import UpdaterOptions
 from lightning_vllm.weights import survey as survey_module
+from lightning_vllm.weights.payload import TreeShape
 from lightning_vllm.weights.survey import survey
 
 
