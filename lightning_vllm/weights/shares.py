@@ -233,6 +233,9 @@ class EveryRankSend(ABC):
     (:meth:`begin_pass`), sends rank 0's shares while they send theirs, and hears from
     them once the bytes have moved (:meth:`end_pass`), before the engine commits.
     ``fronts/lightning/every_rank.py`` implements it on the trainer's status group.
+
+    It is the every-rank interface: the one place a backend calls up into a front end (``Payload.every_rank`` carries
+    it down through the core, and no signature between names it), besides the post hooks a user registers.
     """
 
     shares: RankShares
