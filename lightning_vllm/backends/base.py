@@ -86,11 +86,9 @@ class Sender(ABC):
     Attributes:
         device: the device it sends from, where a push's tensors go first (``None``: where they are;
             the backend converts them on the way).
-        copies_outlast_send: :meth:`send` returns while the engine's copies of the push still run (:class:`Copying`).
     """
 
     device: torch.device | None = None
-    copies_outlast_send: bool = False
 
     @abstractmethod
     def send(self, outgoing: Outgoing) -> Copying | None:

@@ -159,7 +159,6 @@ class VLLMEngineSender(Sender):
         self._copies_outlast_send = engine if isinstance(engine, CopiesOutlastSend) else None
         if self._copies_outlast_send is not None:
             self._copies_outlast_send.caller_waits = True
-            self.copies_outlast_send = True
         self._refuses_late = engine if isinstance(engine, RefusesLatePushes) else None
         self._mails_sums = engine if isinstance(engine, MailsSums) else None
 

@@ -318,9 +318,7 @@ class EngineConnection:
         sums = landing.tally_for(payload.view != "adapter", payload.every_rank) if landing else None
         # vLLM's engines send the tensors they are given, from the trainer's GPU; ours converts on the way.
         sent = EngineWeights(payload.weights, names, device=self.device, sums=sums)
-        # The model's own tensors are summed apart (SentSums says how), started now, or, where the engine's copies
-        # outlast the send, once they run (LandingCheck.copies_running): the launch's Python then holds no copy back.
-        if sums is not None and sent.tally_held() and not self.sender.copies_outlast_send:
+        if sums is not None and sent.tally_held():  # (the model's own tensors, summed apart: SentSums says how)
             sums.sum_held_meanwhile()
         client = self.client.committing(str(version), window)
         adapter_message = adapter.message(payload.adapter_config) if adapter and payload.adapter_config else None

@@ -171,11 +171,8 @@ class LandingCheck:
 
     def copies_running(self) -> None:
         """The push committed and the engine's copies of it still run on its device (``lightning_ipc``): the
-        trainer's sums are started now (the launch's Python beside the copies, not before them: 1.3 ms of an 8B push
-        on a GPU host, docs/gpu.md run 67) and read meanwhile (``SentSums.read_meanwhile``), off the path that follows
-        the copies."""
+        trainer's sums are read meanwhile (``SentSums.read_meanwhile``), off the path that follows the copies."""
         if self._pending:
-            self.sent.sum_held_meanwhile()
             self.sent.read_meanwhile()
 
     def push_ended(self, committed: bool) -> None:

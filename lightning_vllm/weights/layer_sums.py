@@ -193,9 +193,7 @@ class SentSums:
     def sum_held_meanwhile(self) -> None:
         """Start summing the held tensors now, before the push sends them (see the class docstring): on a thread if
         they are all on a CPU; on a GPU queued on a stream of their own (nothing waits for them until :meth:`commit`).
-        The push holds them unchanged until it returns. Once a push: a second call does nothing."""
-        if self._meanwhile is not None or self._read is not None:
-            return
+        The push holds them unchanged until it returns."""
         later = list(self._later.items())
         devices = {tensor.device for _, (tensor, _) in later}
         if len(devices) == 1:  # (a model over several GPUs is summed in commit())
