@@ -16,7 +16,10 @@ rm -rf "$out" && mkdir -p "$out/whl"
 tmp=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "vllm==$version" 2>&1 | grep -v 'is ignored' || true
 mkdir -p "$tmp/src" && (cd "$tmp/src" && python3 -m zipfile -e "$tmp"/vllm-*.whl . )
-find "$tmp/src" \( -name "*.so" -o -name "*.h" -o -name "*.hpp" -o -name "*.cuh" -o -name "*.inl" -o -name "*.cu" \) -delete
+# vLLM's CuMem allocator (27 KB, the one compiled module kept) is what sleep mode allocates through; it calls only the
+# CUDA driver API, so it loads on the host's torch (2026-12-07, run 69). The rest cannot load there.
+find "$tmp/src" \( -name "*.so" -o -name "*.h" -o -name "*.hpp" -o -name "*.cuh" -o -name "*.inl" -o -name "*.cu" \) \
+  ! -name "cumem_allocator.abi3.so" -delete
 rm -rf "$tmp/src/vllm/third_party/deep_gemm" "$tmp/src/vllm/third_party/fmha_sm100" "$tmp/src/vllm/vllm-rs" "$tmp/src/vllm/model_executor/layers/fused_moe/configs" "$tmp/src/vllm/model_executor/layers/quantization/utils/configs"
 tar czf "$out/vllm-py.tgz" -C "$tmp/src" vllm "vllm-$version.dist-info"
 # What vLLM's Python imports on the GPU host beyond its image (found by emulating that image); for `vllm serve`
