@@ -43,6 +43,10 @@ PushFrom = Literal["rank0", "every_rank"]
 sends it (no port beyond the sync's one); ``"every_rank"`` has each rank send its own FSDP2
 shard, with no gather, from a port of its own (``every_rank.py``, ``docs/multinode.md``)."""
 
+SleepLevel = Literal[1, 2]
+"""vLLM's sleep levels that free GPU memory for training: 1 keeps a host copy of the weights (woken for the next
+push), 2 drops them (the next push sends every layer). vLLM's level 0 only pauses scheduling: not a sleep here."""
+
 _MAX_PORT = 65535
 
 
@@ -63,6 +67,7 @@ class UpdaterOptions:
     changed_only: bool = True
     reset_prefix_cache: bool = True
     verify_pushes: bool = True
+    sleep_level: SleepLevel | None = None
 
     @property
     def address(self) -> str:
@@ -157,6 +162,15 @@ def check_updater_options(options: UpdaterOptions, num_engines: int = 1) -> None
     validate_bucket_size(options.bucket_size_bytes)
     check_choice("pause_mode", options.pause_mode, ("keep", "wait", "abort"))
     check_choice("lora", options.lora, ("auto", "adapter", "merged"))
+    level = options.sleep_level
+    if level == 0 and not isinstance(level, bool):
+        raise ValueError(
+            "Invalid value for sleep_level=0: vLLM's level 0 only pauses scheduling, which frees no GPU memory for "
+            "training. Pass 1 (weights kept in host memory), 2 (weights dropped, the next push sends every layer), "
+            "or None (no sleep)."
+        )
+    if level is not None and (isinstance(level, bool) or level not in (1, 2)):
+        raise ValueError(f"Invalid value for sleep_level={level!r}. Must be 1, 2 or None.")
 
 
 def check_options(options: SyncOptions) -> list[str]:

@@ -24,7 +24,7 @@ LAYERS: dict[str, list[str]] = {
     "where vLLM lives": [
         "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.worker_check",
         "engines.base", "engines.local", "engines.async_local", "engines.http", "engines.ray",
-        "engines.failures", "server", "engines.client",
+        "engines.failures", "server", "engines.client", "engines.sleep",
     ],
     "backends": [
         "backends", "backends.base", "backends.registry", "backends.vllm_engines",
@@ -47,7 +47,8 @@ LAYERS: dict[str, list[str]] = {
     "fronts": [
         "fronts", "fronts.lightning", "fronts.lightning.ranks", "fronts.lightning.every_rank", "fronts.lightning.roles",
         "fronts.lightning.background", "fronts.lightning.rollouts", "fronts.lightning.push_points",
-        "fronts.lightning.callback", "fronts.torchrl", "fronts.torchrl.collectors", "fronts.torchrl.updater",
+        "fronts.lightning.sleeping", "fronts.lightning.callback", "fronts.torchrl", "fronts.torchrl.collectors",
+        "fronts.torchrl.updater",
         "fronts.torchrl.scheme",
     ],
     "the package": ["", "torchrl"],

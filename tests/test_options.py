@@ -41,6 +41,10 @@ from lightning_vllm.options import SyncOptions, UpdaterOptions, check_options, c
         (SyncOptions(updater=UpdaterOptions(lora="both")), "lora='both'"),  # type: ignore[arg-type]
         (SyncOptions(updater=UpdaterOptions(vllm_tp_size=0)), "vllm_tp_size=0"),
         (SyncOptions(push_from="rank1"), "push_from='rank1'"),
+        # vLLM's level 0 pauses scheduling and frees nothing: 0 must not read as "off".
+        (SyncOptions(updater=UpdaterOptions(sleep_level=0)), r"sleep_level=0: vLLM's level 0 only pauses.*or None"),  # type: ignore[arg-type]
+        (SyncOptions(updater=UpdaterOptions(sleep_level=3)), "sleep_level=3. Must be 1, 2 or None"),  # type: ignore[arg-type]
+        (SyncOptions(updater=UpdaterOptions(sleep_level=True)), "sleep_level=True"),  # type: ignore[arg-type]
     ],
 )
 def test_conflicting_or_out_of_range_options_are_refused_with_both_named(options, message):

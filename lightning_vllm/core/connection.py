@@ -35,6 +35,7 @@ from lightning_vllm.engines.base import (
     version_number,
 )
 from lightning_vllm.engines.client import CommitWindow, TimedClient
+from lightning_vllm.engines.sleep import FoundAsleep, after_push, sleeping_engine, wake_for_push
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.in_vllm.lora_adapters import ADAPTER_PREFIX
 from lightning_vllm.lora.adapter import adapter_metadata
@@ -136,6 +137,8 @@ class EngineConnection:
         # so engines sharing a host, and later connections, never read each other's adapter.
         self.adapter = PolicyAdapter(key=uuid.uuid4().hex)
         self._lora_facts: tuple[LoraLimits | None, ExpectedWeights | None, list[str]] | None = None
+        self._sleeps = sleeping_engine(engine)  # (None: built without sleep mode, never asked about it)
+        self._found_asleep: FoundAsleep | None = None
 
     @classmethod
     def open(cls, engine: EngineTarget, metadata: ModelMetadata, options: UpdaterOptions, index: int = 0) -> Self:
@@ -185,9 +188,11 @@ class EngineConnection:
             sends_as_held=all(metadata[name][0] == dtype for name, (dtype, _) in engine_metadata.items()),
             updates_in_one_call=isinstance(engine, UpdatesInOneCall),
         )
-        # A trainer killed inside an earlier push's commit window (between pause and
-        # resume) left the engine paused; a new connection is where that ends.
-        bounded(engine.resume_generation, f"{engine.description} to resume generation")
+        # A trainer killed inside an earlier push's commit window (between pause and resume) left the engine paused; a
+        # new connection is where that ends. Not for a sleeping engine: its KV cache may be gone (vLLM 44395).
+        sleeps = sleeping_engine(engine)
+        if sleeps is None or not bounded(sleeps.sleep_state, f"{engine.description}'s sleep state").asleep:
+            bounded(engine.resume_generation, f"{engine.description} to resume generation")
         log.info("Joining %s's %d worker(s) over %s", engine.description, world_size - 1, backend.name)
         # The worker's side of the rendezvous is bounded by the client; the outer bound catches a
         # trainer endpoint stuck in NCCL's own init, which has no timeout.
@@ -254,9 +259,14 @@ class EngineConnection:
         pause_for_transfer = self.backend.traits.loads_while_receiving
         adapter = self.adapter if payload.adapter_config is not None else None
         options = self.options
+        # vLLM's push into a sleeping engine crashes its core (57853): the weights wake first, and dropped ones are
+        # all sent. A sleeping engine schedules nothing, and resuming it with its KV cache asleep would (44395).
+        found = self._found_asleep = wake_for_push(self._sleeps, options.timeout_seconds) if self._sleeps else None
+        if found is not None and found.weights_dropped:
+            self.sent = SentStamps()
         window = CommitWindow(
             self.engine, options.timeout_seconds, options.pause_mode, options.reset_prefix_cache, adapter,
-            pause_at_finish=not pause_for_transfer, pauses=self._pauses,
+            pause_at_finish=not pause_for_transfer, pauses=self._pauses and not (found and found.state.asleep),
         )  # fmt: skip
         if pause_for_transfer:
             window.pause()
@@ -345,10 +355,14 @@ class EngineConnection:
 
     def check_result(self) -> Checked:
         """After a push that committed: what the check found (``landing_check.Checked``); if a layer differs, the
-        next push sends every tensor again."""
+        next push sends every tensor again. An engine the push found asleep is then settled (``sleep.after_push``)."""
         result = self.landing.check_result() if self.landing else Checked()
         if result.differing:
             self.sent = SentStamps()
+        if self._sleeps is not None and self._found_asleep is not None:  # (checked first: a sleeping layer is unmapped)
+            keep_awake = self.options.sleep_level is not None
+            after_push(self._sleeps, self._found_asleep, self.options.timeout_seconds, keep_awake=keep_awake,
+                       mode=self.options.pause_mode)  # fmt: skip
         return result
 
     def close(

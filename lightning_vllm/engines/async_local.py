@@ -101,6 +101,12 @@ class AsyncLLMEngine(InProcessEngine):
         if not self.run(self.async_llm.reset_prefix_cache(reset_running_requests=True)):
             log.warning("AsyncLLM could not reset its prefix cache after a weight update.")
 
+    def sleep(self, level: int, mode: str) -> None:
+        self.run(self.async_llm.sleep(level=level, mode=mode))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.run(self.async_llm.wake_up(list(tags) if tags is not None else None))
+
     def pause_generation(self, mode: PauseMode) -> None:
         self.run(self.async_llm.pause_generation(mode=mode, clear_cache=False))
 

@@ -37,6 +37,7 @@ from lightning_vllm.engines.base import (
 from lightning_vllm.engines.completions import completion_fields
 from lightning_vllm.engines.routes import ADAPTER_ROUTE, PAUSE_LEASE_HEADER
 from lightning_vllm.engines.serialization import server_ipc_handles_problem
+from lightning_vllm.engines.sleep import SleepMode
 from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, layer_sums_problem
 from lightning_vllm.errors import EngineBusyError, EngineConfigError, WeightSyncError, WeightSyncTimeoutError
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
@@ -56,7 +57,7 @@ _NO_ADAPTER_MIDDLEWARE = (
 )
 
 
-class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, NamesItsEngine, ReportsLayerSums):
+class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, SleepMode):
     """Engine target for a vLLM server.
 
     Args:
@@ -297,6 +298,15 @@ class HTTPEngine(ServesAdapter, FollowsUpdaterTimeout, ChecksIPCHandles, NamesIt
 
     def resume_generation(self) -> None:
         self._request("POST", "resume")
+
+    def _sleep_mode_enabled(self) -> bool:
+        return bool(self._config["model_config"].get("enable_sleep_mode"))
+
+    def sleep(self, level: int, mode: str) -> None:  # (vLLM's dev-mode routes, as /collective_rpc)
+        self._request("POST", "sleep", params={"level": level, "mode": mode})
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._request("POST", "wake_up", params={"tags": list(tags)} if tags is not None else None)
 
     @cached_property
     def served_model(self) -> str:

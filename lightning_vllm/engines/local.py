@@ -26,13 +26,14 @@ from lightning_vllm.engines.base import (
     parse_weight_version,
 )
 from lightning_vllm.engines.serialization import ipc_handles_problem
+from lightning_vllm.engines.sleep import SleepMode
 from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, layer_sums_problem
 from lightning_vllm.lora.serving import LoraLimits, lora_limits_from
 from lightning_vllm.prompts import PromptLimits
 from lightning_vllm.weights.checks import ExpectedWeights, engine_weights
 
 
-class InProcessEngine(ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, ServesAdapter, UpdatesInOneCall):
+class InProcessEngine(ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, ServesAdapter, SleepMode, UpdatesInOneCall):
     """An engine in the training process: what the updater checks, read from its ``VllmConfig``; whether it died
     or carries CUDA IPC handles, asked of its engine-core client; its workers' per-layer sums, asked by name
     through its ``collective_rpc`` (:meth:`_ask_workers`).
@@ -68,6 +69,9 @@ class InProcessEngine(ChecksIPCHandles, NamesItsEngine, ReportsLayerSums, Serves
 
     def layer_sums(self) -> list[dict[str, Any]]:
         return self._ask_workers(LAYER_SUMS_METHOD)
+
+    def _sleep_mode_enabled(self) -> bool:
+        return bool(self._config.model_config.enable_sleep_mode)
 
     def transfer_backend(self) -> str | None:
         config = self._config.weight_transfer_config
@@ -189,6 +193,14 @@ class LocalLLMEngine(InProcessEngine, ChecksBackgroundPushes, GeneratesOnlyInCal
 
     def generates_only_in_calls(self) -> bool:
         return True
+
+    def sleep(self, level: int, mode: str) -> None:
+        with self._generating:
+            self.llm.sleep(level=level, mode=mode)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        with self._generating:
+            self.llm.wake_up(list(tags) if tags is not None else None)
 
     def pause_generation(self, mode: PauseMode) -> None:
         """Nothing to pause: ``vllm.LLM`` generates only inside ``generate`` calls."""

@@ -30,6 +30,7 @@ from lightning_vllm.engines.base import (
     ServesAdapter,
 )
 from lightning_vllm.engines.local import LocalLLMEngine
+from lightning_vllm.engines.sleep import SleepMode
 from lightning_vllm.errors import WeightSyncTimeoutError
 from lightning_vllm.lora.serving import LoraLimits
 from lightning_vllm.prompts import PromptLimits
@@ -60,7 +61,12 @@ class VLLMActor(LocalLLMEngine):
             "lora_limits": self.lora_limits(),
             "adapter": self.adapter,
             "layer_sums_problem": self.layer_sums_problem(),
+            "sleep_mode_enabled": self._sleep_mode_enabled(),
         }
+
+    def ask_workers(self, method: str) -> list[Any]:
+        """Every worker's answer to the worker method ``method`` (the trainer's ``RayEngine`` asks through it)."""
+        return self._ask_workers(method)
 
 
 def is_actor_handle(engine: Any) -> bool:
@@ -74,7 +80,7 @@ def is_actor_handle(engine: Any) -> bool:
     return isinstance(engine, ActorHandle)
 
 
-class RayEngine(ServesAdapter, NamesItsEngine, ReportsLayerSums):
+class RayEngine(ServesAdapter, NamesItsEngine, ReportsLayerSums, SleepMode):
     """Engine target for a Ray actor running :class:`VLLMActor` (or any actor with the same methods)."""
 
     def __init__(self, handle: Any) -> None:
@@ -143,6 +149,18 @@ class RayEngine(ServesAdapter, NamesItsEngine, ReportsLayerSums):
 
     def layer_sums(self) -> list[dict[str, Any]]:
         return list(self._call("layer_sums"))
+
+    def _sleep_mode_enabled(self) -> bool:
+        return bool(self.facts.get("sleep_mode_enabled"))
+
+    def _ask_workers(self, method: str) -> list[Any]:
+        return list(self._call("ask_workers", method))
+
+    def sleep(self, level: int, mode: str) -> None:
+        self._call("sleep", level, mode)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._call("wake_up", tags)
 
     def is_dead(self) -> bool:
         """A dead actor fails its calls with ``RayActorError``; a busy one cannot be asked."""

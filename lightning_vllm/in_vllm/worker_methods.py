@@ -1,4 +1,5 @@
-"""The methods our plugin gives every vLLM worker, called by name through ``collective_rpc``: the push check.
+"""The methods our plugin gives every vLLM worker, called by name through ``collective_rpc``: the push check, and
+what the worker's sleep mode did to its weights.
 
 vLLM runs a method named in ``collective_rpc("name")`` on its ``WorkerWrapperBase``, which hands a name it does not
 have to the worker it wraps. Every executor goes through that wrapper: an engine core in the caller's process, one in
@@ -11,6 +12,13 @@ the worker class, not the wrapper.
 
 Each method is named by its qualified name and imported at its first call, as the plugin registers backends: a
 worker that is never asked imports nothing of the trainer's side.
+
+Sleep mode: vLLM's executor calls its workers' ``sleep``, ``wake_up`` and ``discard`` by name through the same
+wrapper, whoever asked (our callback, the user's ``llm.sleep()``, a server's ``/sleep`` route). The wrapper's own
+:func:`sleep` and friends hand each call to the worker and note what it left asleep and whether the weights were
+dropped (level 2, or a discard); :data:`SLEEP_STATE_METHOD` answers with that. vLLM itself reports only "sleeping or
+not" and keeps reporting the last version after a level-2 sleep, whose weights are gone: a push must then send every
+layer, and nothing may be generated before it lands (``engines/sleep.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ LAYER_SUMS_FORMAT = 2
 """The report's format; a trainer that reads another one says so instead of misreading it. 2: fingerprints of
 layers vLLM packs (its CPU build) taken where the loader wrote them, and packs built from other values named."""
 
+SLEEP_STATE_METHOD = "lightning_vllm_sleep_state"
+"""What the worker's sleep mode left: ``{"asleep": [tags], "level": last sleep level, "dropped": times the weights
+were dropped}`` (:func:`sleep_state`)."""
+
 _LAZY_METHODS = {LAYER_SUMS_METHOD: "lightning_vllm.weights.held_sums.worker_layer_sums"}
 
 
@@ -36,12 +48,61 @@ def layer_sums_format(worker: Any) -> int:
     return LAYER_SUMS_FORMAT
 
 
+def _noted(wrapper: Any) -> dict[str, Any]:
+    noted: dict[str, Any] | None = wrapper.__dict__.get("_lightning_vllm_sleep")
+    if noted is None:
+        noted = wrapper.__dict__["_lightning_vllm_sleep"] = {"asleep": set(), "level": 0, "dropped": 0}
+    return noted
+
+
+def sleep(wrapper: Any, level: int = 1) -> Any:
+    """The worker's ``sleep``, noted: level 1 keeps a host copy of the weights, level 2 drops them."""
+    result = wrapper.worker.sleep(level)
+    noted = _noted(wrapper)
+    noted["asleep"] |= {"weights", "kv_cache"}
+    noted["level"] = level
+    noted["dropped"] += level >= 2
+    return result
+
+
+def wake_up(wrapper: Any, tags: list[str] | None = None) -> Any:
+    """The worker's ``wake_up``, noted (``None``: every tag)."""
+    result = wrapper.worker.wake_up(tags)
+    noted = _noted(wrapper)
+    noted["asleep"] = set() if tags is None else noted["asleep"] - set(tags)
+    return result
+
+
+def discard(wrapper: Any, tags: tuple[str, ...]) -> Any:
+    """The worker's ``discard`` (vLLM 0.33): the tags' memory is released without a copy, as at level 2."""
+    result = wrapper.worker.discard(tags)
+    noted = _noted(wrapper)
+    noted["asleep"] |= set(tags)
+    noted["dropped"] += "weights" in tags
+    return result
+
+
+def sleep_state(wrapper: Any) -> dict[str, Any]:
+    """:data:`SLEEP_STATE_METHOD`: what sleep mode left on this worker, as plain data (a server's route sends JSON)."""
+    noted = _noted(wrapper)
+    return {"asleep": sorted(noted["asleep"]), "level": noted["level"], "dropped": noted["dropped"]}
+
+
 def install_worker_methods() -> None:
     """Add the methods to vLLM's ``WorkerWrapperBase`` (once: vLLM may load plugins repeatedly in one process)."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     if REPORTS_METHOD not in WorkerWrapperBase.__dict__:
         setattr(WorkerWrapperBase, REPORTS_METHOD, layer_sums_format)
+    # (The wrapper hands names it lacks to its worker; these three it now has, and they hand on the same call.)
+    for name, method in (
+        ("sleep", sleep),
+        ("wake_up", wake_up),
+        ("discard", discard),
+        (SLEEP_STATE_METHOD, sleep_state),
+    ):
+        if name not in WorkerWrapperBase.__dict__:
+            setattr(WorkerWrapperBase, name, method)
     for name, qualname in _LAZY_METHODS.items():
         if name not in WorkerWrapperBase.__dict__:
             setattr(WorkerWrapperBase, name, _imported_at_call(name, qualname))

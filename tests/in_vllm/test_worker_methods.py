@@ -10,7 +10,12 @@ from vllm.v1.serial_utils import run_method
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from lightning_vllm.in_vllm.plugin import register_backends
-from lightning_vllm.in_vllm.worker_methods import LAYER_SUMS_FORMAT, LAYER_SUMS_METHOD, REPORTS_METHOD
+from lightning_vllm.in_vllm.worker_methods import (
+    LAYER_SUMS_FORMAT,
+    LAYER_SUMS_METHOD,
+    REPORTS_METHOD,
+    SLEEP_STATE_METHOD,
+)
 
 
 class _Norm(torch.nn.Module):
@@ -44,3 +49,30 @@ def test_a_users_worker_extension_does_not_clash_with_them():
     # vLLM refuses an extension whose names the worker class has: ours are on the wrapper, not on any worker class.
     assert not any(hasattr(WorkerBase, name) for name in (LAYER_SUMS_METHOD, REPORTS_METHOD))
     assert LAYER_SUMS_METHOD in WorkerWrapperBase.__dict__ and REPORTS_METHOD in WorkerWrapperBase.__dict__
+
+
+def test_the_wrapper_hands_sleep_calls_to_its_worker_and_notes_what_they_left():
+    register_backends()
+    calls = []
+    wrapper = WorkerWrapperBase.__new__(WorkerWrapperBase)
+    wrapper.worker = SimpleNamespace(
+        sleep=lambda level: calls.append(("sleep", level)),
+        wake_up=lambda tags: calls.append(("wake_up", tags)),
+        discard=lambda tags: calls.append(("discard", tags)),
+    )
+    assert run_method(wrapper, SLEEP_STATE_METHOD, (), {}) == {"asleep": [], "level": 0, "dropped": 0}
+    run_method(wrapper, "sleep", (), {"level": 1})
+    run_method(wrapper, "wake_up", (), {"tags": ["weights"]})
+    assert run_method(wrapper, SLEEP_STATE_METHOD, (), {}) == {"asleep": ["kv_cache"], "level": 1, "dropped": 0}
+    run_method(wrapper, "wake_up", (), {"tags": None})
+    run_method(wrapper, "sleep", (), {"level": 2})
+    assert run_method(wrapper, SLEEP_STATE_METHOD, (), {}) == {
+        "asleep": ["kv_cache", "weights"], "level": 2, "dropped": 1,
+    }  # fmt: skip
+    run_method(wrapper, "wake_up", (), {"tags": None})
+    run_method(wrapper, "discard", (("weights",),), {})
+    assert run_method(wrapper, SLEEP_STATE_METHOD, (), {})["dropped"] == 2
+    assert calls == [
+        ("sleep", 1), ("wake_up", ["weights"]), ("wake_up", None), ("sleep", 2), ("wake_up", None),
+        ("discard", ("weights",)),
+    ]  # fmt: skip

@@ -17,10 +17,21 @@ from lightning_vllm.backends.registry import check_requested
 from lightning_vllm.core.weight_sync import HoldsWeightSync, WeightSync
 from lightning_vllm.engines import Generation
 from lightning_vllm.engines.local import build_local_engine
+from lightning_vllm.engines.sleep import WeightsDroppedError
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.fronts.lightning.push_points import PushPoints
 from lightning_vllm.fronts.lightning.rollouts import GenerateOptions, RolloutSampler, SamplesRollouts
-from lightning_vllm.options import LoraMode, PauseMode, PushFrom, SyncOptions, UpdaterOptions, WhenBusy, check_options
+from lightning_vllm.fronts.lightning.sleeping import SleepBetweenSteps
+from lightning_vllm.options import (
+    LoraMode,
+    PauseMode,
+    PushFrom,
+    SleepLevel,
+    SyncOptions,
+    UpdaterOptions,
+    WhenBusy,
+    check_options,
+)
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GENERATE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 
 log = logging.getLogger(__name__)
@@ -130,6 +141,12 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             restarted on the same URL is picked up), and each failed push counts as a version
             the engine missed for ``max_staleness``. Errors that no retry can fix (a
             misconfigured engine, weights that do not fit it) are raised either way.
+        sleep_level: put the engines to sleep while the trainer steps (colocated training; engines started with
+            ``enable_sleep_mode=True``): ``1`` keeps a host copy of the weights, ``2`` drops them. ``None`` (default):
+            no sleep. The engines sleep before every backward; a push point wakes the weights alone (a push after a
+            level-2 sleep sends every layer), and :meth:`generate` wakes the rest. With ``2``, rollouts after a step
+            with no push due push first (the weights are gone). A push that finds an engine asleep wakes its weights
+            whatever this is; see ``docs/sleep.md``.
 
     Raises:
         ValueError: for an argument out of range, or two that conflict (``engine`` and ``updater``;
@@ -169,6 +186,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         changed_only: bool = True,
         verify_pushes: bool = True,
         push_from: PushFrom = "rank0",
+        sleep_level: SleepLevel | None = None,
     ) -> None:
         updater_options = UpdaterOptions.among(locals())
         if isinstance(updater, HoldsWeightSync):  # (TorchRL's updater: the callback pushes through its core)
@@ -200,7 +218,9 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self.updater = updater or WeightSync(None if self._engine_args is not None else engine, options=updater_options)
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error, push_from)
+        self.sleep = SleepBetweenSteps(self.updater)
         self._last_global_step_pushed = -1
+        self._trainer: pl.Trainer | None = None  # (while fitting: rollouts that meet dropped weights push first)
 
     @property
     def pusher(self) -> BackgroundPusher | None:
@@ -258,6 +278,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             self.rollouts.ranks = None if ranks.every_rank(bool(self.updater.engines)) else ranks
         if self.pusher is not None and trainer.is_global_zero:
             self.pusher.check_engines()
+        self.sleep.check()
+        self._trainer = trainer
         if self.push_on_fit_start:
             self._push(trainer, pl_module, background=False)  # forms the groups; the first rollouts need it
 
@@ -271,6 +293,10 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             self._push(trainer, pl_module)
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.sleep.before_backward()
+
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.schedule.due_after_epoch(trainer.current_epoch + 1, trainer.global_step, self._last_global_step_pushed):
             self._push(trainer, pl_module)
@@ -278,6 +304,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.push_points.end_of_fit(trainer, pl_module)
+        self.sleep.wake_after_fit()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -288,6 +315,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self._release()
 
     def _release(self) -> None:
+        self._trainer = None
         self.push_points.release()
         self.rollouts.ranks = None
 
@@ -303,6 +331,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
 
     # -- rollouts -----------------------------------------------------------------
 
+    @override
     def generate(
         self, prompts: Any, sampling_params: Any = None, **options: Unpack[GenerateOptions]
     ) -> list[Generation]:
@@ -316,7 +345,14 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             >>> from vllm import SamplingParams  # doctest: +SKIP
             >>> rollouts = sync.generate([[1, 2, 3]], SamplingParams(max_tokens=8), engine_index=0)  # doctest: +SKIP
         """
-        return self.rollouts.generate(prompts, sampling_params, **options)
+        try:
+            return self.rollouts.generate(prompts, sampling_params, **options)
+        except WeightsDroppedError as error:
+            trainer = self._trainer
+            if trainer is None or not self.sleep.pushes_first(error, trainer.world_size):
+                raise
+            self._push(trainer, trainer.lightning_module, background=False)
+            return self.rollouts.generate(prompts, sampling_params, **options)
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:
         staleness = self.updater.versions.take_staleness()

@@ -25,6 +25,7 @@ from lightning_vllm._waits import BackgroundCall, call_with_timeout, wait_pollin
 from lightning_vllm.core import after_failure
 from lightning_vllm.engines import EngineTarget, Generation
 from lightning_vllm.engines.failures import is_engine_death, is_paused_refusal, raise_if_dead, retry_delay
+from lightning_vllm.engines.sleep import sleeping_engine, wake_for_rollouts
 from lightning_vllm.errors import (
     EngineDeadError,
     StaleRolloutsError,
@@ -188,6 +189,8 @@ class RolloutSampler:
         self._await_timed_out(engine_index, engine, deadline)
         # A failed nccl/ipc push may have left the engine's layers mid-reload, which its cleanup puts back.
         after_failure.wait_for(engine, max(deadline - time.monotonic(), 0.0))
+        if (sleeps := sleeping_engine(engine)) is not None:  # (sleep mode: awake, and never from dropped weights)
+            wake_for_rollouts(sleeps, timeout)
         # vLLM 0.33 refuses new requests while a push holds generation paused ("wait" and "abort" modes);
         # the refusal is immediate and the pause short, so the same request is asked again until the deadline.
         for attempt in itertools.count():
@@ -314,9 +317,14 @@ def _generation_from_record(record: dict[str, Any]) -> Generation:
 
 class SamplesRollouts:
     """A callback whose engines :func:`generate` samples from, through its ``rollouts``;
-    ``VLLMWeightSync`` declares it."""
+    ``VLLMWeightSync`` declares it (its ``generate`` may push first: ``fronts/lightning/sleeping.py``)."""
 
     rollouts: RolloutSampler
+
+    def generate(
+        self, prompts: Any, sampling_params: Any = None, **options: Unpack[GenerateOptions]
+    ) -> list[Generation]:
+        raise NotImplementedError
 
 
 def sampler_of(module: pl.LightningModule) -> RolloutSampler:
@@ -326,17 +334,21 @@ def sampler_of(module: pl.LightningModule) -> RolloutSampler:
         RuntimeError: the module is not attached to a trainer, or the trainer has no
             such callback, or several.
     """
+    return _rollouts_callback(module).rollouts
+
+
+def _rollouts_callback(module: pl.LightningModule) -> SamplesRollouts:
     if module._trainer is None:
         raise RuntimeError(f"{type(module).__name__} is not attached to a Trainer: generate inside training_step.")
     # Lightning sets Trainer.callbacks per instance, so type checkers do not see it.
     callbacks = getattr(module.trainer, "callbacks", [])
-    samplers = [callback.rollouts for callback in callbacks if isinstance(callback, SamplesRollouts)]
-    if len(samplers) != 1:
+    found = [callback for callback in callbacks if isinstance(callback, SamplesRollouts)]
+    if len(found) != 1:
         raise RuntimeError(
-            f"The Trainer has {len(samplers)} VLLMWeightSync callbacks; rollouts need exactly one "
+            f"The Trainer has {len(found)} VLLMWeightSync callbacks; rollouts need exactly one "
             "(Trainer(callbacks=[VLLMWeightSync(engine=...)]))."
         )
-    return samplers[0]
+    return found[0]
 
 
 def generate(
@@ -354,4 +366,4 @@ def generate(
         >>> def training_step(self, batch, batch_idx):  # doctest: +SKIP
         ...     rollouts = generate(self, batch["prompt_ids"], SamplingParams(n=8, logprobs=0))
     """
-    return sampler_of(module).generate(prompts, sampling_params, **options)
+    return _rollouts_callback(module).generate(prompts, sampling_params, **options)

@@ -1,0 +1,113 @@
+"""The callback's ``sleep_level``: vLLM asleep while the trainer steps, its weights woken for a push, all of it for
+rollouts (the order verl's hybrid engine, OpenRLHF and TRL's colocate mode follow).
+
+Per optimizer step, on the rank that holds the engines::
+
+    training_step: generate -> the engine wakes (its weights, if asleep, and its KV cache)  (rollouts.py)
+    backward                -> the engine sleeps at sleep_level                  (SleepBetweenSteps.before_backward)
+    push point              -> the weights wake, the push lands, the KV cache sleeps on      (core/connection.py)
+
+The engine-side rules (what a push or a rollout finds, and does) are ``engines/sleep.py``'s; this module only says
+when. Level 2 drops the weights: a step with no push due leaves nothing to sample from, so its rollouts push first
+(:meth:`SleepBetweenSteps.pushes_first`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_vllm.core.weight_sync import WeightSync
+from lightning_vllm.engines.local import InProcessEngine
+from lightning_vllm.engines.sleep import (
+    WeightsDroppedError,
+    host_copy_problem,
+    put_to_sleep,
+    require_sleep_mode,
+    sleeping_engine,
+)
+from lightning_vllm.options import SleepLevel
+from lightning_vllm.weights.model import metadata_bytes
+
+log = logging.getLogger(__name__)
+
+
+class SleepBetweenSteps:
+    """When the engines of ``updater`` sleep: before every backward, at its options' ``sleep_level`` (``None``: never).
+
+    Args:
+        updater: the core whose engines sleep (none on ranks that hold no engine: nothing to do there).
+    """
+
+    def __init__(self, updater: WeightSync) -> None:
+        self.updater = updater
+
+    @property
+    def level(self) -> SleepLevel | None:
+        """The level engines sleep at (the options' ``sleep_level``, stored there only)."""
+        return self.updater.options.sleep_level
+
+    def check(self) -> None:
+        """At fit start, before any byte moves: refuse engines that cannot sleep; warn when level 1's host copy of an
+        in-process engine's weights cannot fit in host memory.
+
+        Raises:
+            EngineConfigError: an engine was built without ``enable_sleep_mode=True`` (vLLM's CPU build has none),
+                or cannot sleep at all; the message says which and the fix.
+        """
+        engines = self.updater.engines
+        if self.level is None or not engines:
+            return
+        require_sleep_mode(engines)
+        if self.level != 1:
+            return
+        for engine in engines:
+            expected = engine.expected_weights() if isinstance(engine, InProcessEngine) else None
+            if expected is not None and (
+                problem := host_copy_problem(metadata_bytes(expected.weights), engine.description)
+            ):
+                rank_zero_warn(problem)
+
+    def before_backward(self) -> None:
+        """Put every engine to sleep: the backward and the optimizer step get its GPU memory."""
+        if self.level is None:
+            return
+        timeout = self.updater.options.timeout_seconds
+        for engine in self.updater.engines:
+            if (sleeps := sleeping_engine(engine)) is not None:
+                put_to_sleep(sleeps, self.level, self.updater.options.pause_mode, timeout)
+
+    def pushes_first(self, error: WeightsDroppedError, world_size: int) -> bool:
+        """Whether rollouts that met dropped weights (``error``) push the trainer's weights first: with
+        ``sleep_level=2`` in a single trainer process. Under DDP one rank generates for all, and a push takes every
+        rank: the rollouts are refused instead, with the fix.
+
+        Raises:
+            WeightsDroppedError: the rollouts cannot push first (``error``, or a DDP run's own).
+        """
+        if self.level != 2:
+            raise error
+        if world_size > 1:
+            raise WeightsDroppedError(
+                f"{error} With sleep_level=2 under several trainer ranks, push at every step "
+                "(every_n_train_steps=1), or pass sleep_level=1."
+            ) from error
+        log.info("The engine's weights were dropped since the last push (sleep_level=2): pushing before rollouts.")
+        return True
+
+    def wake_after_fit(self) -> None:
+        """At the end of fitting: every engine awake, to be used as the user likes (one whose weights were dropped
+        since the last push is left asleep, said once)."""
+        if self.level is None:
+            return
+        for engine in self.updater.engines:
+            if (sleeps := sleeping_engine(engine)) is None:
+                continue
+            state = sleeps.sleep_state()
+            if state.dropped != (sleeps.dropped_at_last_push or 0):
+                rank_zero_warn(
+                    f"{engine.description} stays asleep after fit: its weights were dropped since the last push."
+                )
+            elif state.asleep:
+                sleeps.wake_up(None)
