@@ -237,6 +237,24 @@ def put_to_sleep(engine: Sleeps, level: SleepLevel, mode: str, timeout: float) -
     _call(engine, engine.sleep, level, mode, timeout=timeout, what=f"sleep at level {level}")
 
 
+def sleep_engines(engines: Sequence[EngineTarget], level: SleepLevel, mode: str, timeout: float) -> None:
+    """:func:`put_to_sleep` every engine built with sleep mode (the fronts: before training's turn)."""
+    for engine in engines:
+        if (sleeps := sleeping_engine(engine)) is not None:
+            put_to_sleep(sleeps, level, mode, timeout)
+
+
+def wake_engines(engines: Sequence[EngineTarget], timeout: float) -> None:
+    """:func:`wake_for_rollouts` every engine built with sleep mode (the fronts: before rollouts' turn).
+
+    Raises:
+        WeightsDroppedError: an engine's weights were dropped and no push landed since.
+    """
+    for engine in engines:
+        if (sleeps := sleeping_engine(engine)) is not None:
+            wake_for_rollouts(sleeps, timeout)
+
+
 def host_copy_problem(weight_bytes: int, description: str, available_bytes: int | None = None) -> str | None:
     """What a level-1 sleep of an engine in this process costs in host memory, if the host cannot hold it.
 

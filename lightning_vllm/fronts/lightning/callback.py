@@ -218,7 +218,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self.updater = updater or WeightSync(None if self._engine_args is not None else engine, options=updater_options)
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error, push_from)
-        self.sleep = SleepBetweenSteps(self.updater)
+        self.sleep = SleepBetweenSteps(self.updater, self.push_points.pusher)
         self._last_global_step_pushed = -1
         self._trainer: pl.Trainer | None = None  # (while fitting: rollouts that meet dropped weights push first)
 
@@ -349,9 +349,10 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             return self.rollouts.generate(prompts, sampling_params, **options)
         except WeightsDroppedError as error:
             trainer = self._trainer
-            if trainer is None or not self.sleep.pushes_first(error, trainer.world_size):
+            if trainer is None:
                 raise
-            self._push(trainer, trainer.lightning_module, background=False)
+            if self.sleep.pushes_first(error, trainer.world_size):  # (else: the push on its way refilled them)
+                self._push(trainer, trainer.lightning_module, background=False)
             return self.rollouts.generate(prompts, sampling_params, **options)
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:

@@ -23,10 +23,11 @@ from lightning_vllm.engines.local import InProcessEngine
 from lightning_vllm.engines.sleep import (
     WeightsDroppedError,
     host_copy_problem,
-    put_to_sleep,
     require_sleep_mode,
+    sleep_engines,
     sleeping_engine,
 )
+from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.options import SleepLevel
 from lightning_vllm.weights.model import metadata_bytes
 
@@ -36,12 +37,17 @@ log = logging.getLogger(__name__)
 class SleepBetweenSteps:
     """When the engines of ``updater`` sleep: before every backward, at its options' ``sleep_level`` (``None``: never).
 
+    A background push (``blocking=False``) overlaps the next step's forward and rollouts, never a sleep: the engine
+    sleeps once it landed.
+
     Args:
         updater: the core whose engines sleep (none on ranks that hold no engine: nothing to do there).
+        pusher: the callback's background pusher, if it pushes in the background.
     """
 
-    def __init__(self, updater: WeightSync) -> None:
+    def __init__(self, updater: WeightSync, pusher: BackgroundPusher | None = None) -> None:
         self.updater = updater
+        self.pusher = pusher
 
     @property
     def level(self) -> SleepLevel | None:
@@ -71,21 +77,26 @@ class SleepBetweenSteps:
 
     def before_backward(self) -> None:
         """Put every engine to sleep: the backward and the optimizer step get its GPU memory."""
-        if self.level is None:
+        if self.level is None or not self.updater.engines:
             return
-        timeout = self.updater.options.timeout_seconds
-        for engine in self.updater.engines:
-            if (sleeps := sleeping_engine(engine)) is not None:
-                put_to_sleep(sleeps, self.level, self.updater.options.pause_mode, timeout)
+        if self.pusher is not None:
+            self.pusher.wait_or_raise("when the engine was to sleep before backward")
+        options = self.updater.options
+        sleep_engines(self.updater.engines, self.level, options.pause_mode, options.timeout_seconds)
 
     def pushes_first(self, error: WeightsDroppedError, world_size: int) -> bool:
         """Whether rollouts that met dropped weights (``error``) push the trainer's weights first: with
-        ``sleep_level=2`` in a single trainer process. Under DDP one rank generates for all, and a push takes every
-        rank: the rollouts are refused instead, with the fix.
+        ``sleep_level=2`` in a single trainer process, unless a background push on its way refills them (it is waited
+        for instead). Under DDP one rank generates for all, and a push takes every rank: the rollouts are refused
+        instead, with the fix.
 
         Raises:
             WeightsDroppedError: the rollouts cannot push first (``error``, or a DDP run's own).
+            WeightSyncTimeoutError: the background push on its way did not land in ``timeout_seconds``.
         """
+        if self.pusher is not None and self.pusher.in_flight():
+            self.pusher.wait_or_raise("when rollouts met dropped weights")
+            return False
         if self.level != 2:
             raise error
         if world_size > 1:

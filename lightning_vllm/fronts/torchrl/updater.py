@@ -23,6 +23,7 @@ from lightning_vllm.core.push import EngineSelection, SyncStats
 from lightning_vllm.core.versions import WeightVersions
 from lightning_vllm.core.weight_sync import WeightSync, refuse_option_attribute
 from lightning_vllm.engines import EngineTarget, as_engine_targets
+from lightning_vllm.engines.sleep import sleep_engines, wake_engines
 from lightning_vllm.errors import EngineConfigError
 from lightning_vllm.fronts.torchrl.collectors import (
     CollectorVersion,
@@ -30,7 +31,7 @@ from lightning_vllm.fronts.torchrl.collectors import (
     policy_engine,
     register_with_torchrl,
 )
-from lightning_vllm.options import LoraMode, PauseMode, UpdaterOptions
+from lightning_vllm.options import LoraMode, PauseMode, SleepLevel, UpdaterOptions
 from lightning_vllm.settings import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_TIMEOUT_SECONDS
 from lightning_vllm.weights import source_metadata, weights_from
 from lightning_vllm.weights.base import Weights
@@ -89,6 +90,9 @@ class VLLMUpdater:
             wrong weights. The workers are asked through ``collective_rpc``, by the methods our vLLM plugin
             gives every worker (``in_vllm/worker_methods.py``): no flag is needed. Workers that did not load
             the plugin are named once, at connect, with the fix, and their pushes are not checked.
+        sleep_level: the level :meth:`sleep` puts engines built with ``enable_sleep_mode=True`` at (``1``: weights
+            kept in host memory, ``2``: dropped); pushes then leave the weights awake. Every push wakes a sleeping
+            engine's weights first, whatever this is (``docs/sleep.md``).
 
     Example::
 
@@ -118,6 +122,7 @@ class VLLMUpdater:
         lora: LoraMode = "auto",
         changed_only: bool = True,
         verify_pushes: bool = True,
+        sleep_level: SleepLevel | None = None,
     ) -> None:
         options = UpdaterOptions.among(locals())
         self.weight_sync = WeightSync(engine, options=options, model_metadata=model_metadata)
@@ -200,6 +205,17 @@ class VLLMUpdater:
         """The ``LoRARequest`` to pass to ``llm.generate`` to sample from the policy's adapter (``None`` before an
         adapter push, and when merged weights are pushed)."""
         return self.weight_sync.lora_request
+
+    def sleep(self) -> None:
+        """Put every engine to sleep at ``sleep_level``, for training's turn; the next push wakes the weights alone
+        (every layer is sent after level 2), :meth:`wake_up` the rest, for the collector's turn."""
+        if (level := self.options.sleep_level) is None:
+            raise ValueError("VLLMUpdater.sleep() needs a level: pass sleep_level=1 or 2 to VLLMUpdater.")
+        sleep_engines(self.engines, level, self.options.pause_mode, self.options.timeout_seconds)
+
+    def wake_up(self) -> None:
+        """Wake every engine for rollouts (``WeightsDroppedError``: weights dropped, and no push landed since)."""
+        wake_engines(self.engines, self.options.timeout_seconds)
 
     def close(self) -> None:
         """Leave every group and release the engines' side of them; the engines keep serving."""

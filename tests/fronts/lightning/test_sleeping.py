@@ -3,57 +3,35 @@
 vLLM's CPU build refuses ``enable_sleep_mode=True``, and its workers' ``sleep`` and ``wake_up`` free nothing ("not
 supported on CPU, ignore it"). Everything around them is vLLM's own: the engine core pauses its scheduler, the
 executor keeps its sleeping tags, and our plugin's notes in each worker count the levels and drops. So here a real
-engine whose target says it was built with sleep mode (``SleepingCPUEngine``) shows the order of calls, the versions
-and what is served; the GPU tier (``tests/gpu/test_gpu_sleep.py``) shows the memory.
+engine whose target says it was built with sleep mode (``tests/sleeping_engine.py``) shows the order of calls, the
+versions and what is served; the GPU tier (``tests/gpu/test_gpu_sleep.py``) shows the memory.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TinyCausalLM, assert_serves, cpu_trainer, served_version, tiny_qwen2, token_batches
+from helpers import (
+    TinyCausalLM,
+    assert_serves,
+    cpu_trainer,
+    served_version,
+    tiny_qwen2,
+    token_batches,
+)
+from sleeping_engine import sleeping_cpu_engine
 from vllm import SamplingParams
 
 from lightning_vllm import EngineConfigError, VLLMUpdater, VLLMWeightSync, generate
-from lightning_vllm.engines.local import LocalLLMEngine
 from lightning_vllm.engines.sleep import SleepState, WeightsDroppedError
 
 pytestmark = pytest.mark.engine
 
 
-class SleepingCPUEngine(LocalLLMEngine):
-    """The shared CPU engine, said to be built with sleep mode, recording the calls that reach vLLM."""
-
-    def __init__(self, llm) -> None:
-        super().__init__(llm)
-        self.calls: list[str] = []
-
-    def _sleep_mode_enabled(self) -> bool:
-        return True
-
-    def sleep(self, level: int, mode: str) -> None:
-        self.calls.append(f"sleep {level}")
-        super().sleep(level, mode)
-
-    def wake_up(self, tags=None) -> None:
-        self.calls.append(f"wake {','.join(tags) if tags else 'all'}")
-        super().wake_up(tags)
-
-    def finish_weight_update(self, weight_version=None) -> None:
-        self.calls.append(f"commit {weight_version}")
-        super().finish_weight_update(weight_version)
-
-    def generate(self, prompts, sampling_params, *, timeout_seconds=None):
-        self.calls.append("generate")
-        return super().generate(prompts, sampling_params, timeout_seconds=timeout_seconds)
-
-
 @pytest.fixture
 def sleeping(llm):
-    engine = SleepingCPUEngine(llm)
-    yield engine
-    if llm.llm_engine.is_sleeping():  # (the engine is shared: awake for the next test)
-        llm.wake_up()
+    with sleeping_cpu_engine(llm) as engine:
+        yield engine
 
 
 class SleepyRollouts(TinyCausalLM):
@@ -163,3 +141,21 @@ def test_the_users_own_level_2_sleep_and_wake_is_noticed(sleeping):
     updater.push_weights(model)
     assert updater.last_sync.num_bytes == full_bytes
     assert_serves(sleeping.llm, model)
+
+
+def test_level_2_with_background_changed_only_pushes_and_a_frozen_embedding_samples_each_version_it_says(
+    sleeping, tmp_path
+):
+    module = SleepyRollouts()
+    module.hf.model.embed_tokens.weight.requires_grad_(False)
+    sync = VLLMWeightSync(engine=sleeping, sleep_level=2, every_n_train_steps=2, blocking=False, changed_only=True)
+    v = served_version(sleeping)
+    cpu_trainer(tmp_path, [sync], max_steps=4).fit(module, token_batches(4))
+    # Steps 2 and 4 push first (blocking: the weights were dropped); step 2's push point goes in the background,
+    # and step 3's rollouts wait for it (the weights it refills were dropped), so every step samples the latest.
+    assert module.seen == [(v + 1, v + 1), (v + 2, v + 2), (v + 3, v + 3), (v + 4, v + 4)]
+    assert sync.weight_version == v + 5  # step 4's push point, landed at the end of the fit
+    assert sleeping.calls.count("sleep 2") == 4
+    assert sleeping.dropped_at_last_push == sleeping.sleep_state().dropped  # the last push refilled the last drop
+    sleeping.wake_up(None)
+    assert_serves(sleeping.llm, module.hf)
