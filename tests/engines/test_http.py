@@ -279,3 +279,28 @@ def test_ddp_ranks_that_each_hold_the_server_generate_from_it_and_know_its_versi
     sync = VLLMWeightSync(engine=server.url, every_n_train_steps=1)
     trainer = cpu_trainer(tmp_path, [sync], max_steps=2, strategy="ddp_spawn", devices=2, logger=False)
     trainer.fit(module, token_batches(num_batches=4))  # an assertion failing on a rank fails the fit
+
+
+class SleepingServer(HTTPEngine):
+    """The CPU server, said to be built with sleep mode (vLLM's CPU build refuses the flag; its workers' sleeps free
+    nothing, but the routes, the engine core's pause and our plugin's notes are real: ``tests/sleeping_engine.py``)."""
+
+    def _sleep_mode_enabled(self) -> bool:
+        return True
+
+
+@pytest.mark.engine
+def test_a_server_sleeps_and_wakes_through_its_routes_and_a_push_wakes_its_weights_first(server):
+    engine = SleepingServer(server.url)
+    updater = VLLMUpdater(engine=engine, changed_only=True)
+    model = tiny_qwen2(seed=7)
+    full_bytes = updater.push_weights(model).num_bytes
+    engine.sleep(2, "wait")
+    assert engine.sleep_state().asleep == {"weights", "kv_cache"}
+    assert updater.push_weights(model).num_bytes == full_bytes  # every layer after a drop, however unchanged
+    assert engine.sleep_state().asleep == {"kv_cache"}
+    engine.wake_up(["kv_cache"])
+    assert not engine.sleep_state().asleep
+    (generation,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert generation.weight_version == updater.weight_version
+    updater.close()
