@@ -22,6 +22,7 @@ import torch
 
 from lightning_vllm.errors import WeightsMismatchError
 from lightning_vllm.weights.base import Weights
+from lightning_vllm.weights.fp8 import SCALE_SUFFIX, block_fp8_plan, block_fp8_problems, quantized_metadata
 from lightning_vllm.weights.model import ModelMetadata
 from lightning_vllm.weights.sources import differs_from_input_embedding
 
@@ -126,9 +127,16 @@ def checkpoint_weights(
             for name in checkpoint.keys():
                 tensor = checkpoint.get_slice(name)
                 dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype(), torch.uint8)
-                wire = serving_dtype if dtype.is_floating_point else dtype
-                weights[name] = (wire, torch.Size(tensor.get_shape()))
-    return ExpectedWeights(loaded_by_engine(weights, ties_word_embeddings), ties_word_embeddings)
+                weights[name] = (dtype, torch.Size(tensor.get_shape()))
+    # Floating tensors are loaded in the serving dtype, but a block-wise FP8 weight and its scales as they are
+    # (weights/fp8.py).
+    kept = block_fp8_plan(weights)
+    kept |= {name + SCALE_SUFFIX for name in kept}
+    wire = {
+        name: (serving_dtype if dtype.is_floating_point and name not in kept else dtype, shape)
+        for name, (dtype, shape) in weights.items()
+    }
+    return ExpectedWeights(loaded_by_engine(wire, ties_word_embeddings), ties_word_embeddings)
 
 
 def metadata_problems(
@@ -217,7 +225,8 @@ def metadata_for_engine(
     expected: ExpectedWeights | None, metadata: Mapping[str, tuple[torch.dtype, Any]], engine: str
 ) -> tuple[dict[str, tuple[torch.dtype, Any]], bool]:
     """What goes on the wire to an engine whose model loads ``expected`` (its names and serving
-    dtypes, checked against ``metadata``), and whether that model ties its embeddings.
+    dtypes, checked against ``metadata``; an FP8 engine's in its quantized form, ``weights/fp8.py``), and whether
+    that model ties its embeddings.
 
     Raises:
         WeightsMismatchError: ``metadata`` does not fit the engine's model.
@@ -231,5 +240,12 @@ def metadata_for_engine(
         )
         return dict(metadata), False
     offered = loaded_by_engine(dict(metadata), expected.ties_word_embeddings)
+    if plan := block_fp8_plan(expected.weights):  # an engine started from a block-wise FP8 checkpoint
+        if problems := block_fp8_problems(offered, plan):
+            raise WeightsMismatchError(
+                f"The model cannot be pushed into {engine}, which holds its linear layers block-wise in FP8; nothing "
+                "was sent and vLLM keeps its weights:\n  - " + "\n  - ".join(problems[:MAX_LISTED_PROBLEMS])
+            )
+        offered = quantized_metadata(offered, plan)
     check_weights(expected.weights, offered, what="The model metadata")
     return {name: expected.weights[name] for name in offered}, expected.ties_word_embeddings

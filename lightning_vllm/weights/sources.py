@@ -18,6 +18,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, mater
 
 from lightning_vllm.weights.base import ForeignWeights, Stamp, Weights, stamps_of
 from lightning_vllm.weights.checkpoint_layout import in_checkpoint_layout
+from lightning_vllm.weights.fp8 import FP8, SCALE_SUFFIX, block_fp8, scale_shape
 from lightning_vllm.weights.fsdp import FSDPWeights
 from lightning_vllm.weights.layer_sums import SentSums
 from lightning_vllm.weights.lora_merge import lora_parameters, merge_inputs, merged_lora_weights
@@ -288,26 +289,38 @@ class EngineWeights(Weights):
         self.source = source
         self.engine_metadata = engine_metadata
         self.engine_dtypes = {name: dtype for name, (dtype, _) in engine_metadata.items()}
+        # Weights an FP8 engine holds block-wise, quantized here, each followed by its scales (weights/fp8.py).
+        self.scales = {
+            name: name + SCALE_SUFFIX
+            for name, dtype in self.engine_dtypes.items()
+            if dtype == FP8 and name + SCALE_SUFFIX in self.engine_dtypes
+        }
         self.device = device
         self.sums = sums
 
     def declare(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(meta.name, self.engine_dtypes[meta.name], meta.shape)
-            for meta in self.source.metadata
-            if meta.name in self.engine_dtypes
-        ]
+        declared = []
+        for meta in self.source.metadata:
+            if meta.name in self.engine_dtypes:
+                declared.append(ParamMeta(meta.name, self.engine_dtypes[meta.name], meta.shape))
+            if meta.name in self.scales:
+                declared.append(ParamMeta(self.scales[meta.name], torch.float32, scale_shape(meta.shape)))
+        return declared
 
     def groups(self) -> list[list[str]]:
-        # The source's own grouping (a base-then-adapter source keeps the two apart), minus what is not sent.
-        kept = ([name for name in group if name in self.engine_dtypes] for group in self.source.groups())
+        # The source's own grouping (a base-then-adapter source keeps the two apart), minus what is not sent; a
+        # quantized weight's scales go right after it.
+        kept = (
+            [sent for name in group if name in self.engine_dtypes for sent in (name, self.scales.get(name)) if sent]
+            for group in self.source.groups()
+        )
         return [group for group in kept if group]
 
     def tally_held(self) -> bool:
         """Tally every tensor the source holds in :attr:`sums`, at once, as held (summed once the push committed:
         ``SentSums``), and none as it goes; whether the source holds them. From then on :meth:`held_tensors` names
         them, so a transport that keeps what it sent (``lightning_ipc``) keeps it on checked pushes too."""
-        held = None if self.sums is None else self.source.held_tensors()
+        held = None if self.sums is None or self.scales else self.source.held_tensors()
         if held is None or self.sums is None:
             return False
         for name, tensor in zip(*held):
@@ -318,7 +331,7 @@ class EngineWeights(Weights):
 
     def held_tensors(self) -> tuple[list[str], list[torch.Tensor]] | None:
         """The source's, those the engine loads, unless each tensor is tallied as it goes (:meth:`iter_full`)."""
-        held = None if self.sums is not None else self.source.held_tensors()
+        held = None if self.sums is not None or self.scales else self.source.held_tensors()  # (FP8: made per push)
         if held is None:
             return None
         names, tensors = held
@@ -329,7 +342,7 @@ class EngineWeights(Weights):
 
     def held_signature(self) -> tuple[Any, ...] | None:
         """The source's, with the engine's metadata that filters it (a connection's, the same object at every push)."""
-        held = None if self.sums is not None else self.source.held_signature()
+        held = None if self.sums is not None or self.scales else self.source.held_signature()
         return None if held is None else (self.engine_metadata, held)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -337,6 +350,13 @@ class EngineWeights(Weights):
             if name not in self.engine_dtypes:
                 continue
             dtype = self.engine_dtypes[name]
+            if name in self.scales:  # quantized on the device it is sent from, in the dtype it was trained in
+                tensor = tensor if self.device is None else tensor.to(device=self.device, non_blocking=True)
+                for sent_name, sent in zip((name, self.scales[name]), block_fp8(tensor)):
+                    if self.sums is not None:
+                        self.sums.tally(sent_name, sent, sent.dtype, False)
+                    yield sent_name, sent
+                continue
             # (Asked first: a no-op ``to`` still costs microseconds, and an 8B model has hundreds of tensors.)
             if self.device is not None and (tensor.dtype != dtype or tensor.device != self.device):
                 tensor = tensor.to(device=self.device, dtype=dtype, non_blocking=True)
