@@ -43,6 +43,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
 
+from lightning_vllm.weights.fp8 import SCALE_SUFFIX
+
 
 def held_view(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Where and how ``tensor`` views its memory: its address, shape, strides and dtype."""
@@ -259,9 +261,16 @@ def unchanged_names(groups: Iterable[list[str]], stamps: Mapping[str, Stamp], se
     return {
         name
         for group in groups
-        if all(same_stamp(sent.get(member), stamps.get(member)) for member in group)
+        if all(same_stamp(_stamp_of(sent, member), _stamp_of(stamps, member)) for member in group)
         for name in group
     }
+
+
+def _stamp_of(stamps: Mapping[str, Stamp], name: str) -> Stamp | None:
+    """``name``'s stamp; the block scales of an FP8 weight (``X.weight_scale_inv``, ``weights/fp8.py``) are made from
+    ``X.weight`` with it, and take its stamp."""
+    stamp = stamps.get(name)
+    return stamp if stamp is not None or not name.endswith(SCALE_SUFFIX) else stamps.get(name[: -len(SCALE_SUFFIX)])
 
 
 class SentStamps:

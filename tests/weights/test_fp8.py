@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from lightning_vllm.errors import WeightsMismatchError
 from lightning_vllm.weights import ModuleWeights, checkpoint_weights, source_metadata
+from lightning_vllm.weights.base import SentStamps
 from lightning_vllm.weights.checks import ExpectedWeights, metadata_for_engine
 from lightning_vllm.weights.fp8 import FP8, SCALE_SUFFIX, block_fp8, block_fp8_plan, quantized_metadata
 from lightning_vllm.weights.layer_sums import tensor_sums
@@ -120,3 +121,18 @@ def test_the_fingerprints_of_fp8_values_and_their_scales_name_a_fault_in_one_blo
     flipped = values.view(torch.uint8).clone()
     flipped[200, 3] ^= 1
     assert not torch.equal(tensor_sums(values), tensor_sums(flipped.view(FP8)))
+
+
+def test_a_changed_only_push_skips_an_unchanged_layers_weights_and_scales_together():
+    model = block_friendly(seed=4)
+    weights = ModuleWeights(model)
+    wire = quantized_metadata(source_metadata(weights), frozenset(linear_weights(model)))
+    groups = EngineWeights(weights, wire).groups()
+    sent = SentStamps()
+    sent.record(wire, weights.stamps())
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.add_(1.0)
+    unchanged = sent.unchanged(groups, ModuleWeights(model).stamps())
+    layer_0 = {name for name in wire if ".layers.0." in name}
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in layer_0 and layer_0 <= unchanged
+    assert not {name for name in unchanged if ".layers.1." in name}  # the written layer goes again, scales and all
