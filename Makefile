@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes test-gpu-check-faults test-gpu-sleep gpu-carry lint demo demo-lora demo-tiny bench bench-multihost soak clean
+.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes test-gpu-check-faults test-gpu-sleep test-gpu-fp8 gpu-carry lint demo demo-lora demo-tiny bench bench-multihost soak clean
 
 install: $(STAMP)
 
@@ -61,18 +61,19 @@ test-vllm-next: $(STAMP) $(VLLM_NEXT_DIR)
 test-fast: $(STAMP)
 	LIGHTNING_VLLM_FAST_TIER=1 $(PY) -m pytest -p no:cacheprovider -m "not engine" --timeout 120
 
-# The GPU tier (tests/gpu): the product on vLLM's own engine on one CUDA GPU, in eight calls of at most 9 minutes
+# The GPU tier (tests/gpu): the product on vLLM's own engine on one CUDA GPU, in nine calls of at most 9 minutes
 # each: `make test-gpu` (ipc, lightning_ipc), `make test-gpu-moe` (MoE policies over both), `make test-gpu-nccl`
 # (nccl into in-process engines), `make test-gpu-lightning-nccl` (the staged nccl backend, in-process),
 # `make test-gpu-lightning-nccl-server` (trainers killed in a push into `vllm serve` over it) and
 # `make test-gpu-nccl-nodes` (nccl into `vllm serve` from trainers in processes of their own, two-node runs),
 # `make test-gpu-check-faults` (a faulty load named at that push over ipc, nccl and lightning_nccl), `make test-gpu-sleep`
-# (vLLM's sleep mode around training, over lightning_ipc and ipc: docs/sleep.md). The MoE
+# (vLLM's sleep mode around training, over lightning_ipc and ipc: docs/sleep.md), `make test-gpu-fp8` (pushes into an
+# engine started from a block-wise FP8 checkpoint: docs/fp8.md). The MoE
 # tests have a call of their own because with them `make test-gpu` took 515 s of its 540 (2026-12-03), and
 # lightning_nccl's because with it `make test-gpu-nccl` took 513 s (2026-12-03): a slower host would cut them short.
 # With TorchRL's scheme tests `make test-gpu` took 494 s and `make test-gpu-nccl` 298 s (2026-12-05, H100).
 # Here: `make gpu-carry` builds .gpu-carry/ (vLLM 0.33's Python sources, the wheels its Python imports, torch-native
-# stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the eight
+# stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the nine
 # targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/gpu.md. A test still running after
 # 240 s has every thread's stack printed (a hang in an engine call shows where it waits).
 GPU_PYTEST := source .gpu-carry/setup.sh && python3 -m pytest -p no:cacheprovider -m gpu --timeout 300 -o faulthandler_timeout=240 -v -rA
@@ -82,12 +83,13 @@ LIGHTNING_NCCL_SERVER := tests/gpu/nccl/test_lightning_nccl_server.py
 GPU_CHECK_FAULTS := tests/gpu/nccl/test_gpu_check_faults.py
 GPU_MOE := tests/gpu/test_gpu_moe.py
 GPU_SLEEP := tests/gpu/test_gpu_sleep.py
+GPU_FP8 := tests/gpu/test_gpu_fp8.py
 
 gpu-carry:
 	bash tests/gpu/host/prepare.sh $(VLLM_NEXT)
 
 test-gpu:
-	$(GPU_PYTEST) --ignore=tests/gpu/nccl --ignore=$(GPU_MOE) --ignore=$(GPU_SLEEP) tests/gpu
+	$(GPU_PYTEST) --ignore=tests/gpu/nccl --ignore=$(GPU_MOE) --ignore=$(GPU_SLEEP) --ignore=$(GPU_FP8) tests/gpu
 
 test-gpu-moe:
 	$(GPU_PYTEST) $(GPU_MOE)
@@ -110,6 +112,9 @@ test-gpu-check-faults:
 
 test-gpu-sleep:
 	$(GPU_PYTEST) $(GPU_SLEEP)
+
+test-gpu-fp8:
+	$(GPU_PYTEST) $(GPU_FP8)
 
 # GRPO teaches SmolLM2-135M-Instruct two-digit addition (docs/grpo-addition.md): at most 15 minutes on
 # 2 CPU cores, the model's preparation included; the last line is the held-out accuracy before and after.
