@@ -136,3 +136,24 @@ def test_a_changed_only_push_skips_an_unchanged_layers_weights_and_scales_togeth
     layer_0 = {name for name in wire if ".layers.0." in name}
     assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in layer_0 and layer_0 <= unchanged
     assert not {name for name in unchanged if ".layers.1." in name}  # the written layer goes again, scales and all
+
+
+def test_a_moe_policys_experts_held_fused_are_quantized_one_by_one_as_its_fp8_checkpoint_holds_them():
+    from helpers import MOE_FAMILIES
+
+    from lightning_vllm.weights import weights_from
+
+    sizes = dict(MOE_FAMILIES["qwen3_moe"], moe_intermediate_size=128)
+    model = tiny_model("qwen3_moe", 5, intermediate_size=128, num_key_value_heads=2, head_dim=64, **sizes)
+    weights = weights_from(model)
+    trained = source_metadata(weights)
+    experts = {name for name in trained if ".experts." in name and name.endswith("proj.weight")}
+    assert len(experts) == 2 * 4 * 3  # 2 layers, 4 experts, gate, up and down: transformers holds them fused
+    wire = quantized_metadata(trained, frozenset(experts))
+    sent = dict(EngineWeights(weights, wire).iter_full())
+    fused = model.model.layers[1].mlp.experts.gate_up_proj[2]  # expert 2's gate and up, as transformers holds them
+    assert fused.shape == (256, 128)
+    name = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    values, scales = block_fp8(fused[:128])  # its gate: a view into the fused tensor
+    assert torch.equal(sent[name].view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(sent[name + SCALE_SUFFIX], scales)
