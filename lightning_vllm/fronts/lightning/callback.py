@@ -147,6 +147,9 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             level-2 sleep sends every layer), and :meth:`generate` wakes the rest. With ``2``, rollouts after a step
             with no push due push first (the weights are gone). A push that finds an engine asleep wakes its weights
             whatever this is; see ``docs/sleep.md``.
+        progress_bar: show the weight version and the last push's seconds on Lightning's progress bar
+            (``vllm/weight_version``, ``vllm/sync_seconds``); ``False`` leaves the bar alone. The loggers get them
+            either way.
 
     Raises:
         ValueError: for an argument out of range, or two that conflict (``engine`` and ``updater``;
@@ -187,6 +190,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         verify_pushes: bool = True,
         push_from: PushFrom = "rank0",
         sleep_level: SleepLevel | None = None,
+        progress_bar: bool = True,
     ) -> None:
         updater_options = UpdaterOptions.among(locals())
         if isinstance(updater, HoldsWeightSync):  # (TorchRL's updater: the callback pushes through its core)
@@ -219,6 +223,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error, push_from)
         self.sleep = SleepBetweenSteps(self.updater, self.push_points.pusher)
+        self.progress_bar = progress_bar
         self._last_global_step_pushed = -1
         self._trainer: pl.Trainer | None = None  # (while fitting: rollouts that meet dropped weights push first)
 
@@ -291,6 +296,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self._log_staleness(trainer)
         if self.schedule.due_after_batch(trainer.global_step, self._last_global_step_pushed):
             self._push(trainer, pl_module)
+        if self.progress_bar:
+            self._show_on_progress_bar(pl_module)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
@@ -354,6 +361,13 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             if self.sleep.pushes_first(error, trainer.world_size):  # (else: the push on its way refilled them)
                 self._push(trainer, trainer.lightning_module, background=False)
             return self.rollouts.generate(prompts, sampling_params, **options)
+
+    def _show_on_progress_bar(self, pl_module: pl.LightningModule) -> None:
+        # (Through the module's log, as the bar reads it; the loggers were given the figures at each push.)
+        shown = {"vllm/weight_version": float(self.weight_version)}
+        if self.updater.last_sync is not None:
+            shown["vllm/sync_seconds"] = self.updater.last_sync.seconds
+        pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def _log_staleness(self, trainer: pl.Trainer) -> None:
         staleness = self.updater.versions.take_staleness()

@@ -278,3 +278,18 @@ def test_training_run_keeps_vllm_on_the_trained_weights(llm, tmp_path):
         # and the check after the push (the shared engine has the worker extension), within the push's seconds
         assert 0 < timing["check_seconds"][push] < seconds - transfer - commit
         assert timing["gb_per_second"][push] == pytest.approx(num_bytes / transfer / 1e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_the_version_and_the_last_pushs_seconds_are_on_the_progress_bar_unless_hidden(shown, tmp_path):
+    module = TinyCausalLM(tiny_qwen2(seed=0), lr=1e-3)
+    sync = VLLMWeightSync(engine=FakeEngine(module.hf), every_n_train_steps=2, progress_bar=shown)
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=3)
+    trainer.fit(module, token_batches(num_batches=3))
+    bar = trainer.progress_bar_metrics
+    if shown:
+        assert bar["vllm/weight_version"] == 2.0  # fit start and step 2
+        assert bar["vllm/sync_seconds"] == pytest.approx(sync.updater.last_sync.seconds)
+    else:
+        assert not any(name.startswith("vllm/") for name in bar)
+    assert pushed_steps(trainer) == [0, 2]  # the loggers get them either way
