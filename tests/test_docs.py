@@ -33,3 +33,35 @@ def test_every_doc_page_linked_from_the_readme_exists():
     )
     for page in (*pages, "benchmarks.md"):
         assert f"docs/{page}" in readme and (DOCS / page).is_file(), page
+
+
+def test_the_readmes_loss_is_defined_and_a_step_on_it_makes_a_rewarded_rollout_likelier():
+    """The README's example defines its loss; here it runs on a tiny model and two groups of rollouts."""
+    import re
+
+    import torch
+    from helpers import tiny_qwen2
+
+    from lightning_vllm.engines import Generation
+
+    readme = (DOCS.parent / "README.md").read_text()
+    source = re.search(r"\ndef grpo_loss\(.*?\n    return torch.stack\(losses\).mean\(\)\n", readme, re.S)
+    assert source is not None, "the README's example defines grpo_loss"
+    namespace: dict = {"torch": torch}
+    exec(source.group(0), namespace)
+    model = tiny_qwen2(seed=0)
+    rollouts = [Generation(prompt_token_ids=[1, 2, 3], token_ids=[4 + i, 5]) for i in range(4)]
+
+    def likelihood(rollout: Generation) -> float:
+        """log p of the rollout's first token after its prompt."""
+        with torch.no_grad():
+            logits = model(torch.tensor([rollout.prompt_token_ids])).logits[0, -1]
+            return float(logits.log_softmax(-1)[rollout.token_ids[0]])
+
+    before = likelihood(rollouts[0])
+    loss = namespace["grpo_loss"](model, rollouts, [1.0, 0.0, 0.0, 1.0], group_size=2)
+    loss.backward()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter -= 0.1 * parameter.grad
+    assert likelihood(rollouts[0]) > before  # rewarded over its group: likelier
