@@ -25,14 +25,17 @@ from typing import Any
 import torch
 from training import fit_seconds
 
-from lightning_vllm import VLLMUpdater, VLLMWeightSync
+from lightning_vllm import VLLMWeightSync
+from lightning_vllm.core.weight_sync import WeightSync
+from lightning_vllm.options import UpdaterOptions
 
 
-class TimedUpdater(VLLMUpdater):
-    """An updater that records the wall-clock seconds of every push, as the callback sees them."""
+class TimedUpdater(WeightSync):
+    """A core that records the wall-clock seconds of every push, as the callback sees them (the callback pushes
+    through ``WeightSync.push``; timing a front end's method would time nothing: ``ms inside push_weights`` read 0)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, engine: Any, timeout_seconds: float) -> None:
+        super().__init__(engine, options=UpdaterOptions(timeout_seconds=timeout_seconds))
         self.push_seconds: list[float] = []
 
     def push(self, *args: Any, **kwargs: Any) -> Any:  # (what the callback calls)
