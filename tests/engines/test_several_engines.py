@@ -14,8 +14,10 @@ from helpers import (
     tiny_qwen2,
     token_batches,
 )
+from vllm import SamplingParams
 
 from lightning_vllm import VLLMUpdater, VLLMWeightSync
+from lightning_vllm.engines.local import LocalLLMEngine
 
 pytestmark = pytest.mark.engine
 
@@ -107,4 +109,31 @@ def test_an_engine_that_cannot_be_reached_does_not_keep_the_push_from_the_others
     assert (stats.engine_indices, stats.failed_engine_indices) == ((1,), (0,))
     assert_serves(llm, model)
     assert updater.weight_version == stats.weight_version == served_version(llm)
+    updater.close()
+
+
+class RecordingEngine(LocalLLMEngine):
+    """An in-process engine's target that records the prompts each generate gives it."""
+
+    def __init__(self, llm) -> None:
+        super().__init__(llm)
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompts, sampling_params, *, timeout_seconds=None):
+        self.prompts += [list(prompt) for prompt in prompts]
+        return super().generate(prompts, sampling_params, timeout_seconds=timeout_seconds)
+
+
+def test_rollouts_are_spread_over_the_engines_by_default_and_come_back_in_prompt_order(llm, second_llm):
+    first, second = RecordingEngine(llm), RecordingEngine(second_llm)
+    updater = VLLMUpdater(engine=[first, second])
+    updater.push_weights(tiny_qwen2(seed=8))
+    sampler = VLLMWeightSync(updater=updater).rollouts
+    prompts = [[1, 2], [3, 4, 5], [6], [7, 8], [9]]
+    rollouts = sampler.generate(prompts, SamplingParams(n=2, max_tokens=2, temperature=0.0))
+    assert [rollout.prompt_token_ids for rollout in rollouts] == [prompt for prompt in prompts for _ in range(2)]
+    assert first.prompts == prompts[:2] and second.prompts == prompts[2:]
+    assert {rollout.weight_version for rollout in rollouts} == {updater.weight_version}
+    sampler.generate(prompts[:2], SamplingParams(max_tokens=1), engine_index=1)  # one engine, when named
+    assert first.prompts == prompts[:2] and second.prompts == prompts[2:] + prompts[:2]
     updater.close()

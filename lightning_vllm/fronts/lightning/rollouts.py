@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # How often a waiting generate asks whether the engine died (a cheap flag read).
 _DEATH_POLL_SECONDS = 0.2
+# A share's own generate ends by its deadline; its thread is given this much more to hand the error back.
+_SPREAD_GRACE_SECONDS = 5.0
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -51,12 +53,13 @@ class GenerateOptions(TypedDict, total=False):
     :meth:`RolloutSampler.generate`).
 
     Attributes:
-        engine_index: which engine (its position in ``engine=``), when the callback updates several (default 0).
+        engine_index: which engine (its position in ``engine=``) samples every prompt; by default (``None``) the
+            prompts are spread over every engine the callback updates, in contiguous shares sampled at once.
         timeout_seconds: the longest the call may take (default: the callback's ``generate_timeout_seconds``).
         pad_token_id: for a tensor of prompts, the padding id stripped from both ends of each row.
     """
 
-    engine_index: int
+    engine_index: int | None
     timeout_seconds: float | None
     pad_token_id: int | None
 
@@ -69,7 +72,7 @@ def _checked_options(options: GenerateOptions) -> GenerateOptions:
             f"generate() got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
             f"{', '.join(sorted(GenerateOptions.__optional_keys__))}."
         )
-    return {"engine_index": 0, "timeout_seconds": None, "pad_token_id": None, **options}
+    return {"engine_index": None, "timeout_seconds": None, "pad_token_id": None, **options}
 
 
 class RolloutSampler:
@@ -173,6 +176,8 @@ class RolloutSampler:
 
     def _generate_here(self, prompts: Any, sampling_params: Any, options: GenerateOptions) -> list[Generation]:
         engine_index, timeout_seconds = options["engine_index"], options["timeout_seconds"]
+        if engine_index is None:
+            return self._spread(prompts, sampling_params, options)
         engine = self._engine(engine_index)
         raise_if_dead(engine)
         timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
@@ -208,6 +213,27 @@ class RolloutSampler:
                 log.debug("%s refused the request while paused (%s); retrying.", engine.description, error)
                 time.sleep(retry_delay(attempt))
         raise AssertionError("unreachable")
+
+    def _spread(self, prompts: Any, sampling_params: Any, options: GenerateOptions) -> list[Generation]:
+        """The prompts in contiguous shares, one per engine, sampled at once; the samples in the prompts' order."""
+        num_engines = len(self.updater.engines)
+        if num_engines <= 1:
+            return self._generate_here(prompts, sampling_params, {**options, "engine_index": 0})
+        rows = checked_prompts(prompts, PromptLimits(), pad_token_id=options["pad_token_id"])  # (as lists)
+        bounds = [len(rows) * share // num_engines for share in range(num_engines + 1)]
+        calls = [
+            BackgroundCall(
+                self._generate_here,
+                rows[start:stop],
+                sampling_params,
+                {**options, "engine_index": index, "pad_token_id": None},
+                what=f"engine {index} to generate",
+            )  # fmt: skip
+            for index, (start, stop) in enumerate(zip(bounds, bounds[1:]))
+            if stop > start
+        ]
+        timeout = options["timeout_seconds"] or self.timeout_seconds
+        return [generation for call in calls for generation in call.result(timeout + _SPREAD_GRACE_SECONDS)]
 
     def _generate_once(
         self,
