@@ -90,3 +90,8 @@ def test_the_callback_and_the_updater_check_their_arguments_with_it():
     with pytest.raises(ValueError, match="with 2 engines"):
         updater.set_engine([engine, engine])
     check_updater_options(updater.options, num_engines=1)
+
+
+def test_the_callback_takes_the_updaters_prefix_cache_and_tensor_parallel_settings():
+    sync = VLLMWeightSync(engine=FakeEngine(tiny_qwen2(seed=0)), reset_prefix_cache=False, vllm_tp_size=1)
+    assert sync.updater.options.reset_prefix_cache is False and sync.updater.options.vllm_tp_size == 1

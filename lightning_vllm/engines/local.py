@@ -245,8 +245,29 @@ def build_local_engine(llm_kwargs: dict[str, Any]) -> LocalLLMEngine:
     """Start a ``vllm.LLM`` from its arguments (about 20 s for a tiny model on 2 CPU cores).
 
     This is how an engine given as a dict of ``vllm.LLM`` arguments (e.g. from a
-    LightningCLI YAML file) comes to life on the rank that pushes.
+    LightningCLI YAML file) comes to life on the rank that pushes. Without a
+    ``weight_transfer_config`` it gets the backend docs/gpu.md's table names for an engine
+    beside the trainer (:func:`default_backend`).
     """
     from vllm import LLM
 
-    return LocalLLMEngine(LLM(**llm_kwargs))
+    transfer = {"backend": default_backend(_cuda_available())}
+    return LocalLLMEngine(LLM(**{"weight_transfer_config": transfer, **llm_kwargs}))
+
+
+def default_backend(cuda_available: bool) -> str:
+    """The backend of an engine the package builds beside the trainer: ``lightning_ipc`` on a GPU (the engine on the
+    trainer's GPU, pushes atomic), ``gloo`` on CPUs (docs/gpu.md, "Choose a backend").
+
+    Example::
+
+        >>> default_backend(cuda_available=True), default_backend(cuda_available=False)
+        ('lightning_ipc', 'gloo')
+    """
+    return "lightning_ipc" if cuda_available else "gloo"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -90,7 +90,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             ``weight_transfer_config={"backend": "gloo"}``, an ``AsyncLLM``, a server URL,
             a Ray actor handle, a list of them, or a dict of ``vllm.LLM`` arguments (the
             engine is then built on global rank 0 when fitting starts, which also makes the
-            callback configurable from a LightningCLI YAML file). ``None`` on ranks that
+            callback configurable from a LightningCLI YAML file; without a ``weight_transfer_config``
+            it gets ``lightning_ipc`` on a GPU and ``gloo`` on CPUs). ``None`` on ranks that
             hold no engine (under DDP, only global rank 0 needs one).
         every_n_train_steps: push after every N optimizer steps; ``None`` or 0 turns it off.
         every_n_epochs: push at the end of every N training epochs; ``None`` or 0 turns it off.
@@ -150,6 +151,9 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         progress_bar: show the weight version and the last push's seconds on Lightning's progress bar
             (``vllm/weight_version``, ``vllm/sync_seconds``); ``False`` leaves the bar alone. The loggers get them
             either way.
+        reset_prefix_cache: reset vLLM's prefix cache after each push, so that no rollout reuses KV computed with
+            the old weights (see ``VLLMUpdater``).
+        vllm_tp_size: vLLM's tensor-parallel size, checked against each engine before a byte moves when given.
 
     Raises:
         ValueError: for an argument out of range, or two that conflict (``engine`` and ``updater``;
@@ -191,6 +195,8 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         push_from: PushFrom = "rank0",
         sleep_level: SleepLevel | None = None,
         progress_bar: bool = True,
+        reset_prefix_cache: bool = True,
+        vllm_tp_size: int | None = None,
     ) -> None:
         updater_options = UpdaterOptions.among(locals())
         if isinstance(updater, HoldsWeightSync):  # (TorchRL's updater: the callback pushes through its core)
