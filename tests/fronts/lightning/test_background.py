@@ -230,7 +230,9 @@ def test_an_exception_in_training_ends_the_push_in_flight_cleanly(tmp_path):
         threading.Timer(0.3, engine.gate.set).start()  # the push in flight lands during teardown
         raise RuntimeError("a bug in training_step")
 
-    module = CallsAtBatch({1: engine.gate.clear, 2: crash}, lr=1e-3)
+    # Closed before step 1's push goes (version 2), which then stays in flight: step 2's push point is skipped, and
+    # step 3's training_step raises. (Closed a step later, version 2 could land first, and version 3 be the one.)
+    module = CallsAtBatch({0: engine.gate.clear, 2: crash}, lr=1e-3)
     with pytest.raises(RuntimeError, match="a bug in training_step"):
         cpu_trainer(tmp_path, [sync], max_steps=4).fit(module, token_batches(num_batches=4))
     assert engine.version == "2" and engine.receiver is None  # landed, then the group was released
