@@ -130,7 +130,7 @@ def test_rollouts_are_spread_over_the_engines_by_default_and_come_back_in_prompt
     updater.push_weights(tiny_qwen2(seed=8))
     sampler = VLLMWeightSync(updater=updater).rollouts
     prompts = [[1, 2], [3, 4, 5], [6], [7, 8], [9]]
-    rollouts = sampler.generate(prompts, SamplingParams(n=2, max_tokens=2, temperature=0.0))
+    rollouts = sampler.generate(prompts, SamplingParams(n=2, max_tokens=2, seed=0))
     assert [rollout.prompt_token_ids for rollout in rollouts] == [prompt for prompt in prompts for _ in range(2)]
     assert first.prompts == prompts[:2] and second.prompts == prompts[2:]
     assert {rollout.weight_version for rollout in rollouts} == {updater.weight_version}
