@@ -74,7 +74,7 @@ test-fast: $(STAMP)
 # With TorchRL's scheme tests `make test-gpu` took 494 s and `make test-gpu-nccl` 298 s (2026-12-05, H100).
 # Here: `make gpu-carry` builds .gpu-carry/ (vLLM 0.33's Python sources, the wheels its Python imports, torch-native
 # stand-ins for its kernels: tests/gpu/host/). On the GPU host, with .gpu-carry beside a clean checkout: the nine
-# targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/gpu.md. A test still running after
+# targets. Without CUDA every test there is skipped; CI never runs it. Results: docs/runs.md (docs/gpu.md is the guide). A test still running after
 # 240 s has every thread's stack printed (a hang in an engine call shows where it waits).
 GPU_PYTEST := source .gpu-carry/setup.sh && python3 -m pytest -p no:cacheprovider -m gpu --timeout 300 -o faulthandler_timeout=240 -v -rA
 NCCL_NODES := tests/gpu/nccl/test_nccl_nodes.py

@@ -25,7 +25,7 @@ class BackgroundCall(Generic[_T]):
 
     The thread comes from a small pool of idle ones (:class:`_Caller`): a push makes half a dozen bounded
     calls, and starting a thread for each cost about a tenth of a millisecond, a push of an 8B model over
-    ``lightning_ipc`` taking ten (docs/gpu.md). A call that never returns keeps its thread; the next call
+    ``lightning_ipc`` taking ten (docs/runs.md). A call that never returns keeps its thread; the next call
     gets another.
     """
 
@@ -137,7 +137,7 @@ def call_with_timeout(
     A call made on the thread of a bounded call whose waiter gives up no later than this wait would (a transfer's
     control calls, inside ``call_watched``) runs right here: a thread of its own would bound nothing more, and each
     hand-off to another thread costs a context switch, about 0.1 ms here and several times that on a GPU host's
-    busy CPU (docs/gpu.md). The waiter's own timeout, and its error, stand for it.
+    busy CPU (docs/runs.md). The waiter's own timeout, and its error, stand for it.
 
     Raises:
         WeightSyncTimeoutError: ``fn`` did not return in time (it keeps running on a daemon thread).

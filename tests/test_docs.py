@@ -65,3 +65,31 @@ def test_the_readmes_loss_is_defined_and_a_step_on_it_makes_a_rewarded_rollout_l
         for parameter in model.parameters():
             parameter -= 0.1 * parameter.grad
     assert likelihood(rollouts[0]) > before  # rewarded over its group: likelier
+
+
+def test_every_link_between_the_docs_names_a_file_and_a_heading_that_exist():
+    import re
+
+    def anchor(heading: str) -> str:  # (GitHub's: lower case, punctuation dropped, spaces to hyphens)
+        return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
+
+    pages = [*DOCS.glob("**/*.md"), DOCS.parent / "README.md"]
+    headings = {
+        page.resolve(): {anchor(line) for line in page.read_text().splitlines() if line.startswith("#")}
+        for page in pages
+    }
+    broken = []
+    for page in pages:
+        in_code = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            in_code ^= line.startswith("```")
+            for target in [] if in_code else re.findall(r"\]\(([^)\s]+)\)", line):
+                path, _, fragment = target.partition("#")
+                if target.startswith(("http://", "https://", "mailto:")):
+                    continue
+                destination = (page.parent / path).resolve() if path else page.resolve()
+                if not destination.exists() or (
+                    fragment and destination.suffix == ".md" and fragment not in headings[destination]
+                ):
+                    broken.append(f"{page.relative_to(DOCS.parent)}:{number}: {target}")
+    assert not broken, "\n".join(broken)

@@ -52,7 +52,7 @@ def wall_seconds(fn: Callable[[], object], rounds: int) -> list[float]:
 
 
 def print_figures(figures: Mapping[str, float]) -> None:
-    """One ``name=value`` line per figure, four significant digits: the lines docs/gpu.md quotes."""
+    """One ``name=value`` line per figure, four significant digits: the lines docs/runs.md quotes."""
     for name, value in figures.items():
         print(f"{name}={value:.4g}")
 

@@ -1,5 +1,5 @@
 """An 8B-shaped bf16 push over ipc into vLLM's own engine, against a device-to-device copy of the same
-tensors, in the same run on one GPU (docs/gpu.md, "ipc at the speed of one copy").
+tensors, in the same run on one GPU (docs/runs.md, "ipc at the speed of one copy").
 
 On the GPU host, with ``.gpu-carry`` beside the checkout (``make gpu-carry`` here)::
 

@@ -1,7 +1,7 @@
 """The trainer's side of a kept ``lightning_ipc`` push, timed on CPU: what is left of a push above its copy.
 
 On the GPU host an 8B push over ``lightning_ipc`` is the worker's copy plus the trainer's Python and
-vLLM's RPC (``ipc_push.py``, docs/gpu.md). That host's CPU is not steady from one call to the next, and
+vLLM's RPC (``ipc_push.py``, docs/runs.md). That host's CPU is not steady from one call to the next, and
 device time is scarce, so this script times the trainer's part here, as a stand-in:
 
 * a Llama with the 8B model's 291 tensors (32 layers) but tiny dimensions, on CPU;

@@ -1,5 +1,5 @@
 """What the landing check costs on an 8B-shaped bf16 push over nccl into vLLM's own engine on one GPU: the same
-pushes with the check after each (``verify_pushes=True``, the default) and without, in one run (docs/gpu.md).
+pushes with the check after each (``verify_pushes=True``, the default) and without, in one run (docs/runs.md).
 
 On the GPU host, with ``.gpu-carry`` beside the checkout (``make gpu-carry`` here)::
 

@@ -1,5 +1,5 @@
 """An 8B-shaped bf16 push over nccl into vLLM's own engine on a second GPU, against a bare NCCL broadcast of the
-same bytes between the same two processes (docs/gpu.md; the target: the push reaches 0.9 of the broadcast).
+same bytes between the same two processes (docs/runs.md; the target: the push reaches 0.9 of the broadcast).
 
 Needs two GPUs: NCCL puts each rank of a group on a GPU of its own. On the GPU host, with ``.gpu-carry``
 beside the checkout (``make gpu-carry`` here)::

@@ -165,7 +165,7 @@ class VLLMEngineSender(Sender):
     def send(self, outgoing: Outgoing) -> Copying | None:
         """See ``Sender.send``: with an engine whose copies outlast ``send_weights``, returns the wait for them, made
         on the caller's thread (handing the end of a push back from the transfer's thread, once they were done, cost
-        a quarter of a millisecond of an 8B push on a GPU host: docs/gpu.md), which returns the workers' sums for a
+        a quarter of a millisecond of an 8B push on a GPU host: docs/runs.md), which returns the workers' sums for a
         checked push where they are left with the copies (:class:`MailsSums`)."""
         declared, between_pushes = self.source.weights, self.client.client
         self.source.load(outgoing.weights)

@@ -155,7 +155,7 @@ class LandingCheck:
         commit, while the engine's copies of the push may still run on its device. Its workers read what they hold
         in their device's order, after those copies, so the answer is the landed weights' and comes once the copies
         end; the question's round trip and the workers' Python overlap them (an 8B push over ``lightning_ipc``: the
-        workers took 6.9 ms to answer, asked after the copies, docs/gpu.md run 51)."""
+        workers took 6.9 ms to answer, asked after the copies, docs/runs.md run 51)."""
         if self._pending and self._report is None and self._answer is None:
             self._report = BackgroundCall(
                 self.engine.layer_sums,  # type: ignore[attr-defined]  # built only for ReportsLayerSums

@@ -115,7 +115,7 @@ class GeneratesOnlyInCalls(Protocol):
     """Capability of an engine target that generates only inside its own ``generate`` calls, which it serializes
     with the calls that commit a push (an in-process ``vllm.LLM``): nothing runs between calls to pause, and a push
     makes no pause or resume call. Each would be a bounded call, a hand-off to another thread: about 0.1 ms here,
-    several times that on a GPU host's busy CPU (docs/gpu.md)."""
+    several times that on a GPU host's busy CPU (docs/runs.md)."""
 
     def generates_only_in_calls(self) -> bool:
         """Whether it does now (``pause_generation`` and ``resume_generation`` then do nothing)."""
@@ -140,7 +140,7 @@ class UpdatesInOneCall(Protocol):
     then one more to set the version; a worker that loads while the call runs (CUDA IPC: the bytes are
     on the trainer's GPU already) can take all three in one ``collective_rpc`` of a function the backend
     gives (``backends/lightning_ipc/worker.update_in_one_call``). On an H200 each round trip cost about a
-    millisecond of a push whose copy takes eight (docs/gpu.md).
+    millisecond of a push whose copy takes eight (docs/runs.md).
     """
 
     def update_weights_in_one_call(

@@ -6,7 +6,7 @@ wheels bring.
 
 A model's check sums hundreds of tensors on each side. One ``torch.compile`` kernel per tensor costs more host
 time than device time: its guards and launch take tens of microseconds a tensor, and an 8B model's 291 tensors
-took about 50 ms a side on an H200 that reads them all in 4 (docs/gpu.md, run 27). Here one Triton kernel sums
+took about 50 ms a side on an H200 that reads them all in 4 (docs/runs.md, run 27). Here one Triton kernel sums
 every tensor of a dtype at once: its programs each take a span of one tensor, found in a table of the tensors'
 addresses built once per layout, and add their three partial sums into that tensor's row of the output with
 integer atomics (exact, in any order).
@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 _BLOCK = 1024  # values a program reads at once
 # Blocks a program reads: a span of 64K values. Measured on an H100 (2026-12-07), an 8B model's bf16 weights: spans of
 # 16K values summed in 6.9 ms and copied summing in 1.083x a copy's time, spans of 64K in 6.5 ms and 1.056x; spans of
-# 16K or 32K in blocks of 512, 2048 or 4096 values were slower (docs/gpu.md, run 58).
+# 16K or 32K in blocks of 512, 2048 or 4096 values were slower (docs/runs.md, run 58).
 _STEPS = 64
-# Tried on an H100 and put back (2026-12-07, docs/gpu.md run 66): the non-finite test as one floating-point maximum a
+# Tried on an H100 and put back (2026-12-07, docs/runs.md run 66): the non-finite test as one floating-point maximum a
 # value (NaN kept) and offsets in int32 from a span's start. The summing copies ran at 1.007x a copy (1.036 before),
 # but the trainer's read of 16 GB took 10.8 ms (6.8 before): the check's push took longer.
 # A span's bfloat16 patterns (each in [-2**15, 2**15)) add up in int32 (_add_into_row): at most 2**16 of them fit.
@@ -248,7 +248,7 @@ def _sum_spans(sources, destinations, numels, owners, span_item, span_start, out
 
     A whole span (all but a tensor's last) is read without a mask, and with ``ALIGNED`` 16 bytes a load: measured
     on an H100 the masked loads of 2 bytes each, their 64-bit offsets and compares made the read of an 8B model's 16
-    GB bound by integer operations, not by memory (6.5 ms, 5.3 now: docs/gpu.md run 67)."""
+    GB bound by integer operations, not by memory (6.5 ms, 5.3 now: docs/runs.md run 67)."""
     span = tl.program_id(0)
     item = tl.load(span_item + span)
     start = tl.load(span_start + span)

@@ -203,7 +203,7 @@ class SentSums:
         """Read the held tensors' sums now, once they are done, if they were summed beside the push: while the
         engine's copies of a push that committed still run (``lightning_ipc``), so that :meth:`commit` finds them
         read. Waits for those sums alone. (An 8B push on an H100: 0.3 ms of the trainer's after its copies landed,
-        docs/gpu.md run 65.)"""
+        docs/runs.md run 65.)"""
         if self._meanwhile is not None and self._read is None:
             summed = self._meanwhile.result(list(self._later.items()))
             self._read = sums_as_ints(summed) if summed is not None else None

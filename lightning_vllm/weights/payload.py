@@ -12,7 +12,7 @@ the backend, must remember to forward it.
 A push's choice of what it sends, and its checks, are kept for the next push of the same model while they hold
 (:class:`KeptChoice`). Choosing what a push of a model sends and checking it against every engine reads the model's
 whole module tree, its names, dtypes and shapes: on the H200 host's CPU that was 5 ms of a colocated 8B push whose
-copy takes 8.4 ms (docs/gpu.md). After an optimizer step the next push of the same model would find the same, and
+copy takes 8.4 ms (docs/runs.md). After an optimizer step the next push of the same model would find the same, and
 the choice is kept for that push, as long as
 
 - the same object is pushed, with no other trainer rank, to the same engines over the same
@@ -116,7 +116,7 @@ class TreeShape:
 
     :meth:`holds` tells, without walking the tree again, whether it is still exactly so: no module or parameter
     added, removed or replaced, by ``setattr`` or in the modules' dicts directly, and no parameter's data swapped
-    for another dtype or shape. An 8B model's check costs about a tenth of its survey (docs/gpu.md).
+    for another dtype or shape. An 8B model's check costs about a tenth of its survey (docs/runs.md).
     """
 
     def __init__(self) -> None:

@@ -31,7 +31,7 @@ Where the copy lives:
   cached, which the next training step's peak reuses). Otherwise the copy goes to the
   host and waits there for the copies (``torch.cuda.synchronize``), and the push copies it
   back to the GPU: on two H200s that held a training step 2.8 times longer than a
-  blocking push (docs/gpu.md). The memory warns once when that happens.
+  blocking push (docs/runs.md). The memory warns once when that happens.
 - **Weights in host memory: plain host buffers**, copied synchronously.
 
 :attr:`SnapshotMemory.where` says where the last snapshot lives.

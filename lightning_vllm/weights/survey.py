@@ -4,7 +4,7 @@ Which source reads a policy (``sources.weights_from``), and whether its LoRA ada
 (``lora.adapter.lora_policy``), depend on three questions about the module tree. Asked one by one,
 each walked the tree, and ``isinstance`` against PEFT's ``LoraLayer`` (an ABC) is slow: on an 8B
 model's ~420 modules the questions of one push cost about 2 ms of trainer Python, a fifth of the
-copy a colocated push makes (docs/gpu.md). :func:`survey` answers the three in one walk, checking
+copy a colocated push makes (docs/runs.md). :func:`survey` answers the three in one walk, checking
 each module *type* once, and lists the parameters on the way (``ModuleWeights`` sends them); a push
 keeps its surveys in a :class:`Surveys`, so that each module is walked once.
 """

@@ -139,7 +139,7 @@ def test_ipc_buffers_grow_to_hold_the_largest_tensor():
 def test_nccl_into_a_worker_on_the_trainers_gpu_is_refused_naming_what_to_use(raised_by, monkeypatch):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    # vLLM's NCCL wrapper passes NCCL's last error on (seen on an H200, docs/gpu.md).
+    # vLLM's NCCL wrapper passes NCCL's last error on (seen on an H200, docs/runs.md).
     nccl_said = RuntimeError(
         "NCCL error: invalid usage (run with NCCL_DEBUG=WARN for details)\nLast error:\n"
         "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60"

@@ -2,7 +2,7 @@
 
 vLLM's ``load_weights`` runs Python per tensor (names mapped onto fused parameters, shards
 and offsets computed, shapes checked) before it copies. On an 8B model that Python is most
-of a push once the bytes move with one copy (docs/gpu.md). What it does to the parameters
+of a push once the bytes move with one copy (docs/runs.md). What it does to the parameters
 is the same at every push of tensors of the same shapes: copy a view of each incoming
 tensor into a view of a parameter, and fill padding with a constant. :func:`record_load`
 watches one load (a ``TorchDispatchMode`` sees every tensor operation) and keeps exactly

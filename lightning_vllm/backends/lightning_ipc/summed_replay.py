@@ -2,7 +2,7 @@
 
 The check holds each layer's fingerprint in the engine against the trainer's (``weights/layer_sums.py``). Taken
 from the live weights after the commit, it reads every weight again: on an 8B model in bf16 that read cost more than
-the copy that loaded them (docs/gpu.md, run 29). Here the replay's copies are made by one Triton kernel that sums
+the copy that loaded them (docs/runs.md, run 29). Here the replay's copies are made by one Triton kernel that sums
 the values as it stores them (``weights/gpu_sums.SummedCopies``), into one row per parameter it writes (per routed
 expert of a fused expert tensor): one pass writes and sums.
 

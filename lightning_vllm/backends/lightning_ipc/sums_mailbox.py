@@ -3,7 +3,7 @@ through vLLM.
 
 The check holds what the engine's worker holds, per layer, against what the trainer sent (``core/landing_check.py``).
 Asked through vLLM's ``collective_rpc``, the worker's answer took 2.3 ms after its sums were ready to reach the trainer
-of an 8B push on an H100 (docs/gpu.md, run 61): longer than its sums. With ``lightning_ipc`` the worker shares the
+of an 8B push on an H100 (docs/runs.md, run 61): longer than its sums. With ``lightning_ipc`` the worker shares the
 trainer's GPU and already records the trainer's event after each push's copies (``worker.py``). So the trainer lends
 it one small tensor, a mailbox (:class:`SumsMailbox`, its CUDA IPC handle sent once per connection); the worker
 queues its layers' fingerprints into it (``held_sums.LayerRows``: ``[layer_key, bits, squares]`` rows), then a header

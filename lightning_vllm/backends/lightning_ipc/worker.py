@@ -4,7 +4,7 @@ vLLM's own ``ipc`` engine loads every push through its layer-wise reload
 (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``): each layer is rebuilt on
 the meta device, materialized again, loaded, processed and copied back into the tensors
 vLLM's CUDA graphs point at, so a push makes two copies and much Python work per tensor, and
-every push opens each CUDA IPC handle again. Measured on an H200 (docs/gpu.md), an 8B push
+every push opens each CUDA IPC handle again. Measured on an H200 (docs/runs.md), an 8B push
 took 20× one device-to-device copy of its bytes, almost all inside the worker.
 
 This engine is vLLM's, with three changes:

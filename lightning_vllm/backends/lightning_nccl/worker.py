@@ -3,7 +3,7 @@
 vLLM's ``nccl`` engine loads each chunk of a push as it arrives, inside its layer-wise reload. A push that fails half
 way (the trainer's source raised, the trainer timed out or was killed, the engine core was frozen past the
 trainer's timeout) leaves the layers it had finished holding the new weights: the engine serves a mix of two
-versions under the one it reported before. Measured on an H200 (docs/gpu.md): after an engine core frozen mid-push
+versions under the one it reported before. Measured on an H200 (docs/runs.md): after an engine core frozen mid-push
 was continued, its logprobs were 9.1e-4 from the *new* weights while it reported the old version.
 
 This engine receives a push into a :class:`StagingRoom` (a tensor per name, on the worker's GPU, kept from push to

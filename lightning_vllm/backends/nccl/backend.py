@@ -46,7 +46,7 @@ class NCCLBackend(VLLMEngineBackend):
         """As vLLM's; a worker on the trainer's own GPU is refused, saying what to use instead.
 
         NCCL puts each rank of a group on a GPU of its own. With a worker on the trainer's GPU, vLLM's NCCL
-        init fails on both sides within a second (seen on an H200: docs/gpu.md); the engine keeps serving.
+        init fails on both sides within a second (seen on an H200: docs/runs.md); the engine keeps serving.
 
         Raises:
             EngineConfigError: a vLLM worker is on the trainer's GPU.
