@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes test-gpu-check-faults test-gpu-sleep test-gpu-fp8 gpu-carry lint demo demo-lora demo-tiny bench bench-multihost soak clean
+.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes test-gpu-check-faults test-gpu-sleep test-gpu-fp8 gpu-carry demo-gpu lint demo demo-lora demo-tiny bench bench-multihost soak clean
 
 install: $(STAMP)
 
@@ -126,6 +126,12 @@ demo-lora: $(STAMP)
 	$(PY) examples/grpo_addition.py --lora-rank 16
 
 # The tiny demo (a random character-level model learning to echo a letter, about a minute).
+# make demo's GRPO on one CUDA GPU, the engine beside the trainer over lightning_ipc (examples/grpo_gpu.py; flags:
+# --sleep-level 1|2, --fp8). On the GPU host with .gpu-carry, and SmolLM2's checkpoint prepared there (smollm2.py).
+# Not yet run on a GPU.
+demo-gpu:
+	source .gpu-carry/setup.sh && python3 examples/grpo_gpu.py
+
 demo-tiny: $(STAMP)
 	$(PY) examples/grpo_tiny.py
 
