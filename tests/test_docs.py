@@ -93,3 +93,37 @@ def test_every_link_between_the_docs_names_a_file_and_a_heading_that_exist():
                 ):
                     broken.append(f"{page.relative_to(DOCS.parent)}:{number}: {target}")
     assert not broken, "\n".join(broken)
+
+
+def test_defaults_quoted_in_the_docs_are_the_codes():
+    import ast
+    import inspect
+    import re
+
+    from lightning_vllm import VLLMUpdater, VLLMWeightSync
+
+    defaults: dict[str, list] = {}
+    for constructor in (VLLMWeightSync.__init__, VLLMUpdater.__init__):
+        for name, parameter in inspect.signature(constructor).parameters.items():
+            if parameter.default is not inspect.Parameter.empty:
+                defaults.setdefault(name, []).append(parameter.default)
+    # `name=value`, the default / `name=value` (the default) / `name` (default value)
+    patterns = (r"`(\w+)=([^`]+)`,? \(?the default", r"`(\w+)` \(default ([^)]+)\)")
+    quoted, wrong = [], []
+    for page in [*DOCS.glob("*.md"), DOCS.parent / "README.md"]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for pattern in patterns:
+                for name, text in re.findall(pattern, line):
+                    if name not in defaults:
+                        continue
+                    try:
+                        value = ast.literal_eval(text)
+                    except (ValueError, SyntaxError):
+                        value = text
+                    quoted.append(name)
+                    if value not in defaults[name]:
+                        wrong.append(
+                            f"{page.name}:{number}: {name}={text!s}, the code's default is {defaults[name][0]!r}"
+                        )
+    assert len(quoted) >= 5, quoted  # (the patterns still find what the docs quote)
+    assert not wrong, "\n".join(wrong)
