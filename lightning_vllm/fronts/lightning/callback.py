@@ -307,7 +307,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self.sleep.before_backward()
+        self.sleep.before_backward(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

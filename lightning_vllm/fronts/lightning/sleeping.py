@@ -15,7 +15,10 @@ when. Level 2 drops the weights: a step with no push due leaves nothing to sampl
 from __future__ import annotations
 
 import logging
+import time
 
+import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_vllm.core.weight_sync import WeightSync
@@ -75,14 +78,21 @@ class SleepBetweenSteps:
             ):
                 rank_zero_warn(problem)
 
-    def before_backward(self) -> None:
-        """Put every engine to sleep: the backward and the optimizer step get its GPU memory."""
+    def before_backward(self, trainer: pl.Trainer) -> None:
+        """Put every engine to sleep: the backward and the optimizer step get its GPU memory. Logs
+        ``vllm/sleep_seconds`` and, on a GPU, ``vllm/gpu_free_gib`` once the engines sleep."""
         if self.level is None or not self.updater.engines:
             return
         if self.pusher is not None:
             self.pusher.wait_or_raise("when the engine was to sleep before backward")
         options = self.updater.options
+        started = time.perf_counter()
         sleep_engines(self.updater.engines, self.level, options.pause_mode, options.timeout_seconds)
+        metrics = {"vllm/sleep_seconds": time.perf_counter() - started}
+        if torch.cuda.is_available():
+            metrics["vllm/gpu_free_gib"] = torch.cuda.mem_get_info()[0] / 2**30
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def pushes_first(self, error: WeightsDroppedError, world_size: int) -> bool:
         """Whether rollouts that met dropped weights (``error``) push the trainer's weights first: with

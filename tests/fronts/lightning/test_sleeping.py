@@ -16,6 +16,7 @@ from helpers import (
     assert_serves,
     cpu_trainer,
     served_version,
+    tensorboard_scalars,
     tiny_qwen2,
     token_batches,
 )
@@ -89,7 +90,8 @@ def test_level_1_sleeps_before_backward_and_a_push_point_wakes_only_the_weights(
     module = SleepyRollouts()
     sync = VLLMWeightSync(engine=sleeping, sleep_level=1, every_n_train_steps=1)
     v = served_version(sleeping)
-    cpu_trainer(tmp_path, [sync], max_steps=2).fit(module, token_batches(2))
+    trainer = cpu_trainer(tmp_path, [sync], max_steps=2)
+    trainer.fit(module, token_batches(2))
     step = ["sleep 1", "wake weights"]
     assert sleeping.calls == [
         f"commit {v + 1}", "generate", *step, f"commit {v + 2}", "wake all", "generate", *step, f"commit {v + 3}",
@@ -98,6 +100,8 @@ def test_level_1_sleeps_before_backward_and_a_push_point_wakes_only_the_weights(
     assert module.seen == [(v + 1, v + 1), (v + 2, v + 2)]
     assert not sleeping.sleep_state().asleep
     assert_serves(sleeping.llm, module.hf)
+    slept = tensorboard_scalars(trainer.logger.log_dir, "vllm/sleep_seconds")
+    assert [step for step, _ in slept] == [0, 1] and all(seconds > 0 for _, seconds in slept)
 
 
 def test_a_push_into_an_engine_the_user_put_to_sleep_wakes_its_weights_first(sleeping):
