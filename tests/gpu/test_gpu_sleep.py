@@ -125,3 +125,26 @@ def test_a_push_into_an_engine_the_user_put_to_sleep_lands_and_the_engine_core_l
     updater.push_weights(model.cuda())  # every layer: changed-only sends what was dropped
     serves(llm, model)
     assert engine_core_pid(llm) == pid
+
+
+def test_vllm_serve_sleeps_through_its_routes_while_the_trainer_steps(gpu_model_dir, insecure_serialization, tmp_path):
+    from gpu_helpers import gpu_server
+    from helpers import engine_prompt_logprobs
+
+    from lightning_vllm import HTTPEngine
+
+    server = gpu_server(gpu_model_dir, tmp_path / "server.log", backend="ipc", extra_args=["--enable-sleep-mode"])
+    try:
+        engine = HTTPEngine(server.url)
+        module, memory = Rollouts(seed=90), FreeAtBackward()
+        sync = VLLMWeightSync(engine=engine, sleep_level=1, every_n_train_steps=1, timeout_seconds=120)
+        gpu_trainer(tmp_path, [sync, memory], max_steps=3).fit(module, token_batches(3))
+        version = sync.weight_version
+        assert module.seen == [(version - 3 + step, version - 3 + step) for step in range(3)]
+        freed = [asleep - awake for asleep, awake in zip(memory.free, module.free_awake)]
+        FIGURES["sleep_server_level1_freed_mib"] = [value >> 20 for value in freed]
+        assert min(freed) > 1 << 30, freed
+        gap = max_abs_diff(engine_prompt_logprobs(engine), hf_prompt_logprobs(module.hf))
+        assert gap <= BOUND, gap
+    finally:
+        server.stop()
