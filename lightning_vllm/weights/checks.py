@@ -109,7 +109,35 @@ def config_weights(hf_config: Any, *, serving_dtype: torch.dtype, ties_word_embe
     wire = {
         name: (serving_dtype if dtype.is_floating_point else dtype, shape) for name, (dtype, shape) in metadata.items()
     }
+    if block := config_block_fp8(hf_config):  # (a dummy engine of an FP8 checkpoint's config holds what it would)
+        wire = quantized_metadata(wire, linear_weights(model, metadata, hf_config), block)
     return ExpectedWeights(loaded_by_engine(wire, ties_word_embeddings), ties_word_embeddings)
+
+
+def config_block_fp8(hf_config: Any) -> tuple[int, int] | None:
+    """The block of a block-wise FP8 ``quantization_config`` (an FP8 checkpoint's config), ``None`` for any other."""
+    quantization = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    block = quantization.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if quantization.get("quant_method") == "fp8" and block else None
+
+
+def linear_weights(model: torch.nn.Module, metadata: ModelMetadata, hf_config: Any) -> frozenset[str]:
+    """The weights of ``model``'s linear layers that an FP8 config quantizes, as vLLM does by layer type: every
+    ``nn.Linear`` but the output embedding and the modules the config leaves out (``modules_to_not_convert``), and the
+    experts' projections a MoE model holds fused (sent one by one, ``weights/checkpoint_layout.py``)."""
+    quantization = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    skipped = [*(quantization.get("modules_to_not_convert") or []), *(quantization.get("ignored_layers") or [])]
+    linear = {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and not any(part in name for part in skipped)
+    }
+    experts = {name for name in metadata if ".experts." in name and name.endswith("proj.weight")}
+    return frozenset(name for name in linear | experts if name in metadata)
 
 
 def checkpoint_weights(

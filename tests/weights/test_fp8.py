@@ -157,3 +157,19 @@ def test_a_moe_policys_experts_held_fused_are_quantized_one_by_one_as_its_fp8_ch
     values, scales = block_fp8(fused[:128])  # its gate: a view into the fused tensor
     assert torch.equal(sent[name].view(torch.uint8), values.view(torch.uint8))
     assert torch.equal(sent[name + SCALE_SUFFIX], scales)
+
+
+def test_a_dummy_engine_of_an_fp8_config_is_checked_and_sent_in_its_quantized_form():
+    from lightning_vllm.weights.checks import config_weights
+
+    model = block_friendly(seed=6)
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.for_model(**config)
+    expected = config_weights(hf_config, serving_dtype=torch.bfloat16, ties_word_embeddings=False)
+    assert block_fp8_plan(expected.weights) == linear_weights(model)  # every projection; not lm_head, norms, embed
+    assert expected.weights["lm_head.weight"][0] == torch.bfloat16
+    wire, _ = metadata_for_engine(expected, source_metadata(ModuleWeights(model)), "a dummy FP8 engine")
+    assert wire == expected.weights
