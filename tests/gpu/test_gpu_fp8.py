@@ -131,3 +131,22 @@ def test_weights_that_do_not_fit_the_fp8_engine_are_refused_before_a_byte_moves(
     with pytest.raises(WeightsMismatchError, match="nothing was sent"):
         VLLMUpdater(engine=llm, timeout_seconds=120).push_weights(other)
     assert llm.get_weight_version() == version
+
+
+def test_a_dummy_engine_of_an_fp8_config_is_filled_by_its_first_push(tmp_path, insecure_serialization):
+    config_dir = fp8_checkpoint(block_friendly(seed=4), tmp_path / "config")
+    (config_dir / "model.safetensors").unlink()  # (the config alone, as verl and SkyRL start their engines)
+    llm = gpu_llm(config_dir, backend="lightning_ipc", dtype="bfloat16", load_format="dummy")
+    try:
+        trained = block_friendly(seed=5).cuda()
+        updater = VLLMUpdater(engine=llm, timeout_seconds=120)
+        updater.push_weights(trained)
+        reference = fp8_llm(fp8_checkpoint(trained, tmp_path / "reference"), "lightning_ipc")
+        try:
+            assert digests_equal(engine_digest(llm), engine_digest(reference))
+            assert vllm_greedy(llm) == vllm_greedy(reference)
+        finally:
+            stop_llm(reference)
+        updater.close()
+    finally:
+        stop_llm(llm)
