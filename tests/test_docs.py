@@ -127,3 +127,40 @@ def test_defaults_quoted_in_the_docs_are_the_codes():
                         )
     assert len(quoted) >= 5, quoted  # (the patterns still find what the docs quote)
     assert not wrong, "\n".join(wrong)
+
+
+GUIDE_FIGURES_ALLOWED: dict[str, str] = {
+    "8.6": "multinode.md: arithmetic, not a measurement (1 GiB at 1 Gbit/s)",
+    "27.8": "lora.md: the adapter's serving time on vLLM's CPU ops, measured once by hand when the grouped ops were "
+    "written; the benchmark that keeps records (make bench) times pushes, not serving",
+}
+"""Figures a guide may quote that no record holds, each with why. Everything else a guide quotes
+as a measurement comes from docs/runs.md, docs/benchmarks.md or a raw record in docs/gpu-runs/ (issue 68)."""
+
+
+def test_every_measured_figure_in_the_guides_is_in_a_record():
+    import json
+    import re
+
+    records = [DOCS / "runs.md", DOCS / "benchmarks.md", *sorted((DOCS / "gpu-runs").glob("*.json"))]
+    text = "\n".join(path.read_text() for path in records)
+    held = set(re.findall(r"\d+\.\d+", text))
+    for path in (DOCS / "gpu-runs").glob("*.json"):  # (raw floats, quoted rounded)
+        for number in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", path.read_text()):
+            value = float(number)
+            held |= {f"{value:.{digits}f}" for digits in range(1, 5)}
+    measured = re.compile(r"(?<![\w.])(\d+\.\d+)\s?(?:×|x\b|s\b|ms\b|GB\b|MB\b|GiB\b|%)")
+    guides = [
+        DOCS.parent / "README.md",
+        *(page for page in DOCS.glob("*.md") if page.name not in {"runs.md", "benchmarks.md", "api.md"}),
+    ]
+    unsourced = []
+    for page in guides:
+        in_code = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            in_code ^= line.startswith("```")
+            for figure in [] if in_code else measured.findall(line):
+                if figure not in held and figure not in GUIDE_FIGURES_ALLOWED:
+                    unsourced.append(f"{page.name}:{number}: {figure}")
+    assert not unsourced, "quoted in a guide, found in no record:\n" + "\n".join(unsourced)
+    json.dumps(GUIDE_FIGURES_ALLOWED)  # (the allow-list stays plain data)
