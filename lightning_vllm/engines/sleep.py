@@ -129,15 +129,30 @@ class SleepMode(Sleeps):
         try:
             self._ask_workers(SLEEP_STATE_METHOD)
         except Exception as error:  # noqa: BLE001  # (vLLM's NotImplementedError, an HTTP error, ...: said)
-            return (
-                f"the {self.description} engine's workers did not answer {SLEEP_STATE_METHOD!r} ({error}): they did "
-                "not load lightning_vllm's vLLM plugin, so what a sleep did to their weights cannot be known. Install "
-                "lightning_vllm in the environment vLLM runs in"
-            )
+            return self._no_plugin(error)
         return None
 
+    def _no_plugin(self, error: BaseException) -> str:
+        return (
+            f"the {self.description} engine's workers did not answer {SLEEP_STATE_METHOD!r} ({error}): they did "
+            "not load lightning_vllm's vLLM plugin, so what a sleep did to their weights cannot be known. Install "
+            "lightning_vllm in the environment vLLM runs in"
+        )
+
     def sleep_state(self) -> SleepState:
-        return SleepState.of_workers(self._ask_workers(SLEEP_STATE_METHOD))
+        """What the workers' sleeps left.
+
+        Raises:
+            EngineConfigError: the workers lack our plugin (a push into the engine asleep would end its engine core,
+                vLLM 57853: it is not made blind).
+        """
+        try:
+            reports = self._ask_workers(SLEEP_STATE_METHOD)
+        except Exception as error:
+            if SLEEP_STATE_METHOD not in str(error):  # (a dead or busy engine says so itself)
+                raise
+            raise EngineConfigError(f"Cannot push to or sample from it safely: {self._no_plugin(error)}.") from error
+        return SleepState.of_workers(reports)
 
 
 def sleeping_engine(engine: object) -> Sleeps | None:
