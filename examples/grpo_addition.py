@@ -452,9 +452,15 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
 
     saved = save_model(module, Path(logger.log_dir) / "model")
     plot = save_plot(logger.log_dir, args.lora_rank)
+    lines = [f"TensorBoard: tensorboard --logdir {args.log_dir}", f"plot: {plot}", f"saved: {saved}"]
+    return report(evaluation, trainer, started, lines)
+
+
+def report(evaluation: HeldOutEvaluation, trainer: Trainer, started: float, lines: list[str]) -> tuple[float, float]:
+    """Print ``lines``, then the run's last line (held-out accuracy before and after, steps, seconds since
+    ``started``); returns the accuracies before and after."""
     before, after = evaluation.curve[0][1], evaluation.curve[-1][1]
-    print(f"TensorBoard: tensorboard --logdir {args.log_dir}\nplot: {plot}")
-    print(f"saved: {saved}")
+    print("\n".join(lines))
     seconds = time.perf_counter() - started
     print(f"heldout_accuracy: before={before:.2f} after={after:.2f} steps={trainer.global_step} seconds={seconds:.0f}")
     return before, after

@@ -41,6 +41,7 @@ from grpo_addition import (  # noqa: E402
     HeldOutEvaluation,
     TrainingProblems,
     heldout_problems,
+    report,
     save_plot,
     split_pairs,
 )
@@ -122,15 +123,10 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     loader = DataLoader(TrainingProblems(train_pairs, args.seed), batch_size=args.problems_per_step, collate_fn=list)
     trainer.fit(module, loader)
 
-    plot = save_plot(logger.log_dir)
-    before, after = evaluation.curve[0][1], evaluation.curve[-1][1]
-    last = sync.updater.last_sync
-    print(f"TensorBoard: tensorboard --logdir {args.log_dir}\nplot: {plot}")
-    if last is not None:
-        print(f"last push: version {last.weight_version}, {last.seconds:.3f} s, {last.num_bytes / 1e6:.0f} MB")
-    seconds = time.perf_counter() - started
-    print(f"heldout_accuracy: before={before:.2f} after={after:.2f} steps={trainer.global_step} seconds={seconds:.0f}")
-    return before, after
+    lines = [f"TensorBoard: tensorboard --logdir {args.log_dir}", f"plot: {save_plot(logger.log_dir)}"]
+    if (last := sync.updater.last_sync) is not None:
+        lines.append(f"last push: version {last.weight_version}, {last.seconds:.3f} s, {last.num_bytes / 1e6:.0f} MB")
+    return report(evaluation, trainer, started, lines)
 
 
 if __name__ == "__main__":

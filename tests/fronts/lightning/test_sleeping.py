@@ -104,25 +104,31 @@ def test_level_1_sleeps_before_backward_and_a_push_point_wakes_only_the_weights(
     assert [step for step, _ in slept] == [0, 1] and all(seconds > 0 for _, seconds in slept)
 
 
-def test_a_push_into_an_engine_the_user_put_to_sleep_wakes_its_weights_first(sleeping):
-    updater = VLLMUpdater(engine=sleeping, changed_only=True)
-    model = tiny_qwen2(seed=4)
+def pushed_once(engine, seed: int) -> tuple[VLLMUpdater, torch.nn.Module, int]:
+    """A changed-only updater of ``engine`` that pushed a model once: it, the model, and the bytes of a full push."""
+    updater = VLLMUpdater(engine=engine, changed_only=True)
+    model = tiny_qwen2(seed=seed)
     updater.push_weights(model)
-    full_bytes = updater.last_sync.num_bytes
+    return updater, model, updater.last_sync.num_bytes
 
-    sleeping.llm.sleep(level=1)
+
+def write_one_layer(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         model.model.norm.weight.add_(0.5)
-    updater.push_weights(model)
+    return model
+
+
+def test_a_push_into_an_engine_the_user_put_to_sleep_wakes_its_weights_first(sleeping):
+    updater, model, full_bytes = pushed_once(sleeping, seed=4)
+    sleeping.llm.sleep(level=1)
+    updater.push_weights(write_one_layer(model))
     assert updater.last_sync.num_bytes < full_bytes  # level 1 kept the rest
     assert sleeping.calls[-3:] == ["wake weights", f"commit {updater.weight_version}", "sleep 1"]  # back to level 1
     assert sleeping.sleep_state().weights_asleep
 
     sleeping.llm.wake_up()
     sleeping.llm.sleep(level=2)
-    with torch.no_grad():
-        model.model.norm.weight.add_(0.5)
-    updater.push_weights(model)
+    updater.push_weights(write_one_layer(model))
     assert updater.last_sync.num_bytes == full_bytes  # level 2 dropped the rest: every layer again
     assert sleeping.calls[-2:] == ["wake weights", f"commit {updater.weight_version}"]
     assert sleeping.sleep_state().asleep == {"kv_cache"}  # the weights awake, the KV cache for the rollouts
@@ -132,17 +138,12 @@ def test_a_push_into_an_engine_the_user_put_to_sleep_wakes_its_weights_first(sle
 
 
 def test_the_users_own_level_2_sleep_and_wake_is_noticed(sleeping):
-    updater = VLLMUpdater(engine=sleeping, changed_only=True)
-    model = tiny_qwen2(seed=5)
-    updater.push_weights(model)
-    full_bytes = updater.last_sync.num_bytes
+    updater, model, full_bytes = pushed_once(sleeping, seed=5)
     sleeping.llm.sleep(level=2)
     sleeping.llm.wake_up()  # vLLM reports the last version, and serves whatever the woken memory holds
     with pytest.raises(WeightsDroppedError, match="dropped its weights"):
         VLLMWeightSync(updater=updater).rollouts.generate([[1, 2]])
-    with torch.no_grad():
-        model.model.norm.weight.add_(0.5)
-    updater.push_weights(model)
+    updater.push_weights(write_one_layer(model))
     assert updater.last_sync.num_bytes == full_bytes
     assert_serves(sleeping.llm, model)
 
