@@ -6,7 +6,7 @@ vLLM reports only "sleeping or not", keeps reporting the last weight version aft
 gone, and crashes its engine core on a push into a sleeping engine (vLLM 57853). So:
 
 - every worker notes what its sleep did (``in_vllm/worker_methods.py``), and :class:`SleepState` is what they report;
-- :class:`SleepMode` is the capability of an engine target that can sleep; :class:`Sleeps` declares it;
+- :class:`SleepMode` is the capability of an engine target that can sleep;
 - a push first wakes the weights (:func:`wake_for_push`): vLLM's push never meets a sleeping engine, and weights
   dropped since the last push make that push send every layer; afterwards (:func:`after_push`) an engine the user put
   at level 1 goes back to it, and the KV cache stays asleep until rollouts;
@@ -20,10 +20,10 @@ nothing more.
 from __future__ import annotations
 
 import logging
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from lightning_vllm._waits import call_with_timeout
 from lightning_vllm.engines.base import EngineTarget
@@ -78,23 +78,7 @@ class SleepState:
         return "kv_cache" in self.asleep
 
 
-@runtime_checkable
-class Sleeps(Protocol):
-    """Capability of an engine target that can sleep (vLLM's sleep mode); :class:`SleepMode` implements it."""
-
-    description: str
-    dropped_at_last_push: int | None
-
-    def sleep_mode_problem(self) -> str | None: ...
-
-    def sleep_state(self) -> SleepState: ...
-
-    def sleep(self, level: int, mode: str) -> None: ...
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
-
-
-class SleepMode(Sleeps):
+class SleepMode(ABC):
     """What every engine target that can sleep shares: it asks its workers what their sleep left, and remembers how
     many weight drops the last push that landed had seen (``dropped_at_last_push``; ``None``: no push yet), which
     tells weights a push refilled from dropped ones.
@@ -102,7 +86,12 @@ class SleepMode(Sleeps):
     Subclasses say whether the engine was built with sleep mode, and make vLLM's three calls.
     """
 
+    description: str
     dropped_at_last_push: int | None = None
+
+    def dropped_since_last_push(self, state: SleepState) -> bool:
+        """Whether ``state`` tells of weights dropped since the last push that landed (before any push: ever)."""
+        return state.dropped != (self.dropped_at_last_push or 0)
 
     @abstractmethod
     def _sleep_mode_enabled(self) -> bool:
@@ -155,7 +144,7 @@ class SleepMode(Sleeps):
         return SleepState.of_workers(reports)
 
 
-def sleeping_engine(engine: object) -> Sleeps | None:
+def sleeping_engine(engine: object) -> SleepMode | None:
     """``engine`` as a target that can sleep, ``None`` unless it was built with sleep mode (asked once per connection:
     an engine without it is never asked anything more)."""
     if isinstance(engine, SleepMode) and engine._sleep_mode_enabled():
@@ -172,7 +161,7 @@ def require_sleep_mode(engines: Sequence[EngineTarget]) -> None:
     """
     problems = [
         engine.sleep_mode_problem()
-        if isinstance(engine, Sleeps)
+        if isinstance(engine, SleepMode)
         else f"the {engine.description} engine cannot be put to sleep by this package"
         for engine in engines
     ]
@@ -196,16 +185,16 @@ class FoundAsleep:
     weights_dropped: bool
 
 
-def _call(engine: Sleeps, fn: Callable[..., Any], *args: Any, timeout: float, what: str) -> Any:
+def _call(engine: SleepMode, fn: Callable[..., Any], *args: Any, timeout: float, what: str) -> Any:
     return call_with_timeout(fn, *args, timeout=timeout, what=f"{engine.description} to {what}")
 
 
-def wake_for_push(engine: Sleeps, timeout: float) -> FoundAsleep:
+def wake_for_push(engine: SleepMode, timeout: float) -> FoundAsleep:
     """Before a push into an engine that can sleep: wake its weights if they sleep (vLLM's own push would crash the
     engine core, vLLM 57853), and say whether they were dropped since the last push (the push then sends every
     layer). The KV cache stays as it is: the push needs none."""
     state = _call(engine, engine.sleep_state, timeout=timeout, what="say what its sleep left")
-    dropped = state.dropped != (engine.dropped_at_last_push or 0)
+    dropped = engine.dropped_since_last_push(state)
     if state.weights_asleep:
         _call(engine, engine.wake_up, ["weights"], timeout=timeout, what="wake its weights for a push")
     if dropped:
@@ -213,7 +202,7 @@ def wake_for_push(engine: Sleeps, timeout: float) -> FoundAsleep:
     return FoundAsleep(state, state.weights_asleep, dropped)
 
 
-def after_push(engine: Sleeps, found: FoundAsleep, timeout: float, *, keep_awake: bool, mode: str) -> None:
+def after_push(engine: SleepMode, found: FoundAsleep, timeout: float, *, keep_awake: bool, mode: str) -> None:
     """After a push landed: the engine holds this push's weights whatever was dropped before. An engine the push found
     at level 1 goes back to it unless ``keep_awake`` (the callback's ``sleep_level``: rollouts come next); one found
     at level 2 keeps its weights awake and its KV cache asleep until rollouts wake it."""
@@ -223,14 +212,14 @@ def after_push(engine: Sleeps, found: FoundAsleep, timeout: float, *, keep_awake
         _call(engine, engine.sleep, 1, mode, timeout=timeout, what="go back to sleep at level 1")
 
 
-def wake_for_rollouts(engine: Sleeps, timeout: float) -> None:
+def wake_for_rollouts(engine: SleepMode, timeout: float) -> None:
     """Before rollouts from an engine that can sleep: wake whatever sleeps.
 
     Raises:
         WeightsDroppedError: its weights were dropped and no push landed since (it would serve garbage).
     """
     state = _call(engine, engine.sleep_state, timeout=timeout, what="say what its sleep left")
-    if state.dropped != (engine.dropped_at_last_push or 0):
+    if engine.dropped_since_last_push(state):
         raise WeightsDroppedError(
             f"{engine.description} dropped its weights (sleep(level=2) or a discard) and no push has landed since: "
             "it would sample from whatever its memory now holds. Push the weights first (a push after a level-2 "
@@ -240,7 +229,7 @@ def wake_for_rollouts(engine: Sleeps, timeout: float) -> None:
         _call(engine, engine.wake_up, None, timeout=timeout, what="wake up for rollouts")
 
 
-def put_to_sleep(engine: Sleeps, level: SleepLevel, mode: str, timeout: float) -> None:
+def put_to_sleep(engine: SleepMode, level: SleepLevel, mode: str, timeout: float) -> None:
     """Put an engine to sleep at ``level`` (the callback, before backward). An engine whose weights already sleep is
     left; one whose KV cache alone sleeps (weights woken for a push, no rollouts since) is woken first, because vLLM
     sleeps only a fully awake engine."""

@@ -29,6 +29,7 @@ from lightning_vllm.engines.sleep import (
     require_sleep_mode,
     sleep_engines,
     sleeping_engine,
+    wake_for_rollouts,
 )
 from lightning_vllm.fronts.lightning.background import BackgroundPusher
 from lightning_vllm.options import SleepLevel
@@ -125,10 +126,9 @@ class SleepBetweenSteps:
         for engine in self.updater.engines:
             if (sleeps := sleeping_engine(engine)) is None:
                 continue
-            state = sleeps.sleep_state()
-            if state.dropped != (sleeps.dropped_at_last_push or 0):
+            try:
+                wake_for_rollouts(sleeps, self.updater.options.timeout_seconds)  # (every call bounded)
+            except WeightsDroppedError:
                 rank_zero_warn(
                     f"{engine.description} stays asleep after fit: its weights were dropped since the last push."
                 )
-            elif state.asleep:
-                sleeps.wake_up(None)
