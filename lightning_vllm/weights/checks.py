@@ -116,20 +116,22 @@ def config_weights(hf_config: Any, *, serving_dtype: torch.dtype, ties_word_embe
 
 def config_block_fp8(hf_config: Any) -> tuple[int, int] | None:
     """The block of a block-wise FP8 ``quantization_config`` (an FP8 checkpoint's config), ``None`` for any other."""
-    quantization = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
+    quantization = _quantization_config(hf_config)
     block = quantization.get("weight_block_size")
     return (int(block[0]), int(block[1])) if quantization.get("quant_method") == "fp8" and block else None
+
+
+def _quantization_config(hf_config: Any) -> dict[str, Any]:
+    """The config's ``quantization_config`` as a dict (transformers keeps a dict or its own config object)."""
+    quantization = getattr(hf_config, "quantization_config", None) or {}
+    return quantization if isinstance(quantization, dict) else quantization.to_dict()
 
 
 def linear_weights(model: torch.nn.Module, metadata: ModelMetadata, hf_config: Any) -> frozenset[str]:
     """The weights of ``model``'s linear layers that an FP8 config quantizes, as vLLM does by layer type: every
     ``nn.Linear`` but the output embedding and the modules the config leaves out (``modules_to_not_convert``), and the
     experts' projections a MoE model holds fused (sent one by one, ``weights/checkpoint_layout.py``)."""
-    quantization = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
+    quantization = _quantization_config(hf_config)
     skipped = [*(quantization.get("modules_to_not_convert") or []), *(quantization.get("ignored_layers") or [])]
     linear = {
         f"{name}.weight"

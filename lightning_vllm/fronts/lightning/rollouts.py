@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -341,16 +342,17 @@ def _generation_from_record(record: dict[str, Any]) -> Generation:
     return Generation(**record)
 
 
-class SamplesRollouts:
+class SamplesRollouts(ABC):
     """A callback whose engines :func:`generate` samples from, through its ``rollouts``;
     ``VLLMWeightSync`` declares it (its ``generate`` may push first: ``fronts/lightning/sleeping.py``)."""
 
     rollouts: RolloutSampler
 
+    @abstractmethod
     def generate(
         self, prompts: Any, sampling_params: Any = None, **options: Unpack[GenerateOptions]
     ) -> list[Generation]:
-        raise NotImplementedError
+        """Sample from the callback's engines (``RolloutSampler.generate`` says what it takes and returns)."""
 
 
 def sampler_of(module: pl.LightningModule) -> RolloutSampler:
