@@ -19,7 +19,7 @@ LAYERS: dict[str, list[str]] = {
         "weights.zero3", "weights.sources", "weights.checks", "weights.payload", "weights.snapshot", "weights.shares",
         "weights.layer_sums", "weights.packed_sums", "weights.held_sums",
         "weights.cpu_loops", "weights.gpu_sums", "weights.survey", "weights.hf_conversion", "weights.checkpoint_layout",
-        "weights.fp8",
+        "weights.fp8", "weights.online_sums",
         "lora", "lora.adapter", "lora.serving",
     ],
     "where vLLM lives": [

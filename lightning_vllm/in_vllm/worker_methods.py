@@ -10,6 +10,9 @@ its workers before it builds the worker, adds them to the wrapper class instead,
 shows is checked. A ``worker_extension_cls`` of the user's own still works: vLLM checks an extension's names against
 the worker class, not the wrapper.
 
+The wrapper's ``load_model`` (the executors call it on the wrapper) first readies the check's fingerprints of
+layers vLLM quantizes online (``weights/online_sums.py``), then hands the call to the worker.
+
 Each method is named by its qualified name and imported at its first call, as the plugin registers backends: a
 worker that is never asked imports nothing of the trainer's side.
 
@@ -34,7 +37,11 @@ REPORTS_METHOD = "lightning_vllm_layer_sums_format"
 
 LAYER_SUMS_FORMAT = 2
 """The report's format; a trainer that reads another one says so instead of misreading it. 2: fingerprints of
-layers vLLM packs (its CPU build) taken where the loader wrote them, and packs built from other values named."""
+layers vLLM packs (its CPU build) taken where the loader wrote them, and packs built from other values named.
+Layers vLLM quantizes online are reported by what they were quantized from (``weights/online_sums.py``), within it."""
+
+_BEFORE_LOAD = "lightning_vllm.weights.online_sums.fingerprinting_online_quantization"
+"""Run in the worker before vLLM loads the model: the check's fingerprints of layers vLLM quantizes online."""
 
 SLEEP_STATE_METHOD = "lightning_vllm_sleep_state"
 """What the worker's sleep mode left: ``{"asleep": [tags], "level": last sleep level, "dropped": times the weights
@@ -88,6 +95,14 @@ def sleep_state(wrapper: Any) -> dict[str, Any]:
     return {"asleep": sorted(noted["asleep"]), "level": noted["level"], "dropped": noted["dropped"]}
 
 
+def load_model(wrapper: Any, *args: Any, **kwargs: Any) -> Any:
+    """The worker's ``load_model``, after :data:`_BEFORE_LOAD` (imported here: only a worker that loads runs it)."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    resolve_obj_by_qualname(_BEFORE_LOAD)()
+    return wrapper.worker.load_model(*args, **kwargs)
+
+
 def install_worker_methods() -> None:
     """Add the methods to vLLM's ``WorkerWrapperBase`` (once: vLLM may load plugins repeatedly in one process)."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
@@ -100,6 +115,7 @@ def install_worker_methods() -> None:
         ("wake_up", wake_up),
         ("discard", discard),
         (SLEEP_STATE_METHOD, sleep_state),
+        ("load_model", load_model),
     ):
         if name not in WorkerWrapperBase.__dict__:
             setattr(WorkerWrapperBase, name, method)

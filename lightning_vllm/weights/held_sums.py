@@ -19,18 +19,26 @@ from lightning_vllm.weights.layer_sums import (
     SQUARES_MODULUS,
     LayerSums,
     add_sums,
+    fused_experts,
     layer_key,
     layer_of,
     sums_as_ints,
     sums_of_many,
     tensor_sums,
 )
+from lightning_vllm.weights.online_sums import is_online_quantized, quantized_from
 from lightning_vllm.weights.packed_sums import any_packed, loaded_as, packed_from
 
 NOT_PACKED_HERE = (
     "packed for oneDNN by a load lightning_vllm did not fingerprint (vLLM's CPU build): the engine's start, or a push "
     "with verify_pushes=False; checked from the next checked push that sends it"
 )
+ONLINE_NOT_TAKEN = (
+    "quantized by vLLM as it loaded (online FP8) without lightning_vllm's fingerprints in place (its plugin was not "
+    "loaded before the model): checked once a push reloads it in an engine started with lightning_vllm installed"
+)
+FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+"""The FP8 dtypes: every value is exact in float32, so their fingerprints are taken as any float's."""
 STALE_PACK = "computes with a packed copy of other values than it holds (its pack was not rebuilt after the load)"
 
 
@@ -62,15 +70,9 @@ def parameter_rows(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]
     """``{name: (parameter, rows)}`` of ``model``'s parameters: ``rows`` the routed experts a fused expert tensor holds
     (each is fingerprinted apart, as a layer ``<layer>.<expert>``), else 0."""
     return {
-        name: (parameter, _fused_experts(module, parameter))
+        name: (parameter, fused_experts(module, parameter))
         for name, module, parameter in _parameters_with_modules(model)
     }
-
-
-def _fused_experts(module: torch.nn.Module, parameter: torch.Tensor) -> int:
-    """How many routed experts ``parameter`` holds as rows (vLLM's fused MoE ``w13_weight``, ``w2_weight``), else 0."""
-    experts = getattr(module, "global_num_experts", None)
-    return experts if isinstance(experts, int) and parameter.dim() >= 2 and parameter.shape[0] == experts else 0
 
 
 def _moe_tp_size(module: torch.nn.Module) -> int:
@@ -124,23 +126,31 @@ class _HeldParts(Generic[T]):
         self.taken: list[tuple[str, str, T]] = []
         self.unverifiable: dict[str, str] = {}
         unverifiable = self.unverifiable
+        online: dict[torch.nn.Module, tuple[str, str]] = {}  # {module quantized online: (kind, its name)}
         for name, module, parameter in _parameters_with_modules(model):
             layer = layer_of(name)
             if isinstance(module, AttentionLayerBase):
                 continue  # (an attention layer loads no weight: MLA's W_UV and W_UK_T come from kv_b_proj, checked)
             kind = "sharded" if getattr(module, "tp_size", 1) > 1 or _moe_tp_size(module) > 1 else "replicated"
+            if module in online:
+                continue  # (each taken once, below)
+            if is_online_quantized(module):
+                online[module] = (kind, name.rsplit(".", 1)[0])
+                continue
             if parameter.numel() == 0 and (fingerprint := packed_from(module)) is not None:
                 self.packed.append((kind, layer, fingerprint))
                 continue
             if parameter.numel() == 0:
                 unverifiable[layer] = NOT_PACKED_HERE
-            elif not parameter.dtype.is_floating_point or parameter.dtype.itemsize == 1:
+            elif not parameter.dtype.is_floating_point or (
+                parameter.dtype.itemsize == 1 and parameter.dtype not in FP8
+            ):
                 unverifiable[layer] = f"stored as {parameter.dtype} (quantized)"
             elif getattr(module, "num_kv_head_replicas", 1) > 1:
                 unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
             if layer in unverifiable:
                 continue
-            experts = _fused_experts(module, parameter)
+            experts = fused_experts(module, parameter)
             if experts and getattr(module, "use_ep", False):
                 unverifiable[layer] = "its experts are spread over expert-parallel ranks"
                 continue
@@ -153,6 +163,20 @@ class _HeldParts(Generic[T]):
                 self.taken.extend((kind, row_layer, row_sums) for (row_layer, _), row_sums in zip(rows, sums))
             else:
                 self.live.extend((kind, row_layer, values) for row_layer, values in rows)
+        for module, (kind, prefix) in online.items():
+            self._quantized_online(module, kind, prefix)
+
+    def _quantized_online(self, module: torch.nn.Module, kind: str, prefix: str) -> None:
+        """A layer vLLM quantizes as it loads it (``online_sums.py``): the values it last quantized from stand for
+        what it holds; the e4m3 values and scales it made of them are vLLM's, not what was sent."""
+        taken = quantized_from(module)
+        if taken is None:
+            self.unverifiable[layer_of(f"{prefix}.weight")] = ONLINE_NOT_TAKEN
+            return
+        for local, sums in taken.items():
+            layer = layer_of(f"{prefix}.{local}")
+            rows = [(f"{layer}.{index}", row) for index, row in enumerate(sums)] if sums.dim() == 2 else [(layer, sums)]
+            self.packed.extend((kind, row_layer, row) for row_layer, row in rows)
 
 
 class LayerRows:

@@ -69,6 +69,13 @@ class LayerSums(NamedTuple):
         return total == self.total and (squares - self.squares) % SQUARES_MODULUS == 0
 
 
+def fused_experts(module: torch.nn.Module, parameter: torch.Tensor) -> int:
+    """How many routed experts ``parameter`` holds as rows (vLLM's fused MoE ``w13_weight``, ``w2_weight``: each row
+    is fingerprinted apart, as a layer ``<layer>.<expert>``), else 0."""
+    experts = getattr(module, "global_num_experts", None)
+    return experts if isinstance(experts, int) and parameter.dim() >= 2 and parameter.shape[0] == experts else 0
+
+
 @functools.lru_cache(maxsize=1 << 17)  # (both sides name every tensor at every check: 291 of them on an 8B model)
 def layer_of(name: str) -> str:
     """The layer a tensor belongs to, in names both sides share: the block after a decoder
@@ -138,7 +145,8 @@ def sums_of_many(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype |
     sums: list[torch.Tensor | None] = [None] * len(tensors)
     on_gpus: dict[torch.device, list[int]] = {}
     for position, (tensor, dtype) in enumerate(zip(tensors, dtypes)):
-        if tensor.is_cuda and dtype in (None, tensor.dtype) and tensor.is_contiguous():
+        # (FP8 values are summed one tensor at a time: the batched kernel reads 16- and 32-bit floats.)
+        if tensor.is_cuda and dtype in (None, tensor.dtype) and tensor.is_contiguous() and tensor.element_size() > 1:
             on_gpus.setdefault(tensor.device, []).append(position)
     for positions in on_gpus.values():
         from lightning_vllm.weights.gpu_sums import batched_sums  # (imports Triton: only where a GPU sums)

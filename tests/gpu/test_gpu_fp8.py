@@ -1,6 +1,8 @@
-"""Block-wise FP8 on vLLM's own engine on one GPU (``make test-gpu-fp8``, a call of its own; docs/fp8.md): an engine
+"""FP8 on vLLM's own engine on one GPU (``make test-gpu-fp8``, a call of its own; docs/fp8.md), both ways: an engine
 started from a block-wise FP8 checkpoint takes pushes from a bf16 trainer over ``lightning_ipc`` and ``ipc``, and then
-holds, and serves, what an engine started from the same weights' FP8 checkpoint holds and serves.
+holds, and serves, what an engine started from the same weights' FP8 checkpoint holds and serves; an engine that
+quantizes online (``quantization="fp8_per_block"``) takes the bf16 form and holds what it would have made of the same
+weights at start, every layer checked by what it quantized from.
 
 Written on CPU (issue 67) and not yet run on a GPU: vLLM's FP8 forward here goes through its own Triton GEMM
 (``w8a8_triton_block_scaled_mm``) and our stand-in for its activation quantization (``per_token_group_fp8_quant`` in
@@ -57,6 +59,20 @@ def fp8_llm(directory: Path, backend: str) -> Any:
     return gpu_llm(directory, backend=backend, dtype="bfloat16")
 
 
+def assert_holds_and_serves_as(llm: Any, reference: Any) -> None:
+    """``llm`` holds every value and scale ``reference`` (an engine started from the pushed weights) holds, and serves
+    what it serves: prompt logprobs within the reference's own floor (measured by running it twice), greedy tokens
+    equal. Stops ``reference``."""
+    try:
+        assert digests_equal(engine_digest(llm), engine_digest(reference))
+        floor = max_abs_diff(vllm_prompt_logprobs(reference), vllm_prompt_logprobs(reference))
+        gap = max_abs_diff(vllm_prompt_logprobs(llm), vllm_prompt_logprobs(reference))
+        assert gap <= max(2 * floor, 1e-6), (gap, floor)
+        assert vllm_greedy(llm) == vllm_greedy(reference)
+    finally:
+        stop_llm(reference)
+
+
 @pytest.fixture(scope="module", params=["lightning_ipc", "ipc"])
 def fp8_engine(request, tmp_path_factory, insecure_serialization):
     directory = fp8_checkpoint(block_friendly(seed=0), tmp_path_factory.mktemp("fp8"))
@@ -89,15 +105,9 @@ def test_a_push_lands_as_an_engine_started_from_the_same_weights_fp8_checkpoint_
     stats = updater.push_weights(trained)
     bf16_bytes = sum(tensor.numel() * 2 for tensor in trained.state_dict().values())
     assert stats.num_bytes < 0.75 * bf16_bytes  # (the projections went as e4m3 and float32 scales)
-    reference = fp8_llm(fp8_checkpoint(trained, tmp_path / "reference"), backend)
-    try:
-        assert digests_equal(engine_digest(llm), engine_digest(reference))  # every value and scale, as loaded
-        floor = max_abs_diff(vllm_prompt_logprobs(reference), vllm_prompt_logprobs(reference))
-        gap = max_abs_diff(vllm_prompt_logprobs(llm), vllm_prompt_logprobs(reference))
-        assert gap <= max(2 * floor, 1e-6), (gap, floor)
-        assert vllm_greedy(llm) == vllm_greedy(reference)
-    finally:
-        stop_llm(reference)
+    checked, expected = stats.checked_layers
+    assert checked == expected > 0  # (every layer held in its served form, e4m3 values and scales)
+    assert_holds_and_serves_as(llm, fp8_llm(fp8_checkpoint(trained, tmp_path / "reference"), backend))
     updater.close()
 
 
@@ -147,6 +157,30 @@ def test_a_dummy_engine_of_an_fp8_config_is_filled_by_its_first_push(tmp_path, i
             assert vllm_greedy(llm) == vllm_greedy(reference)
         finally:
             stop_llm(reference)
+        updater.close()
+    finally:
+        stop_llm(llm)
+
+
+@pytest.mark.parametrize("backend", ["lightning_ipc", "ipc"])
+def test_an_online_fp8_engine_quantizes_a_push_as_it_would_at_start_and_every_layer_is_checked(
+    backend, tmp_path, insecure_serialization
+):
+    def bf16_checkpoint(model: torch.nn.Module, directory: Path) -> Path:
+        model.save_pretrained(directory, safe_serialization=True)
+        return directory
+
+    online = {"backend": backend, "dtype": "bfloat16", "quantization": "fp8_per_block"}
+    llm = gpu_llm(bf16_checkpoint(block_friendly(seed=6), tmp_path / "start"), **online)
+    try:
+        trained = block_friendly(seed=7).cuda()
+        updater = VLLMUpdater(engine=llm, timeout_seconds=120)
+        checked, expected = updater.push_weights(trained).checked_layers
+        assert checked == expected > 0  # (no layer unverifiable: the projections by what vLLM quantized from)
+        assert_holds_and_serves_as(llm, gpu_llm(bf16_checkpoint(trained, tmp_path / "reference"), **online))
+        with torch.no_grad():
+            trained.model.layers[0].mlp.up_proj.weight.add_(0.01)
+        assert updater.push_weights(trained).checked_layers[0] == expected
         updater.close()
     finally:
         stop_llm(llm)

@@ -76,3 +76,22 @@ def test_the_wrapper_hands_sleep_calls_to_its_worker_and_notes_what_they_left():
         ("sleep", 1), ("wake_up", ["weights"]), ("wake_up", None), ("sleep", 2), ("wake_up", None),
         ("discard", ("weights",)),
     ]  # fmt: skip
+
+
+def test_the_wrapper_readies_the_online_fingerprints_before_its_worker_loads_the_model():
+    register_backends()
+    from vllm.model_executor.model_loader import utils
+
+    original = utils.online_quantization_timing_context
+    loaded = []
+
+    def load_model(**kwargs):
+        loaded.append((kwargs, utils.online_quantization_timing_context is not original))
+
+    wrapper = WorkerWrapperBase.__new__(WorkerWrapperBase)
+    wrapper.worker = SimpleNamespace(load_model=load_model)
+    try:
+        run_method(wrapper, "load_model", (), {"load_dummy_weights": True})
+    finally:
+        utils.online_quantization_timing_context = original
+    assert loaded == [({"load_dummy_weights": True}, True)]
