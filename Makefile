@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # pip repeats a harmless warning for every package not in a local mirror; keep the output readable.
 QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes test-gpu-check-faults test-gpu-sleep test-gpu-fp8 gpu-carry demo-gpu lint demo demo-lora demo-tiny bench bench-multihost soak clean
+.PHONY: install demo-torchrl test test-fast test-vllm-next test-gpu test-gpu-moe test-gpu-nccl test-gpu-lightning-nccl test-gpu-lightning-nccl-server test-gpu-nccl-nodes test-gpu-check-faults test-gpu-sleep test-gpu-fp8 test-gpu-recipes gpu-carry demo-gpu lint demo demo-lora demo-tiny bench bench-multihost soak clean
 
 install: $(STAMP)
 
@@ -84,6 +84,7 @@ GPU_CHECK_FAULTS := tests/gpu/nccl/test_gpu_check_faults.py
 GPU_MOE := tests/gpu/test_gpu_moe.py
 GPU_SLEEP := tests/gpu/test_gpu_sleep.py
 GPU_FP8 := tests/gpu/test_gpu_fp8.py
+GPU_RECIPES := tests/gpu/nccl/test_recipes.py
 
 gpu-carry:
 	bash tests/gpu/host/prepare.sh $(VLLM_NEXT)
@@ -96,7 +97,7 @@ test-gpu-moe:
 
 test-gpu-nccl:
 	$(GPU_PYTEST) --ignore=$(NCCL_NODES) --ignore=$(LIGHTNING_NCCL) --ignore=$(LIGHTNING_NCCL_SERVER) \
-		--ignore=$(GPU_CHECK_FAULTS) tests/gpu/nccl
+		--ignore=$(GPU_CHECK_FAULTS) --ignore=$(GPU_RECIPES) tests/gpu/nccl
 
 test-gpu-lightning-nccl:
 	$(GPU_PYTEST) $(LIGHTNING_NCCL)
@@ -115,6 +116,9 @@ test-gpu-sleep:
 
 test-gpu-fp8:
 	$(GPU_PYTEST) $(GPU_FP8)
+
+test-gpu-recipes:
+	$(GPU_PYTEST) $(GPU_RECIPES)
 
 # GRPO teaches SmolLM2-135M-Instruct two-digit addition (docs/grpo-addition.md): at most 15 minutes on
 # 2 CPU cores, the model's preparation included; the last line is the held-out accuracy before and after.

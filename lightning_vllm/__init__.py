@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         RayEngine,
         VLLMActor,
     )
+    from lightning_vllm.engines.placement import engine_on_gpus
     from lightning_vllm.errors import (
         EngineBusyError,
         EngineConfigError,
@@ -54,6 +55,7 @@ _MODULES = {
     "LocalLLMEngine": "lightning_vllm.engines",
     "RayEngine": "lightning_vllm.engines",
     "VLLMActor": "lightning_vllm.engines",
+    "engine_on_gpus": "lightning_vllm.engines.placement",
     "EngineBusyError": "lightning_vllm.errors",
     "EngineConfigError": "lightning_vllm.errors",
     "EngineDeadError": "lightning_vllm.errors",

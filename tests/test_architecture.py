@@ -25,7 +25,7 @@ LAYERS: dict[str, list[str]] = {
     "where vLLM lives": [
         "engines", "engines.routes", "engines.completions", "engines.serialization", "engines.worker_check",
         "engines.base", "engines.local", "engines.async_local", "engines.http", "engines.ray",
-        "engines.failures", "server", "engines.client", "engines.sleep",
+        "engines.failures", "server", "engines.client", "engines.sleep", "engines.placement",
     ],
     "backends": [
         "backends", "backends.base", "backends.registry", "backends.vllm_engines",

@@ -131,6 +131,7 @@ def test_defaults_quoted_in_the_docs_are_the_codes():
 
 GUIDE_FIGURES_ALLOWED: dict[str, str] = {
     "8.6": "multinode.md: arithmetic, not a measurement (1 GiB at 1 Gbit/s)",
+    "15.3": "gpu.md's recipes: arithmetic, not a measurement (30.5B bf16 parameters over 4 GPUs)",
     "27.8": "lora.md: the adapter's serving time on vLLM's CPU ops, measured once by hand when the grouped ops were "
     "written; the benchmark that keeps records (make bench) times pushes, not serving",
 }
@@ -164,3 +165,62 @@ def test_every_measured_figure_in_the_guides_is_in_a_record():
                     unsourced.append(f"{page.name}:{number}: {figure}")
     assert not unsourced, "quoted in a guide, found in no record:\n" + "\n".join(unsourced)
     json.dumps(GUIDE_FIGURES_ALLOWED)  # (the allow-list stays plain data)
+
+
+def test_the_gpu_recipes_on_the_page_are_the_examples():
+    """docs/gpu.md's recipes quote ``examples/gpu_recipes.py`` (which ``make test-gpu-recipes`` runs): the callback's
+    and the Trainer's literal arguments, and each ``vllm serve`` line's flags and GPUs."""
+    import ast
+    import importlib.util
+    import re
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_recipes", DOCS.parent / "examples" / "gpu_recipes.py")
+    assert spec is not None and spec.loader is not None
+    recipes = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipes  # (its dataclass looks its module up)
+    try:
+        spec.loader.exec_module(recipes)
+    finally:
+        del sys.modules[spec.name]
+    page = (DOCS / "gpu.md").read_text()
+
+    def section(heading: str) -> str:
+        return re.split(r"\n##+ ", page.split(f"### {heading}\n", 1)[1], maxsplit=1)[0]
+
+    def literal_arguments(code: str, function: str) -> dict:
+        (call,) = [
+            node for node in ast.walk(ast.parse(code))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == function
+        ]  # fmt: skip
+        found = {}
+        for keyword in call.keywords:
+            try:
+                found[keyword.arg] = ast.literal_eval(keyword.value)
+            except ValueError:  # (a strategy, the callbacks: built, not quoted)
+                continue
+        return found
+
+    for heading, recipe in (("Qwen3-8B on one node", recipes.QWEN3_8B), ("Qwen3-30B-A3B on three nodes",
+                                                                          recipes.QWEN3_30B_A3B)):  # fmt: skip
+        text = section(heading)
+        code = "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.S))
+        callback = literal_arguments(code, "VLLMWeightSync")
+        expected = {**recipe.callback, "engine": recipe.engine if recipe.engine_gpus else list(recipe.servers)}
+        if recipe.engine_gpus:
+            expected["engine_gpus"] = recipe.engine_gpus
+        assert callback == expected, heading
+        assert literal_arguments(code, "Trainer") == recipe.trainer, heading
+        serve = r"CUDA_VISIBLE_DEVICES=(\S+) VLLM_SERVER_DEV_MODE=1 vllm serve (\S+) --port (\d+)(.*?)'\n"
+        serve_lines = re.findall(serve, " ".join(text.split("\\\n")), flags=re.S)
+        assert [(gpus, f"http://engines:{port}") for gpus, _, port, _ in serve_lines] == list(
+            zip(recipe.serve_gpus, recipe.servers)
+        ), heading
+        for _, model, _, flags in serve_lines:
+            served = {"model": model}
+            for flag, value in re.findall(r"--([\w-]+)(?: ('[^']*'|[^\s-][^\s]*))?", flags + "'"):
+                served[flag.replace("-", "_")] = (
+                    True if not value else ast.literal_eval(value) if value[0] in "'0123456789" else value
+                )
+            served["weight_transfer_config"] = ast.literal_eval(served["weight_transfer_config"])
+            assert served == recipe.engine, heading

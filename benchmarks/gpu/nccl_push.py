@@ -68,15 +68,15 @@ def main() -> None:
         sys.exit(2)
     allow_pickled_rpc()  # the raw floor's receiver is a function
 
-    from gpu_helpers import engines_start_on_second_gpu, stop_llm
+    from gpu_helpers import stop_llm
 
-    from lightning_vllm import VLLMUpdater
+    from lightning_vllm import VLLMUpdater, engine_on_gpus
 
     torch.cuda.set_device(0)
     model_dir = Path(tempfile.mkdtemp(prefix="llama8b-"))
     model = build_model(model_dir)  # on cuda:0
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    with engines_start_on_second_gpu():
+    with engine_on_gpus(1):
         llm = dummy_llm(model_dir, backend="nccl")
     try:
         updater = VLLMUpdater(engine=llm, timeout_seconds=300, changed_only=False)

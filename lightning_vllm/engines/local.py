@@ -25,6 +25,7 @@ from lightning_vllm.engines.base import (
     generations_from_outputs,
     parse_weight_version,
 )
+from lightning_vllm.engines.placement import engine_on_gpus
 from lightning_vllm.engines.serialization import ipc_handles_problem
 from lightning_vllm.engines.sleep import SleepMode
 from lightning_vllm.engines.worker_check import LAYER_SUMS_METHOD, layer_sums_problem
@@ -241,18 +242,40 @@ def _guard_request_socket(client: Any) -> bool:
     return True
 
 
-def build_local_engine(llm_kwargs: dict[str, Any]) -> LocalLLMEngine:
-    """Start a ``vllm.LLM`` from its arguments (about 20 s for a tiny model on 2 CPU cores).
+def build_local_engine(llm_kwargs: dict[str, Any], gpus: Sequence[int] = ()) -> LocalLLMEngine:
+    """Start a ``vllm.LLM`` from its arguments (about 20 s for a tiny model on 2 CPU cores), on ``gpus`` if given
+    (``placement.engine_on_gpus``).
 
     This is how an engine given as a dict of ``vllm.LLM`` arguments (e.g. from a
-    LightningCLI YAML file) comes to life on the rank that pushes. Without a
-    ``weight_transfer_config`` it gets the backend docs/gpu.md's table names for an engine
-    beside the trainer (:func:`default_backend`).
+    LightningCLI YAML file) comes to life on the rank that pushes, with the arguments of
+    :func:`local_engine_args`.
     """
     from vllm import LLM
 
-    transfer = {"backend": default_backend(_cuda_available())}
-    return LocalLLMEngine(LLM(**{"weight_transfer_config": transfer, **llm_kwargs}))
+    arguments = local_engine_args(llm_kwargs, gpus, _cuda_available())
+    if not gpus:
+        return LocalLLMEngine(LLM(**arguments))
+    with engine_on_gpus(*gpus):
+        return LocalLLMEngine(LLM(**arguments))
+
+
+def local_engine_args(llm_kwargs: dict[str, Any], gpus: Sequence[int], cuda_available: bool) -> dict[str, Any]:
+    """``llm_kwargs`` with what an engine the package builds gets unless they say otherwise: the backend docs/gpu.md's
+    table names for where it is (:func:`default_backend`; ``lightning_nccl`` on GPUs of its own), and, on ``gpus``,
+    a tensor-parallel size of one rank per GPU.
+
+    Example::
+
+        >>> local_engine_args({"model": "m"}, gpus=(6, 7), cuda_available=True)
+        {'weight_transfer_config': {'backend': 'lightning_nccl'}, 'tensor_parallel_size': 2, 'model': 'm'}
+        >>> local_engine_args({"model": "m"}, gpus=(), cuda_available=True)
+        {'weight_transfer_config': {'backend': 'lightning_ipc'}, 'model': 'm'}
+    """
+    backend = "lightning_nccl" if gpus else default_backend(cuda_available)
+    defaults: dict[str, Any] = {"weight_transfer_config": {"backend": backend}}
+    if gpus:
+        defaults["tensor_parallel_size"] = len(gpus)
+    return {**defaults, **llm_kwargs}
 
 
 def default_backend(cuda_available: bool) -> str:

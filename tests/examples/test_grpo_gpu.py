@@ -31,6 +31,18 @@ def test_the_engine_shares_the_gpu_over_lightning_ipc_with_the_options_as_flags(
     assert both["enable_sleep_mode"] is True and both["quantization"] == "fp8_per_tensor"
 
 
+def test_an_engine_on_a_gpu_of_its_own_goes_over_lightning_nccl_and_needs_no_sleep(monkeypatch, capsys):
+    import torch
+
+    grpo_gpu = example()
+    own = grpo_gpu.engine_args(Path("/m"), sleep_level=None, fp8=False, own_gpu=True)
+    assert own["weight_transfer_config"] == {"backend": "lightning_nccl"} and own["gpu_memory_utilization"] > 0.5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        grpo_gpu.main(["--engine-gpu", "1", "--sleep-level", "1"])
+    assert "a GPU of its own needs none" in capsys.readouterr().err
+
+
 def test_without_a_gpu_it_says_what_runs_on_cpus(monkeypatch):
     import torch
 

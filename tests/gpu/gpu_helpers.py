@@ -6,8 +6,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,26 +166,6 @@ def worker_state(llm: Any) -> tuple[int, int]:
 
     (state,) = llm.collective_rpc(read)
     return tuple(state)
-
-
-@contextmanager
-def engines_start_on_second_gpu() -> Iterator[None]:
-    """Inside, a vLLM engine core that starts sees the second GPU only, as its ``cuda:0``; this process keeps
-    both (the trainer on the first).
-
-    CUDA is put in use here first, so that vLLM spawns its engine core (it forks before CUDA is in use), and
-    ``CUDA_VISIBLE_DEVICES`` is set for that start only.
-    """
-    torch.zeros(1, device="cuda:0")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[1] if visible else "1"
-    try:
-        yield
-    finally:
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES")
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def stop_llm(llm: Any) -> None:

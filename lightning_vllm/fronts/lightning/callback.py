@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,6 +93,9 @@ class VLLMWeightSync(Callback, SamplesRollouts):
             callback configurable from a LightningCLI YAML file; without a ``weight_transfer_config``
             it gets ``lightning_ipc`` on a GPU and ``gloo`` on CPUs). ``None`` on ranks that
             hold no engine (under DDP, only global rank 0 needs one).
+        engine_gpus: for an engine given as a dict: start it on these GPUs (numbered as global rank 0 sees them,
+            ``lightning_vllm.engine_on_gpus``), one tensor-parallel rank each and ``lightning_nccl`` unless the dict
+            says otherwise; keep them out of the Trainer's ``devices``.
         every_n_train_steps: push after every N optimizer steps; ``None`` or 0 turns it off.
         every_n_epochs: push at the end of every N training epochs; ``None`` or 0 turns it off.
         push_on_fit_start: push once before the first training step.
@@ -173,6 +176,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self,
         engine: Any = None,
         *,
+        engine_gpus: Sequence[int] = (),
         every_n_train_steps: int | None = 1,
         every_n_epochs: int | None = None,
         push_on_fit_start: bool = True,
@@ -225,6 +229,12 @@ class VLLMWeightSync(Callback, SamplesRollouts):
         self.push_on_fit_start = push_on_fit_start
         # vllm.LLM arguments: the engine is built on global rank 0 in setup.
         self._engine_args = dict(engine) if isinstance(engine, Mapping) else None
+        if engine_gpus and self._engine_args is None:
+            raise ValueError(
+                "engine_gpus places an engine the callback builds from a dict of vllm.LLM arguments (engine={...}); "
+                "start your own engine inside lightning_vllm.engine_on_gpus(...) instead."
+            )
+        self._engine_gpus = tuple(engine_gpus)
         self.updater = updater or WeightSync(None if self._engine_args is not None else engine, options=updater_options)
         self.rollouts = RolloutSampler(self.updater, max_staleness, generate_timeout_seconds)
         self.push_points = PushPoints(self.updater, blocking, when_busy, on_sync_error, push_from)
@@ -277,7 +287,7 @@ class VLLMWeightSync(Callback, SamplesRollouts):
                 "VLLMWeightSync on global rank 0 has no vLLM engine: pass engine=... (e.g. a vllm.LLM built with "
                 "weight_transfer_config={'backend': 'gloo'})."
             )
-        self.updater.set_engine(build_local_engine(self._engine_args))
+        self.updater.set_engine(build_local_engine(self._engine_args, self._engine_gpus))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
