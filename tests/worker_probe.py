@@ -28,6 +28,13 @@ class WorkerProbe(WeightCheckExtension):
             buffer.fill_(255)
         return sum(buffer.numel() for buffer in buffers)
 
+    def online_fingerprints_ready(self) -> bool:
+        """Whether vLLM's online quantization is wrapped in this worker (``weights/online_sums.py``), as our plugin's
+        worker wrapper does before the model is loaded."""
+        from vllm.model_executor.model_loader import utils
+
+        return bool(getattr(utils.online_quantization_timing_context, "_lightning_vllm_fingerprinted", False))
+
     def add_to_parameter(self, name: str, amount: float) -> float:
         """Add ``amount`` to the first element of vLLM's parameter ``name`` behind the trainer's back (a
         corrupted layer, as a faulty load would leave it); returns the element's new value."""

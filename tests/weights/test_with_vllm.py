@@ -229,3 +229,9 @@ def test_changed_only_pushes_send_whole_changed_layer_groups_and_vllm_keeps_the_
     assert sent == [full, full - group_bytes(hf, "model.embed_tokens."), full - group_bytes(hf, "model.embed_tokens.")]
     assert_serves(llm, hf)
     sync.updater.close()
+
+
+def test_every_worker_loaded_its_model_with_the_online_fingerprints_in_place(llm):
+    # (vLLM's executor calls the worker wrapper's load_model, which our plugin gave it: weights/online_sums.py. The
+    # CPU build quantizes nothing online; the GPU tier's FP8 tests use what this readies.)
+    assert llm.collective_rpc("online_fingerprints_ready") == [True]
