@@ -22,8 +22,6 @@ GPU (written in issue 67 while none was lent).
 
 from __future__ import annotations
 
-import json
-import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -33,31 +31,6 @@ import torch
 from figures import options, print_figures, timed, write_results
 from push_timeline import copy_floor
 from vllm_engine import allow_pickled_rpc, build_model
-
-FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
-"""Qwen3-8B-FP8's ``quantization_config``."""
-
-
-def fp8_config_dir(model_dir: Path) -> Path:
-    """A folder holding ``model_dir``'s config with :data:`FP8_CONFIG`: what a dummy engine of the FP8 form reads."""
-    target = Path(tempfile.mkdtemp(prefix="fp8-config-"))
-    shutil.copy(model_dir / "config.json", target / "config.json")
-    config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}, indent=1))
-    return target
-
-
-def engine(model_dir: Path, num_bytes: int, **overrides: Any) -> Any:
-    """A dummy-weights ``vllm.LLM`` over ``lightning_ipc`` with the GPU tier's settings, given the memory ``num_bytes``
-    of weights take plus 4 GiB, as a share of this GPU."""
-    from gpu_helpers import gpu_llm
-
-    total = torch.cuda.get_device_properties(0).total_memory
-    share = round((num_bytes + (4 << 30)) / total + 0.005, 3)
-    return gpu_llm(
-        model_dir, backend="lightning_ipc", dtype="bfloat16", load_format="dummy", gpu_memory_utilization=share,
-        max_model_len=256, max_num_seqs=4, **overrides,
-    )  # fmt: skip
 
 
 def push_seconds(llm: Any, model: torch.nn.Module, rounds: int) -> tuple[list[float], Any]:
@@ -82,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     allow_pickled_rpc()  # vLLM's RPC carries the handles as pickle
 
-    from gpu_helpers import qwen3_moe_bf16, stop_llm
+    from gpu_helpers import dummy_bf16_llm, qwen3_moe_bf16, stop_llm, with_fp8_config
 
     model_dir = Path(tempfile.mkdtemp(prefix="fp8-bf16-"))
     model = qwen3_moe_bf16(model_dir) if args.moe else build_model(model_dir)
@@ -92,10 +65,10 @@ def main() -> None:
     results: dict[str, Any] = {"shape": "moe-10.6b" if args.moe else "llama-8b", "bytes": num_bytes}
     figures: dict[str, float] = {"copy_seconds": copy_median}
     for label, directory, overrides in (
-        ("fp8_push", fp8_config_dir(model_dir), {}),
+        ("fp8_push", with_fp8_config(Path(tempfile.mkdtemp(prefix="fp8-config-")), model_dir), {}),
         ("online_push", model_dir, {"quantization": "fp8_per_block"}),
     ):
-        llm = engine(directory, num_bytes, **overrides)
+        llm = dummy_bf16_llm(directory, num_bytes, "lightning_ipc", **overrides)
         try:
             seconds, stats = push_seconds(llm, model, args.rounds)
         finally:

@@ -131,21 +131,47 @@ def moe_llm_over(backend: str, model_dir: Path) -> Any:
         return gpu_llm(model_dir, backend=backend)
 
 
-def dummy_bf16_llm(model_dir: Path, num_bytes: int, backend: str, headroom_bytes: int = 4 << 30) -> Any:
+def dummy_bf16_llm(
+    model_dir: Path, num_bytes: int, backend: str, headroom_bytes: int = 4 << 30, **overrides: Any
+) -> Any:
     """A ``vllm.LLM`` of the bf16 model whose config is in ``model_dir``, from dummy weights, given the GPU memory
     its ``num_bytes`` of weights take plus ``headroom_bytes`` (the activations of vLLM's profile run, of
     ``max_num_seqs * max_model_len`` = 1024 tokens; a KV cache of a few short sequences), as a fraction of this GPU:
-    what a large model needs beside a trainer holding its own copy (0.17 of an H200 for the 10B MoE)."""
+    what a large model needs beside a trainer holding its own copy (0.17 of an H200 for the 10B MoE). ``overrides``:
+    other ``vllm.LLM`` arguments (a quantization, a recipe's)."""
     total = torch.cuda.get_device_properties(0).total_memory
     return gpu_llm(
         model_dir,
-        backend=backend,
-        dtype="bfloat16",
-        load_format="dummy",
-        gpu_memory_utilization=math.ceil(1000 * (num_bytes + headroom_bytes) / total) / 1000,
-        max_model_len=256,
-        max_num_seqs=4,
+        **{
+            "backend": backend,
+            "dtype": "bfloat16",
+            "load_format": "dummy",
+            "gpu_memory_utilization": math.ceil(1000 * (num_bytes + headroom_bytes) / total) / 1000,
+            "max_model_len": 256,
+            "max_num_seqs": 4,
+            **overrides,
+        },
     )
+
+
+FP8_BLOCK_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+}
+"""Qwen3-8B-FP8's ``quantization_config``: block-wise e4m3, a float32 scale per 128 x 128 block."""
+
+
+def with_fp8_config(directory: Path, config_dir: Path | None = None) -> Path:
+    """``directory`` given ``config_dir``'s config (its own by default) with :data:`FP8_BLOCK_CONFIG`: what an engine
+    of the FP8 checkpoint form reads (with ``load_format="dummy"``, all it reads)."""
+    import json
+
+    config = json.loads(((config_dir or directory) / "config.json").read_text())
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_BLOCK_CONFIG}, indent=1))
+    return directory
 
 
 def trainer_engine(updater: Any) -> Any:

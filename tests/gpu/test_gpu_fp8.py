@@ -11,13 +11,12 @@ Written on CPU (issue 67) and not yet run on a GPU: vLLM's FP8 forward here goes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gpu_helpers import digests_equal, engine_digest, gpu_llm, stop_llm
+from gpu_helpers import digests_equal, engine_digest, gpu_llm, stop_llm, with_fp8_config
 from helpers import max_abs_diff, tiny_model, vllm_greedy, vllm_prompt_logprobs
 from safetensors.torch import save_file
 
@@ -26,9 +25,6 @@ from lightning_vllm.errors import LandedWeightsMismatchError
 from lightning_vllm.weights.fp8 import SCALE_SUFFIX, block_fp8
 
 pytestmark = pytest.mark.gpu
-
-FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
-"""Qwen3-8B-FP8's ``quantization_config``."""
 
 
 def block_friendly(seed: int, intermediate_size: int = 256) -> torch.nn.Module:
@@ -50,9 +46,7 @@ def fp8_checkpoint(model: torch.nn.Module, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "model.safetensors"))
     model.config.save_pretrained(directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}, indent=1))
-    return directory
+    return with_fp8_config(directory)
 
 
 def fp8_llm(directory: Path, backend: str) -> Any:

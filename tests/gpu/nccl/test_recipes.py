@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from gpu_helpers import bf16_model_on_gpu, digests_equal, engine_digest, gpu_llm, model_digest, stop_llm
+from gpu_helpers import bf16_model_on_gpu, digests_equal, dummy_bf16_llm, engine_digest, model_digest, stop_llm
 from nccl_hosts import starting_as
 
 from lightning_vllm import VLLMUpdater
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "examples"))
 
-from gpu_recipes import RECIPES, Recipe  # noqa: E402
+from gpu_recipes import RECIPES  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -28,20 +27,8 @@ LAYERS = {"qwen3-8b": 2, "qwen3-30b-a3b": 2}
 """Layers built per recipe: 2 of Qwen3-8B's (with its embedding and head: 1.63B parameters, 3.3 GB in bf16; all 36:
 8.19B) and 2 of Qwen3-30B-A3B's (1.87B, 3.7 GB; all 48: 30.5B)."""
 SET_HERE = {"model", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "weight_transfer_config"}
-"""The recipe's engine arguments this tier sets itself (see the module docstring); the others are the recipe's."""
-
-
-def recipe_engine(recipe: Recipe, model_dir: Path, num_bytes: int) -> Any:
-    """An engine of ``recipe``'s arguments, less :data:`SET_HERE`, from dummy weights of ``model_dir``'s config, given
-    the GPU memory its ``num_bytes`` of weights take plus 4 GiB (as ``gpu_helpers.dummy_bf16_llm``)."""
-    kept = {name: value for name, value in recipe.engine.items() if name not in SET_HERE}
-    total = torch.cuda.get_device_properties(0).total_memory
-    share = min(0.5, round((num_bytes + (4 << 30)) / total + 0.005, 3))
-    with starting_as("engine-recipe"):
-        return gpu_llm(
-            model_dir, backend="lightning_nccl", load_format="dummy", gpu_memory_utilization=share,
-            max_model_len=256, max_num_seqs=4, **{**kept, "dtype": recipe.engine.get("dtype", "bfloat16")},
-        )  # fmt: skip
+"""The recipe's engine arguments this tier sets itself (``gpu_helpers.dummy_bf16_llm``, and see the module docstring);
+the others are the recipe's."""
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -54,7 +41,9 @@ def test_a_recipes_engine_takes_every_push_at_the_models_real_layer_shape(name, 
     config.torch_dtype = "bfloat16"
     model = bf16_model_on_gpu(config, tmp_path)
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    llm = recipe_engine(recipe, tmp_path, num_bytes)
+    kept = {name: value for name, value in recipe.engine.items() if name not in SET_HERE}
+    with starting_as("engine-recipe"):
+        llm = dummy_bf16_llm(tmp_path, num_bytes, "lightning_nccl", **kept)
     try:
         assert not digests_equal(engine_digest(llm), model_digest(model))  # (the check below can fail)
         updater = VLLMUpdater(engine=llm, timeout_seconds=300)
