@@ -21,6 +21,7 @@ in its module reaches both. Our plugin does that in each worker before vLLM load
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -45,14 +46,18 @@ def quantized_from(layer: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 def is_online_quantized(layer: torch.nn.Module) -> bool:
     """Whether vLLM quantizes ``layer`` online as it loads it (its ``quant_method`` is one of vLLM's online methods)."""
     method = getattr(layer, "quant_method", None)
-    if method is None:
-        return False
+    return method is not None and isinstance(method, _online_methods())
+
+
+@functools.cache
+def _online_methods() -> tuple[type, ...]:
+    """vLLM's base classes of its online quantization methods (asked for every linear layer at every check)."""
     try:
         from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
         from vllm.model_executor.layers.quantization.online.moe_base import OnlineMoEMethodBase
     except ImportError:  # (a vLLM without online quantization quantizes nothing online)
-        return False
-    return isinstance(method, (OnlineLinearBase, OnlineMoEMethodBase))
+        return ()
+    return (OnlineLinearBase, OnlineMoEMethodBase)
 
 
 def fingerprinting_online_quantization() -> None:
