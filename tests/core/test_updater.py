@@ -166,9 +166,9 @@ class SilentEngine(FakeEngine):
 
 
 def test_an_engine_that_never_answers_fails_within_the_timeout():
-    updater = VLLMUpdater(engine=SilentEngine(), timeout_seconds=2)
+    updater = VLLMUpdater(engine=SilentEngine(), timeout_seconds=1)
     start = time.monotonic()
-    with pytest.raises(WeightSyncTimeoutError, match="Timed out after 2 s waiting for "):
+    with pytest.raises(WeightSyncTimeoutError, match="Timed out after 1 s waiting for "):
         updater.push_weights(tiny_qwen2())
     assert time.monotonic() - start < 10
     assert not updater.initialized
