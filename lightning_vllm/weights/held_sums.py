@@ -39,6 +39,8 @@ ONLINE_NOT_TAKEN = (
 )
 FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
 """The FP8 dtypes: every value is exact in float32, so their fingerprints are taken as any float's."""
+KV_HEADS_REPLICATED = "its key/value heads are copied to several tensor-parallel ranks"
+EXPERTS_SPREAD = "its experts are spread over expert-parallel ranks"
 STALE_PACK = "computes with a packed copy of other values than it holds (its pack was not rebuilt after the load)"
 
 
@@ -147,12 +149,12 @@ class _HeldParts(Generic[T]):
             ):
                 unverifiable[layer] = f"stored as {parameter.dtype} (quantized)"
             elif getattr(module, "num_kv_head_replicas", 1) > 1:
-                unverifiable[layer] = "its key/value heads are copied to several tensor-parallel ranks"
+                unverifiable[layer] = KV_HEADS_REPLICATED
             if layer in unverifiable:
                 continue
             experts = fused_experts(module, parameter)
             if experts and getattr(module, "use_ep", False):
-                unverifiable[layer] = "its experts are spread over expert-parallel ranks"
+                unverifiable[layer] = EXPERTS_SPREAD
                 continue
             rows = [(f"{layer}.{index}", row) for index, row in enumerate(parameter)] if experts else []
             rows = rows or [(layer, parameter)]
@@ -170,8 +172,15 @@ class _HeldParts(Generic[T]):
         """A layer vLLM quantizes as it loads it (``online_sums.py``): the values it last quantized from stand for
         what it holds; the e4m3 values and scales it made of them are vLLM's, not what was sent."""
         taken = quantized_from(module)
+        layer = layer_of(f"{prefix}.weight")
         if taken is None:
-            self.unverifiable[layer_of(f"{prefix}.weight")] = ONLINE_NOT_TAKEN
+            self.unverifiable[layer] = ONLINE_NOT_TAKEN
+            return
+        if getattr(module, "num_kv_head_replicas", 1) > 1:  # (as for any layer: the replicas were loaded too)
+            self.unverifiable[layer] = KV_HEADS_REPLICATED
+            return
+        if getattr(module, "use_ep", False) and any(sums.dim() == 2 for sums in taken.values()):
+            self.unverifiable[layer] = EXPERTS_SPREAD
             return
         for local, sums in taken.items():
             layer = layer_of(f"{prefix}.{local}")

@@ -148,3 +148,13 @@ def test_vllm_quantizes_online_inside_the_context_we_wrap_and_loads_through_the_
     assert "online_quantization_timing_context(layer, quant_method)" in process
     assert "self.driver_worker.load_model()" in inspect.getsource(uniproc_executor)
     assert "self.worker.load_model()" in inspect.getsource(multiproc_executor)
+
+
+def test_a_layer_quantized_online_whose_key_value_heads_are_replicated_is_unverifiable_as_any_other():
+    layer = _OnlineLinear(torch.ones(128, 128, dtype=torch.bfloat16))
+    _quantized_online(layer)
+    layer.num_kv_head_replicas = 2  # (vLLM's qkv projection with more tensor-parallel ranks than key/value heads)
+    report = held_layer_sums(_engine(layer))
+    assert report["unverifiable"] == {
+        "model.layers.0.self_attn": "its key/value heads are copied to several tensor-parallel ranks"
+    }
