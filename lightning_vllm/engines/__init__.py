@@ -54,7 +54,8 @@ def as_engine_target(engine: Any) -> EngineTarget:
         return AsyncLLMEngine(engine)
     raise TypeError(
         f"Unsupported engine {type(engine).__name__}: pass a vllm.LLM or AsyncLLM built with "
-        "weight_transfer_config={'backend': 'gloo'} (or 'nccl' on GPUs), a server URL such as "
+        "weight_transfer_config={'backend': 'gloo'} (on GPUs 'lightning_ipc' beside the trainer, 'lightning_nccl' on "
+        "GPUs of its own: docs/gpu.md), a server URL such as "
         "'http://127.0.0.1:8000', or a Ray actor handle of lightning_vllm.VLLMActor."
     )
 
