@@ -14,7 +14,8 @@ The wrapper's ``load_model`` (the executors call it on the wrapper) first readie
 layers vLLM quantizes online (``weights/online_sums.py``), then hands the call to the worker.
 
 Each method is named by its qualified name and imported at its first call, as the plugin registers backends: a
-worker that is never asked imports nothing of the trainer's side.
+worker imports nothing of the trainer's side, and of the check's engine half only ``online_sums.py`` (with the sums it
+takes) until it is asked for a report.
 
 Sleep mode: vLLM's executor calls its workers' ``sleep``, ``wake_up`` and ``discard`` by name through the same
 wrapper, whoever asked (our callback, the user's ``llm.sleep()``, a server's ``/sleep`` route). The wrapper's own
