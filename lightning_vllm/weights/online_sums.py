@@ -29,7 +29,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from lightning_vllm.weights.layer_sums import fused_experts, tensor_sums
+from lightning_vllm.weights.layer_sums import fused_experts, sums_of_many
 
 # Beside the layer, not on it: dropped with the layer; written only as a quantization ends (the one place).
 _QUANTIZED_FROM: WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = WeakKeyDictionary()
@@ -92,11 +92,17 @@ def layer_fingerprints(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
         >>> sorted(layer_fingerprints(layer)), layer_fingerprints(layer)["weight"].shape
         (['weight'], torch.Size([3]))
     """
-    taken = {}
+    parts: list[tuple[str, int]] = []  # (name, the routed experts it holds as rows, else 0)
+    tensors: list[torch.Tensor] = []
     for name, parameter in layer.named_parameters(recurse=False):
         if parameter.is_meta or not parameter.dtype.is_floating_point:
             continue
         values = parameter.detach()
-        rows = fused_experts(layer, values)
-        taken[name] = torch.stack([tensor_sums(row) for row in values]) if rows else tensor_sums(values)
-    return taken
+        experts = fused_experts(layer, values)
+        parts.append((name, experts))
+        tensors.extend(values.unbind(0) if experts else [values])
+    # (All of them at once: on a GPU one launch per dtype, not one per expert row: a reload runs this per layer.)
+    sums = iter(sums_of_many(tensors, [None] * len(tensors)))
+    return {
+        name: torch.stack([next(sums) for _ in range(experts)]) if experts else next(sums) for name, experts in parts
+    }

@@ -55,13 +55,14 @@ class _OnlineLinear(torch.nn.Module):
         self.weight_scale_inv = torch.nn.Parameter(scales, requires_grad=False)
 
 
-def _engine(layer: torch.nn.Module) -> torch.nn.Module:
+def _engine(layer: torch.nn.Module, block: str = "self_attn", name: str = "qkv_proj") -> torch.nn.Module:
+    """A vLLM model of one decoder layer holding ``layer`` as ``model.layers.0.<block>.<name>``."""
     model = torch.nn.Module()
     model.model = torch.nn.Module()
-    block = torch.nn.Module()
-    block.self_attn = torch.nn.Module()
-    block.self_attn.qkv_proj = layer
-    model.model.layers = torch.nn.ModuleList([block])
+    decoder = torch.nn.Module()
+    decoder.add_module(block, torch.nn.Module())
+    decoder.get_submodule(block).add_module(name, layer)
+    model.model.layers = torch.nn.ModuleList([decoder])
     return model
 
 
@@ -158,3 +159,30 @@ def test_a_layer_quantized_online_whose_key_value_heads_are_replicated_is_unveri
     assert report["unverifiable"] == {
         "model.layers.0.self_attn": "its key/value heads are copied to several tensor-parallel ranks"
     }
+
+
+def test_a_moe_block_quantized_online_is_held_expert_by_expert_by_what_it_quantized_from():
+    from lightning_vllm.weights.layer_sums import tensor_sums
+
+    experts = torch.nn.Module()  # (vLLM's fused experts: a row per routed expert, one online method for the block)
+    experts.global_num_experts = 4
+    experts.quant_method = Fp8PerBlockOnlineLinearMethod.__new__(Fp8PerBlockOnlineLinearMethod)
+    generator = torch.Generator().manual_seed(5)
+    w13, w2 = torch.randn(4, 256, 128, generator=generator), torch.randn(4, 128, 128, generator=generator)
+    experts.w13_weight = torch.nn.Parameter(w13.to(torch.bfloat16), requires_grad=False)
+    experts.w2_weight = torch.nn.Parameter(w2.to(torch.bfloat16), requires_grad=False)
+    taken = online_sums.layer_fingerprints(experts)
+    assert taken["w13_weight"].shape == (4, 3)
+    assert all(torch.equal(taken["w2_weight"][i], tensor_sums(experts.w2_weight[i])) for i in range(4))
+    with online_sums._fingerprinted(_vllms_timing)(experts, experts.quant_method):
+        experts.w13_weight = torch.nn.Parameter(block_fp8(experts.w13_weight.detach()[0])[0], requires_grad=False)
+    held = HeldSums.combine([held_layer_sums(_engine(experts, "mlp", "experts"))])
+    sent = _sent(
+        {
+            f"model.layers.0.mlp.experts.{i}.{part}.weight": tensor
+            for i in range(4)
+            for part, tensor in (("gate_up", w13[i].to(torch.bfloat16)), ("down", w2[i].to(torch.bfloat16)))
+        }
+    )
+    assert held.unverifiable == {} and held.differing(sent) == []
+    assert sorted(held.layers) == [f"model.layers.0.mlp.experts.{i}" for i in range(4)]
